@@ -1,0 +1,1 @@
+"""The processes of a Belayer cluster, one folder per kind."""

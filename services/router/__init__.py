@@ -1,0 +1,1 @@
+"""The router: request routing, the token log, resumption."""

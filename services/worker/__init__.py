@@ -1,0 +1,1 @@
+"""The rollout worker and its built-in torch engine."""

@@ -1,0 +1,1 @@
+"""The wire contract and the thin layers over it: bus, config, client, CLI."""
