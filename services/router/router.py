@@ -1,0 +1,530 @@
+"""The router: routes generations to engines, relays their tokens, keeps the token log, resumes.
+
+Owns: every request's state (tokens so far, current attempt, engine) and the router's view of the
+engines (epoch, pid, last heartbeat). There is one active router; a new one rebuilds the in-flight
+requests from the JetStream token log and resumes them.
+Listens: generate / attach / cancel / status RPC, the worker stream (WorkerChunk, WorkerDone),
+heartbeats, registrations and worker-failed events.
+Publishes: TokenChunk / GenerateEnd / GenerateError to each client's inbox, Dispatch and
+CancelDispatch to workers, the token log, and events (worker-failed, request-resumed, ...).
+
+Exactness rests on three rules: a worker's token is accepted only from the request's current
+(engine, epoch, attempt); tokens are placed by position, so a duplicate changes nothing and a gap
+triggers a resume; a resume dispatches prompt + every token accepted so far with the same seed and
+the remaining budget, and the engine's sampling is keyed by (seed, position).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from belayer_rl.services.router import token_log
+from belayer_rl.services.router.token_log import LogWriter
+from belayer_rl.shared import bus, registry, subjects, tokenizer
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.protocol import (
+    Ack,
+    AttachRequest,
+    CancelDispatch,
+    CancelRequest,
+    Dispatch,
+    EngineStatus,
+    FinishReason,
+    GenerateEnd,
+    GenerateError,
+    GenerateRequest,
+    Heartbeat,
+    LogChunk,
+    LogEnd,
+    LogStart,
+    RequestFailed,
+    RequestResumed,
+    RequestStatus,
+    RouterStarted,
+    RouterStatus,
+    StatusRequest,
+    TokenChunk,
+    WorkerChunk,
+    WorkerDone,
+    WorkerFailed,
+    WorkerRegistration,
+)
+
+log = logging.getLogger("belayer.router")
+
+FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class Request:
+    start: LogStart
+    tokens: list[int] = field(default_factory=list)
+    attempt: int = 0  # 0: not dispatched by this router
+    engine_id: str | None = None
+    epoch: int = 0
+    resumes: int = 0
+    dispatches: int = 0
+    logged_chunks: int = 0  # full chunks queued for the token log
+    dispatching: bool = False
+    waiting_since: float | None = None  # monotonic time it started waiting for an engine
+    end: GenerateEnd | GenerateError | None = None
+    ended_at: float = 0.0
+    watchers: set[str] = field(default_factory=set)  # client inboxes
+
+    @property
+    def request_id(self) -> str:
+        return self.start.request_id
+
+    @property
+    def remaining(self) -> int:
+        return self.start.max_tokens - len(self.tokens)
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    epoch: int
+    pid: int
+    last_beat: float
+    alive: bool = True
+    requests: set[str] = field(default_factory=set)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, nc: NATS, js: JetStreamContext, kv: KeyValue) -> None:
+        self.config = config
+        self.nc = nc
+        self.js = js
+        self.kv = kv
+        self.writer = LogWriter(js)
+        self.requests: dict[str, Request] = {}
+        self.engines: dict[str, Engine] = {}
+        # Attempt ids grow across router incarnations (milliseconds at start-up, times 1000), so
+        # whatever a worker still runs for an earlier router can never match a current attempt.
+        self.next_attempt = time.time_ns() // 1_000_000 * 1000
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.dropped_chunks = 0
+
+    def spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------ client RPC
+
+    async def on_generate(self, message: GenerateRequest) -> Ack:
+        if message.request_id in self.requests:
+            raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
+        start = LogStart(
+            request_id=message.request_id,
+            prompt_tokens=tokenizer.encode(message.prompt),
+            max_tokens=message.max_tokens,
+            seed=message.seed,
+            temperature=message.temperature,
+            stop=message.stop,
+            chunk_tokens=self.config.chunk_tokens,
+        )
+        request = Request(start=start, watchers={message.reply_to})
+        self.requests[message.request_id] = request
+        try:
+            await token_log.append(self.js, start)  # durable before the client hears "accepted"
+        except ServiceError:
+            del self.requests[message.request_id]
+            raise
+        self.enqueue(request)
+        return Ack(detail=f"request {message.request_id} accepted")
+
+    async def on_attach(self, message: AttachRequest) -> Ack:
+        request = self.requests.get(message.request_id)
+        if request is None:
+            raise ServiceError("unknown-request", f"no request {message.request_id}")
+        if message.from_position < len(request.tokens):
+            chunk = TokenChunk(
+                request_id=request.request_id,
+                position=message.from_position,
+                tokens=request.tokens[message.from_position :],
+            )
+            await bus.publish(self.nc, message.reply_to, chunk)
+        if request.end is not None:
+            await bus.publish(self.nc, message.reply_to, request.end)
+        else:
+            request.watchers.add(message.reply_to)
+        return Ack(detail=f"attached at {message.from_position} of {len(request.tokens)}")
+
+    async def on_cancel(self, message: CancelRequest) -> Ack:
+        request = self.requests.get(message.request_id)
+        if request is None:
+            raise ServiceError("unknown-request", f"no request {message.request_id}")
+        if request.end is not None:
+            return Ack(detail=f"already ended: {type(request.end).__name__}")
+        if request.engine_id is not None:
+            cancel = CancelDispatch(request_id=request.request_id, attempt=request.attempt)
+            self.spawn(self.tell_worker(request.engine_id, cancel))
+        await self.finish(request, "cancelled")
+        return Ack(detail="cancelled")
+
+    async def on_status(self, _: StatusRequest) -> RouterStatus:
+        engines = [
+            EngineStatus(
+                engine_id=e.engine_id,
+                epoch=e.epoch,
+                pid=e.pid,
+                alive=e.alive,
+                outstanding_tokens=self.outstanding(e),
+            )
+            for e in self.engines.values()
+        ]
+        requests = [
+            RequestStatus(
+                request_id=r.request_id,
+                engine_id=r.engine_id or "",
+                attempt=r.attempt,
+                num_tokens=len(r.tokens),
+                max_tokens=r.start.max_tokens,
+                resumes=r.resumes,
+            )
+            for r in self.requests.values()
+            if r.end is None
+        ]
+        return RouterStatus(engines=engines, requests=requests)
+
+    # ------------------------------------------------------------ worker stream
+
+    async def on_worker_stream(self, message: WorkerChunk | WorkerDone) -> None:
+        request = self.requests.get(message.request_id)
+        if (
+            request is None
+            or request.end is not None
+            or message.attempt != request.attempt
+            or message.epoch != request.epoch
+            or message.engine_id != request.engine_id
+        ):
+            self.dropped_chunks += 1  # a stale attempt, epoch or engine: fenced off
+            return
+        if isinstance(message, WorkerChunk):
+            await self.accept(request, message)
+        elif message.finish_reason == "error":
+            await self.fail(request, "engine-rejected", message.error)
+        elif message.num_tokens != len(request.tokens):
+            await self.resume(request, f"lost tokens: worker ended at {message.num_tokens}")
+        else:
+            await self.finish(request, message.finish_reason)
+
+    async def accept(self, request: Request, chunk: WorkerChunk) -> None:
+        have = len(request.tokens)
+        if chunk.position > have:
+            await self.resume(request, f"gap: chunk at {chunk.position}, have {have}")
+            return
+        fresh = chunk.tokens[have - chunk.position :]
+        if not fresh:
+            return
+        request.tokens.extend(fresh)
+        relay = TokenChunk(request_id=request.request_id, position=have, tokens=fresh)
+        for inbox in request.watchers:
+            await bus.publish(self.nc, inbox, relay)
+        self.log_full_chunks(request)
+
+    def log_full_chunks(self, request: Request) -> None:
+        k = request.start.chunk_tokens
+        while len(request.tokens) >= (request.logged_chunks + 1) * k:
+            index = request.logged_chunks
+            self.writer.put(
+                LogChunk(
+                    request_id=request.request_id,
+                    index=index,
+                    position=index * k,
+                    tokens=request.tokens[index * k : (index + 1) * k],
+                    attempt=request.attempt,
+                )
+            )
+            request.logged_chunks += 1
+
+    # ------------------------------------------------------------ ending
+
+    async def finish(self, request: Request, reason: FinishReason) -> None:
+        end = GenerateEnd(
+            request_id=request.request_id,
+            finish_reason=reason,
+            num_tokens=len(request.tokens),
+            resumes=request.resumes,
+        )
+        record = LogEnd(
+            request_id=request.request_id,
+            finish_reason=reason,
+            num_tokens=len(request.tokens),
+            resumes=request.resumes,
+        )
+        await self.close(request, end, record)
+
+    async def fail(self, request: Request, code: str, message: str) -> None:
+        error = GenerateError(
+            request_id=request.request_id, code=code, message=message, num_tokens=len(request.tokens)
+        )
+        record = LogEnd(
+            request_id=request.request_id,
+            finish_reason="error",
+            num_tokens=len(request.tokens),
+            resumes=request.resumes,
+            error_code=code,
+            error=message,
+        )
+        await self.close(request, error, record)
+        failed = RequestFailed(request_id=request.request_id, code=code, message=message)
+        await bus.publish(self.nc, subjects.event("request_failed", request.request_id), failed)
+
+    async def close(self, request: Request, end: GenerateEnd | GenerateError, record: LogEnd) -> None:
+        self.detach(request)
+        request.end = end
+        request.ended_at = time.monotonic()
+        request.waiting_since = None
+        self.log_full_chunks(request)
+        k = request.start.chunk_tokens
+        tail = request.tokens[request.logged_chunks * k :]
+        if tail:
+            self.writer.put(
+                LogChunk(
+                    request_id=request.request_id,
+                    index=request.logged_chunks,
+                    position=request.logged_chunks * k,
+                    tokens=tail,
+                    attempt=request.attempt,
+                )
+            )
+        self.writer.put(record)
+        for inbox in request.watchers:
+            await bus.publish(self.nc, inbox, end)
+        request.watchers.clear()
+
+    # ------------------------------------------------------------ routing and resumption
+
+    def detach(self, request: Request) -> None:
+        if request.engine_id is not None and request.engine_id in self.engines:
+            self.engines[request.engine_id].requests.discard(request.request_id)
+        request.engine_id = None
+
+    def outstanding(self, engine: Engine) -> int:
+        return sum(self.requests[r].remaining for r in engine.requests)
+
+    def enqueue(self, request: Request) -> None:
+        """Put the request in line for an engine and try to dispatch it now."""
+        if request.waiting_since is None:
+            request.waiting_since = time.monotonic()
+        if not request.dispatching:
+            self.spawn(self.dispatch(request))
+
+    async def resume(self, request: Request, reason: str) -> None:
+        if request.end is not None:
+            return
+        log.info("resuming %s at %d: %s", request.request_id, len(request.tokens), reason)
+        self.detach(request)
+        request.resumes += 1
+        request.attempt = 0  # nothing from the interrupted attempt is accepted any more
+        self.enqueue(request)
+
+    async def dispatch(self, request: Request) -> None:
+        request.dispatching = True
+        try:
+            while request.end is None and request.engine_id is None:
+                engines = [e for e in self.engines.values() if e.alive]
+                if not engines:
+                    return  # the watchdog retries, and fails it past the deadline
+                if request.dispatches >= self.config.max_dispatch_attempts:
+                    limit = self.config.max_dispatch_attempts
+                    await self.fail(request, "too-many-attempts", f"dispatched {limit} times")
+                    return
+                engine = min(engines, key=self.outstanding)
+                self.next_attempt += 1
+                dispatch = Dispatch(
+                    request_id=request.request_id,
+                    attempt=self.next_attempt,
+                    epoch=engine.epoch,
+                    engine_id=engine.engine_id,
+                    prompt_tokens=request.start.prompt_tokens,
+                    prefix_tokens=list(request.tokens),
+                    max_tokens=request.start.max_tokens,
+                    seed=request.start.seed,
+                    temperature=request.start.temperature,
+                    stop=request.start.stop,
+                    reply_to=subjects.ROUTER_WORKER_STREAM,
+                )
+                # Claim before the round trip: chunks can arrive before the ack does.
+                request.attempt, request.epoch, request.engine_id = (
+                    dispatch.attempt,
+                    engine.epoch,
+                    engine.engine_id,
+                )
+                engine.requests.add(request.request_id)
+                request.dispatches += 1
+                try:
+                    await bus.request(
+                        self.nc,
+                        subjects.worker_dispatch(engine.engine_id),
+                        dispatch,
+                        self.config.dispatch_timeout_s,
+                    )
+                except ServiceError as exc:
+                    log.warning("dispatch of %s to %s failed: %s", request.request_id, engine.engine_id, exc)
+                    if request.attempt == dispatch.attempt:
+                        self.detach(request)
+                        request.attempt = 0
+                    if exc.code in ("stale-epoch", "no-responders", "timeout"):
+                        engine.alive = False  # wait for its next heartbeat or a new epoch
+                    continue
+                if request.attempt != dispatch.attempt:
+                    continue  # interrupted while the dispatch was in flight; loop to re-place it
+                request.waiting_since = None
+                if len(request.tokens) or request.resumes:
+                    resumed = RequestResumed(
+                        request_id=request.request_id,
+                        attempt=dispatch.attempt,
+                        engine_id=engine.engine_id,
+                        epoch=engine.epoch,
+                        from_position=len(dispatch.prefix_tokens),
+                        reason="resume",
+                    )
+                    await bus.publish(self.nc, subjects.event("request_resumed", request.request_id), resumed)
+        finally:
+            request.dispatching = False
+
+    async def tell_worker(self, engine_id: str, cancel: CancelDispatch) -> None:
+        try:
+            await bus.request(
+                self.nc, subjects.worker_cancel(engine_id), cancel, self.config.dispatch_timeout_s
+            )
+        except ServiceError as exc:
+            log.info("cancel on %s not delivered: %s", engine_id, exc)
+
+    # ------------------------------------------------------------ engines
+
+    async def on_heartbeat(self, beat: Heartbeat) -> None:
+        await self.see_worker(beat.engine_id, beat.epoch, beat.pid)
+
+    async def on_registration(self, registration: WorkerRegistration) -> None:
+        await self.see_worker(registration.engine_id, registration.epoch, registration.pid)
+
+    async def see_worker(self, engine_id: str, epoch: int, pid: int) -> None:
+        engine = self.engines.get(engine_id)
+        now = time.monotonic()
+        if engine is not None and engine.epoch == epoch:
+            engine.last_beat = now
+            if not engine.alive and engine.pid == pid:
+                engine.alive = True  # a missed dispatch, now answering again under the same epoch
+            self.dispatch_waiting()
+            return
+        if engine is not None and epoch < engine.epoch:
+            return  # an old worker still talking: fenced off
+        entry, _ = await registry.read(self.kv, engine_id)
+        if entry is None or entry.epoch != epoch or entry.pid != pid:
+            log.warning("ignored worker %s epoch %d pid %d: not in the registry", engine_id, epoch, pid)
+            return
+        if engine is not None and engine.epoch == epoch:
+            return  # another message of the same worker won the race
+        if engine is not None:
+            await self.engine_failed(engine, "exit", f"replaced by epoch {epoch}")
+        log.info("engine %s: worker pid %d at epoch %d", engine_id, pid, epoch)
+        self.engines[engine_id] = Engine(engine_id=engine_id, epoch=epoch, pid=pid, last_beat=now)
+        self.dispatch_waiting()
+
+    async def on_worker_failed(self, failed: WorkerFailed) -> None:
+        engine = self.engines.get(failed.engine_id)
+        if engine is not None and engine.pid == failed.pid and failed.epoch in (0, engine.epoch):
+            await self.engine_failed(engine, failed.reason, failed.detail, announce=False)
+
+    async def engine_failed(self, engine: Engine, reason: str, detail: str, *, announce: bool = True) -> None:
+        if not engine.alive and not engine.requests:
+            return
+        engine.alive = False
+        interrupted = [self.requests[r] for r in engine.requests]
+        log.warning("engine %s (pid %d) failed: %s %s", engine.engine_id, engine.pid, reason, detail)
+        if announce:
+            failed = WorkerFailed(
+                engine_id=engine.engine_id,
+                epoch=engine.epoch,
+                pid=engine.pid,
+                reason=reason,  # type: ignore[arg-type]
+                detail=f"{detail}; {len(interrupted)} requests interrupted",
+            )
+            await bus.publish(self.nc, subjects.event("worker_failed", engine.engine_id), failed)
+        for request in interrupted:
+            await self.resume(request, f"engine {engine.engine_id} {reason}")
+
+    def dispatch_waiting(self) -> None:
+        for request in self.requests.values():
+            if request.end is None and request.engine_id is None and not request.dispatching:
+                self.enqueue(request)
+
+    async def watchdog(self) -> None:
+        """Heartbeat timeouts, the no-engine deadline and eviction of old finished requests."""
+        period = self.config.heartbeat_timeout_s / 4
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for engine in list(self.engines.values()):
+                if engine.alive and now - engine.last_beat > self.config.heartbeat_timeout_s:
+                    silent = now - engine.last_beat
+                    await self.engine_failed(engine, "heartbeat-timeout", f"silent for {silent:.2f}s")
+            for request in list(self.requests.values()):
+                if request.end is not None:
+                    if now - request.ended_at > FINISHED_TTL_S:
+                        del self.requests[request.request_id]
+                    continue
+                if request.engine_id is None and request.waiting_since is not None:
+                    waited = now - request.waiting_since
+                    if waited > self.config.no_worker_deadline_s:
+                        await self.fail(request, "no-workers", f"no healthy engine for {waited:.1f}s")
+                    elif not request.dispatching:
+                        self.enqueue(request)
+
+    # ------------------------------------------------------------ restart and reconnect
+
+    async def rebuild(self) -> RouterStarted:
+        """Rebuild every request from the token log; in-flight ones are resumed."""
+        logged = await token_log.read_all(self.js)
+        resumed = 0
+        for request_id, entry in logged.items():
+            request = Request(start=entry.start, tokens=entry.tokens)
+            request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
+            self.requests[request_id] = request
+            if entry.end is None:
+                request.resumes = 1
+                self.enqueue(request)
+                resumed += 1
+            else:
+                request.resumes = entry.end.resumes
+                request.end = _end_message(entry.end)
+                request.ended_at = time.monotonic()
+        return RouterStarted(router_pid=os.getpid(), rebuilt_requests=len(logged), resumed_requests=resumed)
+
+    async def on_reconnect(self) -> None:
+        """Messages in flight while the server was away are lost: resume everything running."""
+        for request in list(self.requests.values()):
+            if request.end is None and request.engine_id is not None:
+                await self.resume(request, "bus reconnected")
+
+
+def _end_message(record: LogEnd) -> GenerateEnd | GenerateError:
+    if record.finish_reason == "error":
+        return GenerateError(
+            request_id=record.request_id,
+            code=record.error_code,
+            message=record.error,
+            num_tokens=record.num_tokens,
+        )
+    return GenerateEnd(
+        request_id=record.request_id,
+        finish_reason=record.finish_reason,
+        num_tokens=record.num_tokens,
+        resumes=record.resumes,
+    )

@@ -1,0 +1,193 @@
+"""The rollout worker: one process serving one engine id with the built-in engine.
+
+Owns: the engine (weights, KV arena, scheduler) and the attempts it is running.
+Listens: `belayer.worker.<engine>.dispatch` (Dispatch), `belayer.worker.<engine>.cancel`.
+Publishes: WorkerChunk / WorkerDone to each dispatch's reply subject (the router), a Heartbeat on
+`belayer.evt.heartbeat.<engine>` every interval, a WorkerRegistration once it serves.
+
+Its epoch comes from the engine registry (compare-and-set at start-up); a dispatch that names any
+other epoch is refused, and every chunk it sends carries (epoch, attempt) so the router can drop
+whatever a stale worker still says. The engine runs in a thread: `step()` is torch work and must not
+block the loop that answers heartbeats and dispatches. The engine is touched only between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+
+from belayer_rl.services.worker.engine import Engine, EngineRejected, SeqEvent, SeqSpec
+from belayer_rl.shared import bus, subjects
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.protocol import (
+    Ack,
+    CancelDispatch,
+    Dispatch,
+    Heartbeat,
+    WorkerChunk,
+    WorkerDone,
+    WorkerRegistration,
+)
+
+log = logging.getLogger("belayer.worker")
+
+
+@dataclass
+class Attempt:
+    dispatch: Dispatch
+    key: tuple[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.dispatch.request_id, self.dispatch.attempt)
+
+
+# ---------------------------------------------------------------- state
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, nc: NATS, engine: Engine, epoch: int) -> None:
+        self.config = config
+        self.nc = nc
+        self.engine = engine
+        self.epoch = epoch
+        self.attempts: dict[str, Attempt] = {}  # request id -> the attempt this worker runs
+        self.ops: list[Callable[[], None]] = []  # engine calls queued for the gap between steps
+        self.rejected: list[tuple[Attempt, str]] = []  # submits the engine refused, to report
+        self.wake = asyncio.Event()
+        self.stopping = asyncio.Event()
+
+    # ------------------------------------------------------------ handlers
+
+    async def on_dispatch(self, dispatch: Dispatch) -> Ack:
+        if dispatch.engine_id != self.config.engine_id:
+            raise ServiceError("wrong-engine", f"this is {self.config.engine_id}, not {dispatch.engine_id}")
+        if dispatch.epoch != self.epoch:
+            raise ServiceError("stale-epoch", f"epoch {dispatch.epoch} is not the current {self.epoch}")
+        if dispatch.weight_version not in (None, self.engine.weight_version):
+            raise ServiceError("weight-version", f"serving {self.engine.weight_version}")
+        previous = self.attempts.get(dispatch.request_id)
+        if previous is not None and previous.dispatch.attempt >= dispatch.attempt:
+            raise ServiceError("stale-attempt", f"already running attempt {previous.dispatch.attempt}")
+        attempt = Attempt(dispatch)
+        self.attempts[dispatch.request_id] = attempt
+        spec = SeqSpec(
+            key=attempt.key,
+            prompt_tokens=list(dispatch.prompt_tokens),
+            prefix_tokens=list(dispatch.prefix_tokens),
+            max_new_tokens=dispatch.max_tokens,
+            seed=dispatch.seed,
+            temperature=dispatch.temperature,
+            stop=tuple(dispatch.stop),
+        )
+        if previous is not None:
+            self.ops.append(lambda: self._cancel(previous.key))
+        self.ops.append(lambda: self._submit(attempt, spec))
+        self.wake.set()
+        return Ack(detail=f"attempt {dispatch.attempt} queued on {self.config.engine_id}")
+
+    async def on_cancel(self, cancel: CancelDispatch) -> Ack:
+        attempt = self.attempts.get(cancel.request_id)
+        if attempt is None or cancel.attempt not in (0, attempt.dispatch.attempt):
+            return Ack(detail="nothing to cancel")
+        del self.attempts[cancel.request_id]
+        self.ops.append(lambda: self._cancel(attempt.key))
+        self.wake.set()
+        return Ack(detail="cancelled")
+
+    # ------------------------------------------------------------ engine (between steps only)
+
+    def _submit(self, attempt: Attempt, spec: SeqSpec) -> None:
+        try:
+            self.engine.submit(spec)
+        except EngineRejected as exc:
+            self.attempts.pop(attempt.dispatch.request_id, None)
+            self.rejected.append((attempt, str(exc)))
+
+    def _cancel(self, key: tuple[str, int]) -> None:
+        self.engine.cancel(key)
+
+    async def run_engine(self) -> None:
+        while not self.stopping.is_set():
+            ops, self.ops = self.ops, []
+            for op in ops:
+                op()
+            rejected, self.rejected = self.rejected, []
+            for attempt, why in rejected:
+                await self._publish_done(attempt, "error", len(attempt.dispatch.prefix_tokens), why)
+            if not self.engine.has_work():
+                self.wake.clear()
+                if not self.ops:
+                    await self.wake.wait()
+                continue
+            events = await asyncio.to_thread(self.engine.step)
+            for event in events:
+                await self._publish_event(event)
+
+    async def _publish_event(self, event: SeqEvent) -> None:
+        request_id, attempt_id = event.key
+        attempt = self.attempts.get(request_id)
+        if attempt is None or attempt.dispatch.attempt != attempt_id:
+            return  # cancelled or superseded while the step ran
+        reply_to = attempt.dispatch.reply_to
+        if event.new_tokens:
+            chunk = WorkerChunk(
+                request_id=request_id,
+                attempt=attempt_id,
+                epoch=self.epoch,
+                engine_id=self.config.engine_id,
+                position=event.position,
+                tokens=event.new_tokens,
+            )
+            await bus.publish(self.nc, reply_to, chunk)
+        if event.finished is not None:
+            del self.attempts[request_id]
+            await self._publish_done(attempt, event.finished, event.position + len(event.new_tokens), "")
+
+    async def _publish_done(self, attempt: Attempt, reason: str, num_tokens: int, error: str) -> None:
+        done = WorkerDone(
+            request_id=attempt.dispatch.request_id,
+            attempt=attempt.dispatch.attempt,
+            epoch=self.epoch,
+            engine_id=self.config.engine_id,
+            finish_reason=reason,  # type: ignore[arg-type]
+            num_tokens=num_tokens,
+            error=error,
+        )
+        await bus.publish(self.nc, attempt.dispatch.reply_to, done)
+
+    # ------------------------------------------------------------ heartbeat
+
+    async def heartbeat(self) -> None:
+        subject = subjects.event("heartbeat", self.config.engine_id)
+        while not self.stopping.is_set():
+            running, waiting, outstanding = self.engine.load()
+            beat = Heartbeat(
+                engine_id=self.config.engine_id,
+                epoch=self.epoch,
+                pid=os.getpid(),
+                running=running,
+                waiting=waiting,
+                outstanding_tokens=outstanding,
+            )
+            try:
+                await bus.publish(self.nc, subject, beat)
+            except Exception as exc:  # reconnecting: the next beat will go out
+                log.warning("heartbeat not sent: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), self.config.heartbeat_interval_s)
+
+    def registration(self) -> WorkerRegistration:
+        return WorkerRegistration(
+            engine_id=self.config.engine_id,
+            epoch=self.epoch,
+            pid=os.getpid(),
+            preset=self.config.preset,
+            weight_version=self.engine.weight_version,
+        )

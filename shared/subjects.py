@@ -1,0 +1,42 @@
+"""Subject names, stream and bucket names: data, not scattered literals.
+
+Every subject starts with `belayer.<domain>`; events live under `belayer.evt.` so that
+`nats sub 'belayer.evt.>'` shows all of them. The schema version travels in the message.
+"""
+
+PREFIX = "belayer"
+
+# Router RPC (one active router; it owns the in-flight state, so no queue group).
+ROUTER_GENERATE = f"{PREFIX}.router.generate"
+ROUTER_ATTACH = f"{PREFIX}.router.attach"
+ROUTER_CANCEL = f"{PREFIX}.router.cancel"
+ROUTER_REGISTER = f"{PREFIX}.router.register"
+ROUTER_STATUS = f"{PREFIX}.router.status"
+ROUTER_WORKER_STREAM = f"{PREFIX}.router.worker_stream"  # WorkerChunk / WorkerDone from workers
+
+EVENTS = f"{PREFIX}.evt"
+EVENTS_ALL = f"{EVENTS}.>"
+
+# Token log: one subject per request inside one stream.
+TOKEN_LOG_STREAM = "BELAYER_TOKENS"
+TOKEN_LOG_PREFIX = f"{PREFIX}.log.tokens"
+TOKEN_LOG_ALL = f"{TOKEN_LOG_PREFIX}.*"
+
+ENGINE_REGISTRY_BUCKET = "belayer_engines"
+
+
+def worker_dispatch(engine_id: str) -> str:
+    return f"{PREFIX}.worker.{engine_id}.dispatch"
+
+
+def worker_cancel(engine_id: str) -> str:
+    return f"{PREFIX}.worker.{engine_id}.cancel"
+
+
+def event(kind: str, *ids: str) -> str:
+    """`belayer.evt.<kind>[.<id>...]`, e.g. event("heartbeat", "e0")."""
+    return ".".join((EVENTS, kind, *ids))
+
+
+def token_log(request_id: str) -> str:
+    return f"{TOKEN_LOG_PREFIX}.{request_id}"
