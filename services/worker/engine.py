@@ -177,6 +177,9 @@ class Engine:
             raise EngineRejected(
                 f"prefix_tokens ({len(spec.prefix_tokens)}) exceed max_new_tokens ({spec.max_new_tokens})"
             )
+        if EOS_TOKEN in spec.prefix_tokens[:-1]:
+            # An earlier attempt stops at its first EOS; tokens after one cannot be its output.
+            raise EngineRejected("prefix_tokens hold EOS before their last token")
         if not spec.temperature >= 0:
             raise EngineRejected(f"temperature must be >= 0, got {spec.temperature}")
         if any(not s for s in spec.stop):

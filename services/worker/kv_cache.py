@@ -66,6 +66,7 @@ class PagedKVCache:
         # [2, n_blocks, block_size * H * hd]: K and V of the used blocks in one index_select.
         kv = self._blocks[layer].index_select(1, block_table[:n_blocks])
         kv = kv.view(2, n_blocks * self.block_size, self.config.n_heads, self.config.head_dim)
-        # Contiguous copies so the caller's prefix views start 64-byte aligned at the same
-        # address offset whatever `length` is (attention takes prefixes of these).
+        # Views into one fresh copy: K starts at the allocation and V at a whole number of
+        # blocks after it, so prefixes keys[:p+1] have the same strides and alignment whatever
+        # `length` was, which exact attention relies on.
         return kv[0, :length], kv[1, :length]

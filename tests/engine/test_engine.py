@@ -68,6 +68,7 @@ def test_rejects_what_the_whole_arena_cannot_hold(tiny_params):
         _spec("budget", [1, 2], 0),
         _spec("prefix", [1, 2], 2, prefix=[3, 4, 5]),
         _spec("temp", [1, 2], 5, temperature=-1.0),
+        _spec("eosmid", [1, 2], 5, prefix=[3, EOS_TOKEN, 4]),
     ],
 )
 def test_rejects_malformed_specs(tiny_params, spec):
@@ -191,9 +192,7 @@ def test_resume_with_full_prefix_finishes_at_once(no_eos_params):
     engine = Engine(EngineConfig(), no_eos_params)
     engine.submit(_spec("done", prompt, 12, prefix=full))
     events = engine.step()
-    assert [(e.key, e.position, e.new_tokens, e.finished) for e in events] == [
-        ("done", 12, [], "length")
-    ]
+    assert [(e.key, e.position, e.new_tokens, e.finished) for e in events] == [("done", 12, [], "length")]
     assert not engine.has_work()
 
 
