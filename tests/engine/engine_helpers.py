@@ -24,5 +24,3 @@ def drain(engine: Engine, max_steps: int = 10_000) -> dict[Hashable, tuple[list[
     assert not engine.has_work(), "engine did not go idle"
     assert set(reasons) == set(out)
     return {k: (out[k], reasons[k]) for k in out}
-
-
