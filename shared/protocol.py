@@ -307,3 +307,209 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
     if isinstance(message, Message) and message.v > SCHEMA_VERSION:
         raise BadMessage(f"schema version {message.v} is newer than {SCHEMA_VERSION}")
     return message
+
+
+# ---------------------------------------------------------------- sandboxes
+# The checkpointer's contract: RPC on `belayer.sandbox.<host>.<verb>`, events under
+# `belayer.evt.`, prefix pointers in a JetStream KV bucket. Outputs of actions are text (UTF-8,
+# undecodable bytes replaced) and capped; a cap that was hit is flagged, never silent.
+
+SandboxId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+TrajectoryId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+HostId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+Step = Annotated[int, Meta(ge=0)]  # k: the number of actions completed in the sandbox
+ImageRef = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]*$")]
+Capability = Annotated[str, Meta(pattern=r"^[A-Z_]{2,32}$")]
+Digest = Annotated[str, Meta(pattern=r"^(sha256:[0-9a-f]{64})?$")]
+RestoreSource = Literal["latest", "previous", "base"]
+EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing"]
+
+
+class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
+    """How a sandbox container is created; kept in every checkpoint so a restore recreates it.
+
+    Safe by default: no network, every capability dropped, no-new-privileges, bounded memory and
+    pids, no host mounts (there is no field for one). An empty `cmd` runs a shell that idles."""
+
+    image: ImageRef
+    cmd: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=64)] = []
+    env: Annotated[
+        dict[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str], Meta(max_length=64)
+    ] = {}
+    workdir: Annotated[str, Meta(max_length=256, pattern=r"^(/.*)?$")] = ""
+    memory_mb: Annotated[int, Meta(ge=16, le=1 << 20)] = 1024
+    pids_limit: Annotated[int, Meta(ge=8, le=1 << 16)] = 512
+    cpus: Annotated[float, Meta(gt=0.0, le=256.0)] = 1.0
+    network: bool = False
+    cap_add: Annotated[list[Capability], Meta(max_length=64)] = []
+
+
+class SandboxCreate(Message, tag="sandbox_create", kw_only=True):
+    spec: SandboxSpec
+    sandbox: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""  # empty: the checkpointer names it
+
+
+class SandboxExec(Message, tag="sandbox_exec", kw_only=True):
+    """Run one action, `/bin/sh -c command`, as the sandbox's action `step` + 1. The whole process
+    group is SIGKILLed past `timeout_s`. `expect_step`, when given, refuses the action unless the
+    sandbox has completed exactly that many actions."""
+
+    sandbox: SandboxId
+    command: Annotated[str, Meta(min_length=1, max_length=65536)]
+    timeout_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 60.0
+    expect_step: Step | None = None
+
+
+class SandboxCheckpoint(Message, tag="sandbox_checkpoint", kw_only=True):
+    """Checkpoint the sandbox at action boundary k for a trajectory, with the LLM context L_k:
+    its tokens, or `context_ref`, a reference that lives as long as the checkpoint."""
+
+    sandbox: SandboxId
+    trajectory: TrajectoryId
+    k: Step
+    context_tokens: Tokens = []
+    context_ref: Annotated[str, Meta(max_length=1024)] = ""
+    timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 120.0
+
+
+class SandboxRestore(Message, tag="sandbox_restore", kw_only=True):
+    trajectory: TrajectoryId
+    timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 300.0
+
+
+class SandboxDestroy(Message, tag="sandbox_destroy", kw_only=True):
+    sandbox: SandboxId
+
+
+class SandboxList(Message, tag="sandbox_list", kw_only=True):
+    pass
+
+
+class TrajectoryEnd(Message, tag="trajectory_end", kw_only=True):
+    """The trajectory is over: its checkpoints and its prefix pointer are deleted."""
+
+    trajectory: TrajectoryId
+
+
+SandboxRequest = (
+    SandboxCreate
+    | SandboxExec
+    | SandboxCheckpoint
+    | SandboxRestore
+    | SandboxDestroy
+    | SandboxList
+    | TrajectoryEnd
+)
+
+
+class SandboxInfo(Message, tag="sandbox_info", kw_only=True):
+    sandbox: SandboxId
+    host_id: HostId
+    container_id: str
+    image: str
+    state: Literal["running", "failed", "destroyed"]
+    step: Step
+    trajectory: str = ""
+    incarnation: Annotated[int, Meta(ge=0)] = 0
+
+
+class SandboxListing(Message, tag="sandbox_listing", kw_only=True):
+    host_id: HostId
+    sandboxes: list[SandboxInfo]
+
+
+class ExecResult(Message, tag="exec_result", kw_only=True):
+    """An observation. An exit code of 137 or a timeout is still an observation; an environment
+    failure never is one (it is the ServiceError "env-failure" and an EnvFailure event)."""
+
+    sandbox: SandboxId
+    step: Step  # the action's number: the sandbox has now completed `step` actions
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False
+    duration_s: float = 0.0
+
+
+class CheckpointResult(Message, tag="checkpoint_result", kw_only=True):
+    trajectory: TrajectoryId
+    sandbox: SandboxId
+    checkpoint_id: str
+    incarnation: Annotated[int, Meta(ge=0)]
+    k: Step
+    context_digest: Digest
+    bytes_written: int
+    freeze_s: float
+    total_s: float
+
+
+class RestoreResult(Message, tag="restore_result", kw_only=True):
+    """Where the trajectory resumes: `source` says whether the newest checkpoint, an older one or the
+    base image was used; `rejected` says why newer checkpoints were not."""
+
+    trajectory: TrajectoryId
+    sandbox: SandboxId
+    container_id: str
+    source: RestoreSource
+    checkpoint_id: str  # empty for the base image
+    incarnation: Annotated[int, Meta(ge=0)]
+    k: Step
+    context_tokens: Tokens = []
+    context_ref: str = ""
+    context_digest: Digest = ""
+    rejected: list[str] = []
+    restore_s: float = 0.0
+
+
+class CheckpointReady(Message, tag="checkpoint_ready", kw_only=True):
+    trajectory: TrajectoryId
+    sandbox: SandboxId
+    host_id: HostId
+    checkpoint_id: str
+    incarnation: Annotated[int, Meta(ge=0)]
+    k: Step
+    context_digest: Digest
+    bytes_written: int
+    freeze_s: float
+    total_s: float
+
+
+class EnvFailure(Message, tag="env_failure", kw_only=True):
+    """The sandbox's environment failed (judged from the container's state, not an exit code)."""
+
+    sandbox: SandboxId
+    host_id: HostId
+    container_id: str
+    reason: EnvFailureReason
+    detail: str = ""
+    step: Step = 0
+
+
+class SandboxRestored(Message, tag="sandbox_restored", kw_only=True):
+    trajectory: TrajectoryId
+    sandbox: SandboxId
+    host_id: HostId
+    source: RestoreSource
+    checkpoint_id: str
+    incarnation: Annotated[int, Meta(ge=0)]
+    k: Step
+    rejected: list[str] = []
+    restore_s: float = 0.0
+
+
+SandboxEvent = CheckpointReady | EnvFailure | SandboxRestored
+
+
+class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
+    """Prefix-pointer bucket value: a trajectory's latest ready checkpoint. Moves only forward in
+    (incarnation, k), by compare-and-set; an empty `checkpoint_id` means the base image."""
+
+    trajectory: TrajectoryId
+    host_id: HostId
+    sandbox: SandboxId
+    checkpoint_id: str
+    incarnation: Annotated[int, Meta(ge=0)]
+    k: Step
+    context_digest: Digest = ""
+    context_len: Annotated[int, Meta(ge=0)] = 0

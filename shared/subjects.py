@@ -40,3 +40,20 @@ def event(kind: str, *ids: str) -> str:
 
 def token_log(request_id: str) -> str:
     return f"{TOKEN_LOG_PREFIX}.{request_id}"
+
+
+# Sandboxes: one checkpointer per Docker host, addressed by its host id (it owns that host's
+# containers, so no queue group). Events: belayer.evt.checkpoint_ready.<trajectory>,
+# belayer.evt.env_failure.<sandbox>, belayer.evt.sandbox_restored.<trajectory>.
+SANDBOX_PREFIX = f"{PREFIX}.sandbox"
+SANDBOX_VERBS = ("create", "exec", "checkpoint", "restore", "destroy", "list", "end")
+PREFIX_POINTER_BUCKET = "belayer_prefix"
+
+
+def sandbox_rpc(host_id: str, verb: str) -> str:
+    """`belayer.sandbox.<host>.<verb>`, verb one of SANDBOX_VERBS."""
+    return f"{SANDBOX_PREFIX}.{host_id}.{verb}"
+
+
+def sandbox_rpc_all(host_id: str) -> str:
+    return f"{SANDBOX_PREFIX}.{host_id}.*"
