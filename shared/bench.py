@@ -1,4 +1,5 @@
-"""`belayer bench ...`: benchmark commands (filled in below)."""
+"""`belayer bench <what>`: benchmark commands. Each prints its figure and its baseline from the same
+run, as JSON (--json) or a readable table."""
 
 from __future__ import annotations
 
@@ -6,5 +7,8 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench.set_defaults(run=lambda args: 0)
+    bench = commands.add_parser("bench", help="benchmarks: figure and baseline from the same run")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    from belayer_rl.shared import bench_rollout
+
+    bench_rollout.add_parser(kinds)

@@ -82,7 +82,7 @@ async def serve(config: RouterConfig) -> None:
             await bus.serve(nc, subjects.ROUTER_CANCEL, CancelRequest, router.on_cancel),
             await bus.serve(nc, subjects.ROUTER_STATUS, StatusRequest, router.on_status),
         ]
-        await bus.publish(nc, subjects.event("router_started"), started)
+        await bus.publish(nc, subjects.event("router_started", str(started.router_pid)), started)
         log.info(
             "router up: %d requests rebuilt, %d resumed", started.rebuilt_requests, started.resumed_requests
         )

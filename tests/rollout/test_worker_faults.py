@@ -1,0 +1,126 @@
+"""Worker failures under concurrent load: SIGKILL at seeded random points, and SIGSTOP (a hang).
+
+Every request must end with exactly the tokens of an uninterrupted run (the engine in-process on
+the same seeded weights), and every kill must have interrupted a request mid-decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import pytest
+
+from belayer_rl.shared.client import Client, Generation
+from belayer_rl.shared.protocol import RequestResumed, WorkerFailed
+from tests.support import EventLog, Job, kill, reference_tokens, running_cluster
+
+WORDS = "rope anchor belay carabiner crux ledge pitch summit traverse chalk".split()
+
+
+def make_job(rng: random.Random, request_id: str, max_tokens: int) -> Job:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+    return Job(request_id, prompt, max_tokens, seed=rng.randrange(1 << 31))
+
+
+async def run(client: Client, job: Job) -> Generation:
+    return await client.generate_all(
+        job.prompt,
+        max_tokens=job.max_tokens,
+        seed=job.seed,
+        temperature=job.temperature,
+        request_id=job.request_id,
+    )
+
+
+@pytest.mark.slow
+async def test_sigkill_workers_at_50_random_points_token_exact(nats_server, tmp_path, seed) -> None:
+    kills_wanted, slots = 50, 6
+    async with running_cluster(nats_server, tmp_path, engines=2, chunk_tokens=32) as cluster:
+        resumed = await EventLog.start(cluster.client, "request_resumed")
+        jobs: list[Job] = []
+        results: dict[str, Generation] = {}
+        stop = asyncio.Event()
+
+        async def producer(slot: int) -> None:
+            rng = random.Random(seed * 100 + slot)
+            n = 0
+            while not stop.is_set():
+                job = make_job(rng, f"s{slot}-{n}", max_tokens=400)
+                jobs.append(job)
+                results[job.request_id] = await run(cluster.client, job)
+                n += 1
+
+        producers = [asyncio.create_task(producer(slot)) for slot in range(slots)]
+        killer = random.Random(seed)
+        kills: list[tuple[str, int, int]] = []  # (request id, tokens it had, pid killed)
+        while len(kills) < kills_wanted:
+            await asyncio.sleep(killer.uniform(0.0, 0.3))
+            status = await cluster.client.wait_for_engines(2, 60)
+            live = {e.engine_id: e.pid for e in status.engines if e.alive}
+            mid_decode = sorted(
+                (r for r in status.requests if r.engine_id in live and 0 < r.num_tokens < r.max_tokens - 80),
+                key=lambda r: r.request_id,
+            )
+            if not mid_decode:
+                continue
+            victim = killer.choice(mid_decode)
+            pid = live[victim.engine_id]
+            kill(pid)
+            kills.append((victim.request_id, victim.num_tokens, pid))
+            # Wait for the resume before the next kill, so every kill meets a running cluster.
+            await resumed.wait_for(
+                lambda e, v=victim: (
+                    isinstance(e, RequestResumed)
+                    and e.request_id == v.request_id
+                    and e.from_position >= v.num_tokens
+                )
+            )
+        stop.set()
+        await asyncio.gather(*producers)
+
+    for request_id, position, pid in kills:
+        interrupted = [
+            e
+            for e in resumed.events
+            if isinstance(e, RequestResumed) and e.request_id == request_id and position <= e.from_position
+        ]
+        assert interrupted, f"killing pid {pid} did not interrupt {request_id} at {position}"
+    assert len({pid for _, _, pid in kills}) == kills_wanted  # every kill hit a fresh process
+    expected = reference_tokens(jobs)
+    wrong = [j.request_id for j in jobs if results[j.request_id].tokens != expected[j.request_id]]
+    assert not wrong, f"{len(wrong)} of {len(jobs)} requests differ from the reference: {wrong[:5]}"
+    assert sum(results[r].resumes for r, _, _ in kills) >= kills_wanted
+
+
+async def test_sigstop_worker_detected_by_heartbeat_and_fenced(nats_server, tmp_path, seed) -> None:
+    rng = random.Random(seed)
+    async with running_cluster(nats_server, tmp_path, engines=2, heartbeat_timeout_s=1.0) as cluster:
+        failures = await EventLog.start(cluster.client, "worker_failed")
+        jobs = [make_job(rng, f"hang-{i}", max_tokens=400) for i in range(6)]
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        while True:  # wait until a request is mid-decode, then freeze its worker
+            status = await cluster.client.status()
+            busy = [r for r in status.requests if r.engine_id and 0 < r.num_tokens < 200]
+            if busy:
+                break
+            await asyncio.sleep(0.01)
+        engine_id = busy[0].engine_id
+        pid = await cluster.engine_pid(engine_id)
+        kill(pid, signal.SIGSTOP)
+        try:
+            await failures.wait_for(lambda e: isinstance(e, WorkerFailed) and e.pid == pid)
+            # The frozen worker's requests move on; once they are past where it stopped, wake it:
+            # whatever it still sends belongs to a dead attempt and must be dropped.
+            await asyncio.sleep(0.5)
+        finally:
+            kill(pid, signal.SIGCONT)
+        results = await asyncio.gather(*running)
+
+    failed = next(e for e in failures.events if isinstance(e, WorkerFailed) and e.pid == pid)
+    assert failed.reason == "heartbeat-timeout"
+    assert sum(r.resumes for r in results) >= 1
+    expected = reference_tokens(jobs)
+    for job, result in zip(jobs, results, strict=True):
+        assert result.tokens == expected[job.request_id], job.request_id

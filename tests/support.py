@@ -1,0 +1,128 @@
+"""Helpers for the service tests: a real nats-server handle, a real local cluster, references."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
+from belayer_rl.shared import bus, protocol, subjects, tokenizer
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.cluster import Supervisor, local_cluster, start_nats_server
+from belayer_rl.shared.config import ClusterConfig
+
+
+@dataclass
+class NatsServer:
+    url: str
+    port: int
+    store: Path
+    log: Path
+    process: asyncio.subprocess.Process
+
+    async def restart(self, down_s: float = 0.5) -> None:
+        """Kill the server (SIGKILL) and start it again on the same port and store."""
+        self.process.kill()
+        await self.process.wait()
+        await asyncio.sleep(down_s)
+        self.process = await start_nats_server(self.store, self.port, self.log)
+
+
+@dataclass
+class Cluster:
+    supervisor: Supervisor
+    client: Client
+    nats: NatsServer
+
+    def pid_of(self, name: str) -> int:
+        return self.supervisor.children[name].pid
+
+    async def engine_pid(self, engine_id: str) -> int:
+        status = await self.client.status()
+        return next(e.pid for e in status.engines if e.engine_id == engine_id)
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(nats: NatsServer, state_dir: Path, **options: object) -> AsyncIterator[Cluster]:
+    options.setdefault("engines", 2)
+    config = ClusterConfig(state_dir=state_dir, nats_url=nats.url, **options)  # type: ignore[arg-type]
+    async with local_cluster(config) as supervisor:
+        client = Client(await bus.connect(nats.url, "test-client"))
+        try:
+            if config.engines:
+                await client.wait_for_engines(config.engines, 120)
+            else:
+                await client.wait_for_engines(0, 120)
+            yield Cluster(supervisor, client, nats)
+        finally:
+            await client.nc.close()
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt: str
+    max_tokens: int
+    seed: int
+    temperature: float = 0.8
+
+
+def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 0) -> dict[str, list[int]]:
+    """What an uninterrupted run produces: the engine in-process, all jobs in one batch."""
+    engine = Engine(EngineConfig(preset=preset, weights_seed=weights_seed))
+    for job in jobs:
+        spec = SeqSpec(
+            key=job.request_id,
+            prompt_tokens=tokenizer.encode(job.prompt),
+            prefix_tokens=[],
+            max_new_tokens=job.max_tokens,
+            seed=job.seed,
+            temperature=job.temperature,
+        )
+        engine.submit(spec)
+    out: dict[str, list[int]] = {job.request_id: [] for job in jobs}
+    while engine.has_work():
+        for event in engine.step():
+            out[str(event.key)].extend(event.new_tokens)
+    return out
+
+
+class EventLog:
+    """Every event of a kind seen on the bus since it started listening."""
+
+    def __init__(self) -> None:
+        self.events: list[protocol.Message] = []
+        self.arrived = asyncio.Event()
+
+    async def wait_for(
+        self, predicate: Callable[[protocol.Message], bool], timeout_s: float = 60
+    ) -> protocol.Message:
+        """The first event matching `predicate`, waiting for it if need be."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for event in self.events:
+                    if predicate(event):
+                        return event
+                self.arrived.clear()
+                await self.arrived.wait()
+
+    @classmethod
+    async def start(cls, client: Client, kind: str) -> EventLog:
+        log = cls()
+        decoder = protocol.decoder_for(protocol.Event)
+
+        async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+            log.events.append(protocol.decode(decoder, msg.data))
+            log.arrived.set()
+
+        await client.nc.subscribe(subjects.event(kind, "*"), cb=on_message)
+        return log
+
+
+def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
