@@ -1,0 +1,95 @@
+"""A typed client of one checkpointer (one Docker host): what the rollout driver, the CLI, the
+bench and the tests call. Each call is one request on `belayer.sandbox.<host>.<verb>`; failures
+arrive as ServiceError with the checkpointer's code ("env-failure", "wrong-step", ...)."""
+
+from __future__ import annotations
+
+from nats.aio.client import Client as NATS
+
+from belayer_rl.shared import bus, subjects
+from belayer_rl.shared.protocol import (
+    Ack,
+    CheckpointResult,
+    ExecResult,
+    RestoreResult,
+    SandboxCheckpoint,
+    SandboxCreate,
+    SandboxDestroy,
+    SandboxExec,
+    SandboxInfo,
+    SandboxList,
+    SandboxListing,
+    SandboxRestore,
+    SandboxSpec,
+    TrajectoryEnd,
+)
+
+RPC_SLACK_S = 10.0  # on top of the operation's own timeout
+
+
+class SandboxClient:
+    def __init__(self, nc: NATS, host_id: str) -> None:
+        self.nc = nc
+        self.host_id = host_id
+
+    def _subject(self, verb: str) -> str:
+        return subjects.sandbox_rpc(self.host_id, verb)
+
+    async def create(self, spec: SandboxSpec, sandbox: str = "", timeout_s: float = 60.0) -> SandboxInfo:
+        return await bus.request_struct(
+            self.nc,
+            self._subject("create"),
+            SandboxCreate(spec=spec, sandbox=sandbox),
+            SandboxInfo,
+            timeout_s,
+        )
+
+    async def exec(
+        self, sandbox: str, command: str, timeout_s: float = 60.0, expect_step: int | None = None
+    ) -> ExecResult:
+        request = SandboxExec(sandbox=sandbox, command=command, timeout_s=timeout_s, expect_step=expect_step)
+        return await bus.request_struct(
+            self.nc, self._subject("exec"), request, ExecResult, timeout_s + RPC_SLACK_S + 10.0
+        )
+
+    async def checkpoint(
+        self,
+        sandbox: str,
+        trajectory: str,
+        k: int,
+        context_tokens: list[int] | None = None,
+        context_ref: str = "",
+        timeout_s: float = 120.0,
+    ) -> CheckpointResult:
+        request = SandboxCheckpoint(
+            sandbox=sandbox,
+            trajectory=trajectory,
+            k=k,
+            context_tokens=context_tokens or [],
+            context_ref=context_ref,
+            timeout_s=timeout_s,
+        )
+        return await bus.request_struct(
+            self.nc, self._subject("checkpoint"), request, CheckpointResult, timeout_s + RPC_SLACK_S
+        )
+
+    async def restore(self, trajectory: str, timeout_s: float = 300.0) -> RestoreResult:
+        request = SandboxRestore(trajectory=trajectory, timeout_s=timeout_s)
+        return await bus.request_struct(
+            self.nc, self._subject("restore"), request, RestoreResult, timeout_s + RPC_SLACK_S
+        )
+
+    async def destroy(self, sandbox: str, timeout_s: float = 60.0) -> Ack:
+        return await bus.request(
+            self.nc, self._subject("destroy"), SandboxDestroy(sandbox=sandbox), timeout_s
+        )
+
+    async def list(self, timeout_s: float = 10.0) -> SandboxListing:
+        return await bus.request_struct(
+            self.nc, self._subject("list"), SandboxList(), SandboxListing, timeout_s
+        )
+
+    async def end(self, trajectory: str, timeout_s: float = 60.0) -> Ack:
+        return await bus.request(
+            self.nc, self._subject("end"), TrajectoryEnd(trajectory=trajectory), timeout_s
+        )

@@ -1,0 +1,315 @@
+"""Sandbox containers on one Docker engine: create with safe defaults, run an action, judge health.
+
+Knows nothing about checkpoints or NATS. An action runs as `/bin/sh -c command` in a new session
+under a small shell wrapper inside the container: Docker has no API to kill an exec, so the
+wrapper's watcher SIGKILLs the action's whole process group when its time is up. Whether the
+environment failed is judged from the container's state (running, the kernel's OOM-kill counter
+of its memory cgroup, the daemon's answer), never from an exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiodocker
+import aiohttp
+import msgspec
+
+from belayer_rl.shared.protocol import EnvFailureReason, SandboxSpec
+
+LABEL_HOST = "belayer.host"
+LABEL_SANDBOX = "belayer.sandbox"
+LABEL_SPEC = "belayer.spec"
+
+# PID 1 when the spec names no command: a shell that idles and reaps orphans.
+IDLE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"]
+
+# $1 command, $2 timeout in seconds, $3 the line written to stderr when the watcher fired.
+# The action and the watcher each lead their own process group (setsid in a non-interactive
+# shell's background child keeps the pid), so one `kill -KILL -pgid` ends either whole.
+EXEC_WRAPPER = r"""
+setsid /bin/sh -c "$1" </dev/null &
+p=$!
+setsid /bin/sh -c 'sleep "$1"; kill -0 -"$2" 2>/dev/null && echo "$3" >&2 && kill -KILL -"$2"' watcher "$2" "$p" "$3" \
+  </dev/null >/dev/null &
+w=$!
+wait "$p"
+rc=$?
+kill -KILL -"$w" 2>/dev/null
+exit "$rc"
+"""
+# The watcher's stdout goes nowhere, only its marker line reaches stderr; see run_action.
+
+OUTPUT_CAP = 256 << 10  # bytes kept per stream; MAX_MESSAGE_BYTES bounds the whole reply
+EXEC_GRACE_S = 10.0  # past timeout + grace, the wrapper itself is presumed stuck
+
+
+class EnvironmentFailure(Exception):
+    """The sandbox's environment failed; never an observation."""
+
+    def __init__(self, reason: EnvFailureReason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason: EnvFailureReason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ActionOutput:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+
+def labels(host_id: str, sandbox: str, spec: SandboxSpec) -> dict[str, str]:
+    return {
+        LABEL_HOST: host_id,
+        LABEL_SANDBOX: sandbox,
+        LABEL_SPEC: msgspec.json.encode(spec).decode(),
+    }
+
+
+def create_config(spec: SandboxSpec, host_id: str, sandbox: str) -> dict[str, Any]:
+    """The Engine API body for a sandbox: safe defaults, and no field through which to mount the host."""
+    memory = spec.memory_mb << 20
+    return {
+        "Image": spec.image,
+        "Cmd": list(spec.cmd) or IDLE_CMD,
+        "Env": [f"{k}={v}" for k, v in sorted(spec.env.items())],
+        "WorkingDir": spec.workdir,
+        "Labels": labels(host_id, sandbox, spec),
+        "AttachStdin": False,
+        "OpenStdin": False,
+        "Tty": False,
+        "HostConfig": {
+            "NetworkMode": "bridge" if spec.network else "none",
+            "CapDrop": ["ALL"],
+            "CapAdd": list(spec.cap_add),
+            "SecurityOpt": ["no-new-privileges"],
+            "Memory": memory,
+            "MemorySwap": memory,  # no swap: the memory limit is the limit
+            "PidsLimit": spec.pids_limit,
+            "NanoCpus": int(spec.cpus * 1e9),
+            "Privileged": False,
+            "Binds": [],
+            "Mounts": [],
+            "RestartPolicy": {"Name": "no"},
+            "IpcMode": "private",
+        },
+    }
+
+
+def spec_from_labels(container_labels: dict[str, str]) -> SandboxSpec | None:
+    try:
+        return msgspec.json.decode(container_labels[LABEL_SPEC], type=SandboxSpec)
+    except (KeyError, msgspec.DecodeError):
+        return None
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Engine:
+    """One Docker engine: its client, its data root, and the calls the checkpointer makes."""
+
+    def __init__(self, docker: aiodocker.Docker, data_root: Path) -> None:
+        self.docker = docker
+        self.data_root = data_root
+
+    @classmethod
+    async def connect(cls, url: str | None) -> Engine:
+        docker = aiodocker.Docker(url=url)
+        try:
+            info = await docker.system.info()
+        except BaseException:
+            await docker.close()
+            raise
+        return cls(docker, Path(info["DockerRootDir"]))
+
+    async def close(self) -> None:
+        await self.docker.close()
+
+    async def create(self, spec: SandboxSpec, host_id: str, sandbox: str) -> str:
+        container = await self.docker.containers.create(
+            create_config(spec, host_id, sandbox), name=f"belayer-{host_id}-{sandbox}"
+        )
+        return container.id
+
+    async def inspect(self, container_id: str) -> dict[str, Any]:
+        return await self.docker._query_json(f"containers/{container_id}/json")
+
+    async def start(self, container_id: str, checkpoint: str | None = None) -> None:
+        params = {"checkpoint": checkpoint} if checkpoint else None
+        async with self.docker._query(f"containers/{container_id}/start", method="POST", params=params):
+            pass
+
+    async def remove(self, container_id: str) -> None:
+        """Kill and remove; a container that is already gone is fine."""
+        try:
+            async with self.docker._query(
+                f"containers/{container_id}", method="DELETE", params={"force": "1", "v": "1"}
+            ):
+                pass
+        except aiodocker.DockerError as exc:
+            if exc.status != 404:
+                raise
+
+    async def pause(self, container_id: str) -> None:
+        async with self.docker._query(f"containers/{container_id}/pause", method="POST"):
+            pass
+
+    async def unpause(self, container_id: str) -> None:
+        async with self.docker._query(f"containers/{container_id}/unpause", method="POST"):
+            pass
+
+    async def checkpoint(self, container_id: str, name: str, directory: Path) -> None:
+        """CRIU-dump the container into `directory/name`, leaving it running (or paused)."""
+        await self.docker._query_json(
+            f"containers/{container_id}/checkpoints",
+            method="POST",
+            data={"CheckpointID": name, "CheckpointDir": str(directory), "Exit": False},
+            timeout=aiohttp.ClientTimeout(),
+        )
+
+    async def ours(self, host_id: str) -> list[dict[str, Any]]:
+        return await self.docker._query_json(
+            "containers/json",
+            params={
+                "all": "1",
+                "filters": msgspec.json.encode({"label": [f"{LABEL_HOST}={host_id}"]}).decode(),
+            },
+        )
+
+    def container_dir(self, container_id: str) -> Path:
+        return self.data_root / "containers" / container_id
+
+    # ------------------------------------------------------------ health
+
+    async def health(self, container_id: str, oom_seen: int) -> tuple[EnvironmentFailure | None, int]:
+        """(failure or None, OOM kills so far), from the container's state and its memory cgroup."""
+        try:
+            state = (await self.inspect(container_id))["State"]
+        except aiodocker.DockerError as exc:
+            if exc.status == 404:
+                return EnvironmentFailure("missing", f"container {container_id[:12]} is gone"), oom_seen
+            return EnvironmentFailure("daemon-error", f"inspect failed: {exc}"), oom_seen
+        if state.get("OOMKilled"):
+            return EnvironmentFailure("oom-killed", "the container was OOM-killed"), oom_seen
+        if not state.get("Running"):
+            detail = f"container is {state.get('Status')}, exit code {state.get('ExitCode')}"
+            return EnvironmentFailure("dead", detail), oom_seen
+        kills = oom_kills(int(state.get("Pid") or 0))
+        if kills > oom_seen:
+            return EnvironmentFailure("oom-killed", f"{kills - oom_seen} process(es) OOM-killed"), kills
+        return None, kills
+
+    # ------------------------------------------------------------ actions
+
+    async def run_action(self, container_id: str, command: str, timeout_s: float) -> ActionOutput:
+        """Run one action; raise EnvironmentFailure("exec-stream"/"daemon-error") when the exec
+        itself breaks. The caller still judges the container's health afterwards."""
+        marker = f"belayer: action killed after {timeout_s:g}s"
+        start = time.monotonic()
+        try:
+            execution = await self.docker.containers.container(container_id).exec(
+                ["/bin/sh", "-c", EXEC_WRAPPER, "belayer-action", command, f"{timeout_s:.3f}", marker],
+                stdout=True,
+                stderr=True,
+            )
+        except aiodocker.DockerError as exc:
+            raise EnvironmentFailure("daemon-error", f"exec create failed: {exc.message}") from None
+        out, err = bytearray(), bytearray()
+        truncated = False
+
+        async def read(stream: Any) -> None:
+            nonlocal truncated
+            while (message := await stream.read_out()) is not None:
+                buf = out if message.stream == 1 else err
+                room = OUTPUT_CAP - len(buf)
+                if len(message.data) > room:
+                    truncated = True
+                buf += message.data[: max(room, 0)]
+
+        try:
+            async with execution.start(detach=False) as stream:
+                reader = asyncio.create_task(read(stream))
+                try:
+                    info = await self._wait_exec(execution, reader, start + timeout_s + EXEC_GRACE_S)
+                finally:
+                    if not reader.done():  # a background job may still hold the stream open
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(asyncio.shield(reader), 0.1)
+                    reader.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await reader
+        except aiodocker.DockerError as exc:
+            raise EnvironmentFailure("daemon-error", f"exec failed: {exc.message}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EnvironmentFailure("exec-stream", f"exec stream broke: {exc}") from None
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            raise EnvironmentFailure("exec-stream", f"exec stream broke: {reader.exception()}")
+        exit_code = info.get("ExitCode")
+        if exit_code is None:
+            raise EnvironmentFailure("exec-stream", "the exec ended without an exit code")
+        stderr = bytes(err)
+        timed_out = (marker + "\n").encode() in stderr
+        if timed_out:
+            stderr = stderr.replace((marker + "\n").encode(), b"")
+        return ActionOutput(
+            exit_code=int(exit_code),
+            stdout=bytes(out),
+            stderr=stderr,
+            timed_out=timed_out,
+            truncated=truncated,
+            duration_s=time.monotonic() - start,
+        )
+
+    async def _wait_exec(self, execution: Any, reader: asyncio.Task[None], deadline: float) -> dict[str, Any]:
+        """Wait until the exec has ended (its stream closed, or the daemon says so); its inspect."""
+        poll = 0.02
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EnvironmentFailure("exec-stream", "the action's wrapper outlived its timeout")
+            done, _ = await asyncio.wait({reader}, timeout=min(poll, remaining))
+            try:
+                info = await execution.inspect()
+            except aiodocker.DockerError as exc:
+                raise EnvironmentFailure("daemon-error", f"exec inspect failed: {exc.message}") from None
+            if not info.get("Running"):
+                return info
+            if done:  # stream closed but the daemon has not recorded the exit yet
+                await asyncio.sleep(0.01)
+                continue
+            poll = min(poll * 2, 0.25)
+
+
+def oom_kills(pid: int) -> int:
+    """The kernel's OOM-kill count of the memory cgroup holding `pid` (cgroup v1 or v2); 0 if unknown."""
+    if pid <= 0:
+        return 0
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return 0
+    candidates: list[Path] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            candidates.append(Path("/sys/fs/cgroup/memory" + path) / "memory.oom_control")
+        elif controllers == "":
+            candidates.append(Path("/sys/fs/cgroup" + path) / "memory.events")
+    for candidate in candidates:
+        with contextlib.suppress(OSError, ValueError):
+            for row in candidate.read_text().splitlines():
+                key, _, value = row.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    return 0

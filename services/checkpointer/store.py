@@ -1,0 +1,277 @@
+"""The local checkpoint store: one folder per ready checkpoint, published atomically.
+
+    <root>/<trajectory>/<checkpoint id>/
+        manifest.json   sizes and sha256 of every other file, the create settings, L_k's digest
+        layer.tar       the writable layer (see layer.py)
+        context.json    L_k: the context tokens or a reference
+        criu/           CRIU images as the engine wrote them
+
+A checkpoint is written under `.tmp-<id>`, fsynced, and renamed into place; anything whose name
+starts with `.tmp-` is half-written and never read. A folder is self-contained and can be moved
+to another host. The manifest is checked against every file before any of it is used.
+Knows nothing about Docker or NATS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from belayer_rl.shared.protocol import SandboxSpec
+
+FORMAT = "belayer-checkpoint/1"
+TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+LAYER = "layer.tar"
+CONTEXT = "context.json"
+CRIU = "criu"
+HASH_CHUNK = 1 << 20
+
+
+class CorruptCheckpoint(ValueError):
+    """The folder does not match its manifest (missing, extra, resized or altered files)."""
+
+
+class FileSum(msgspec.Struct, frozen=True, kw_only=True):
+    path: str  # relative to the checkpoint folder
+    size: int
+    sha256: str
+
+
+class Context(msgspec.Struct, frozen=True, kw_only=True):
+    """L_k: the LLM context at action boundary k."""
+
+    tokens: list[int] = []
+    ref: str = ""
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    format: str = FORMAT
+    checkpoint_id: str
+    trajectory: str
+    sandbox: str
+    host_id: str
+    incarnation: int
+    k: int
+    spec: SandboxSpec
+    image_id: str  # the image the container ran, by id: a restore insists on the same one
+    criu_name: str  # the checkpoint name CRIU's images were dumped under
+    context_digest: str
+    context_len: int
+    created_at: float
+    freeze_s: float
+    dump_s: float
+    files: list[FileSum]
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.incarnation, self.k)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class Stored:
+    path: Path
+    manifest: Manifest
+
+
+def digest_context(context: Context) -> str:
+    return "sha256:" + hashlib.sha256(msgspec.json.encode(context)).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def trajectory_dir(self, trajectory: str) -> Path:
+        return self.root / trajectory
+
+    def staging(self, trajectory: str, checkpoint_id: str) -> Path:
+        path = self.trajectory_dir(trajectory) / f"{TMP_PREFIX}{checkpoint_id}"
+        path.mkdir(parents=True)
+        return path
+
+    # ------------------------------------------------------------ publish
+
+    def seal(self, staging: Path, fields: dict[str, object]) -> Manifest:
+        """Checksum every file in `staging`, write the manifest, fsync them all. Not yet visible."""
+        sums = []
+        for path in _files(staging):
+            if path.is_symlink():
+                raise CorruptCheckpoint(f"unexpected symlink {path.name} in a checkpoint")
+            sums.append(
+                FileSum(
+                    path=str(path.relative_to(staging)), size=path.stat().st_size, sha256=sha256_file(path)
+                )
+            )
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        manifest = Manifest(files=sums, created_at=time.time(), **fields)  # type: ignore[arg-type]
+        tmp = staging / (MANIFEST + ".part")
+        with tmp.open("wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(manifest)))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(staging / MANIFEST)
+        for folder in sorted({p.parent for p in _files(staging)} | {staging}, key=lambda p: -len(p.parts)):
+            _fsync_dir(folder)
+        return manifest
+
+    def publish(self, staging: Path, manifest: Manifest) -> Path:
+        """Rename the sealed folder into place: the checkpoint exists whole or not at all."""
+        final = staging.parent / manifest.checkpoint_id
+        staging.rename(final)
+        _fsync_dir(final.parent)
+        return final
+
+    # ------------------------------------------------------------ read
+
+    def load(self, path: Path) -> Manifest:
+        try:
+            return msgspec.json.decode((path / MANIFEST).read_bytes(), type=Manifest)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise CorruptCheckpoint(f"{path.name}: unreadable manifest: {exc}") from None
+
+    def verify(self, path: Path) -> Manifest:
+        """The manifest, once every file matches it (no file missing, extra, resized or altered)."""
+        manifest = self.load(path)
+        if manifest.format != FORMAT:
+            raise CorruptCheckpoint(f"{path.name}: unknown format {manifest.format!r}")
+        listed = {f.path: f for f in manifest.files}
+        present = {str(p.relative_to(path)) for p in _files(path)} - {MANIFEST}
+        if present != set(listed):
+            raise CorruptCheckpoint(
+                f"{path.name}: files differ from the manifest: {sorted(present ^ set(listed))[:5]}"
+            )
+        for name, entry in listed.items():
+            file = path / name
+            if file.is_symlink():
+                raise CorruptCheckpoint(f"{path.name}: {name} is a symlink")
+            if file.stat().st_size != entry.size:
+                raise CorruptCheckpoint(
+                    f"{path.name}: {name} has {file.stat().st_size} bytes, manifest says {entry.size}"
+                )
+            if sha256_file(file) != entry.sha256:
+                raise CorruptCheckpoint(f"{path.name}: {name} does not match its checksum")
+        context = self.context(path)
+        if digest_context(context) != manifest.context_digest:
+            raise CorruptCheckpoint(f"{path.name}: L_k does not match its digest")
+        return manifest
+
+    def context(self, path: Path) -> Context:
+        try:
+            return msgspec.json.decode((path / CONTEXT).read_bytes(), type=Context)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise CorruptCheckpoint(f"{path.name}: unreadable context: {exc}") from None
+
+    def ready(self, trajectory: str) -> list[Stored]:
+        """Published checkpoints of the trajectory whose manifest reads, newest (incarnation, k) first.
+        Full verification is left to the restore that uses one."""
+        folder = self.trajectory_dir(trajectory)
+        if not folder.is_dir():
+            return []
+        found = []
+        for path in folder.iterdir():
+            if path.name.startswith(TMP_PREFIX) or not path.is_dir():
+                continue
+            try:
+                found.append(Stored(path, self.load(path)))
+            except CorruptCheckpoint:
+                found.append(Stored(path, _unreadable(path.name)))
+        return sorted(found, key=lambda s: s.manifest.order, reverse=True)
+
+    def trajectories(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    # ------------------------------------------------------------ remove
+
+    def remove(self, path: Path) -> None:
+        """Make the folder unreachable first (rename to a temporary name), then delete it."""
+        doomed = path.parent / f"{TMP_PREFIX}rm-{path.name}"
+        try:
+            path.rename(doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def remove_trajectory(self, trajectory: str) -> None:
+        folder = self.trajectory_dir(trajectory)
+        for stored in self.ready(trajectory):
+            self.remove(stored.path)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def sweep(self) -> list[Path]:
+        """Delete half-written folders (a crash mid-checkpoint); return what was removed."""
+        removed = []
+        for folder in self.root.iterdir():
+            if not folder.is_dir():
+                continue
+            for path in folder.iterdir():
+                if path.name.startswith(TMP_PREFIX):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+        return removed
+
+    def usage(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and not p.is_symlink())
+
+    def enforce_budget(self, budget_bytes: int, keep: set[Path]) -> list[Path]:
+        """Delete the oldest checkpoints that are not in `keep` (each trajectory's latest) until the
+        store fits `budget_bytes`."""
+        if budget_bytes <= 0:
+            return []
+        everything = [s for t in self.trajectories() for s in self.ready(t)]
+        candidates = sorted(
+            (s for s in everything if s.path not in keep), key=lambda s: s.manifest.created_at
+        )
+        used = self.usage()
+        removed = []
+        for stored in candidates:
+            if used <= budget_bytes:
+                break
+            used -= stored.manifest.bytes
+            self.remove(stored.path)
+            removed.append(stored.path)
+        return removed
+
+
+def _unreadable(name: str) -> Manifest:
+    """A stand-in for a folder whose manifest does not read: ordered last, rejected by verify."""
+    return Manifest(
+        checkpoint_id=name, trajectory="", sandbox="", host_id="", incarnation=-1, k=-1,
+        spec=SandboxSpec(image="unknown"), image_id="", criu_name="", context_digest="", context_len=0,
+        created_at=0.0, freeze_s=0.0, dump_s=0.0, files=[],
+    )  # fmt: skip
