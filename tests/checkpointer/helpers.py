@@ -1,0 +1,72 @@
+"""Shared steps of the checkpointer tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tarfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiodocker
+import msgspec
+
+from belayer_rl.services.checkpointer.store import MANIFEST, FileSum, Manifest, sha256_file
+from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared.protocol import SandboxEvent
+
+
+async def kill_container(container_id: str, docker_url: str | None = None) -> None:
+    docker = aiodocker.Docker(url=docker_url)
+    try:
+        await docker.containers.container(container_id).kill()
+    finally:
+        await docker.close()
+
+
+def checkpoint_dir(state_dir: Path, trajectory: str, checkpoint_id: str) -> Path:
+    return state_dir / "checkpoints" / trajectory / checkpoint_id
+
+
+def reseal(folder: Path) -> None:
+    """Rewrite the manifest's checksums to match the folder: a tampered artifact that the checksums
+    alone would not catch."""
+    manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=Manifest)
+    files = [
+        FileSum(path=f.path, size=(folder / f.path).stat().st_size, sha256=sha256_file(folder / f.path))
+        for f in manifest.files
+    ]
+    (folder / MANIFEST).write_bytes(msgspec.json.encode(msgspec.structs.replace(manifest, files=files)))
+
+
+def replace_layer(folder: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
+    import io
+
+    with tarfile.open(folder / "layer.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    reseal(folder)
+
+
+@contextlib.asynccontextmanager
+async def events(nats_url: str, pattern: str = subjects.EVENTS_ALL) -> AsyncIterator[list[SandboxEvent]]:
+    """Collect sandbox events published while the block runs."""
+    nc = await bus.connect(nats_url, "test-events")
+    seen: list[SandboxEvent] = []
+    decoder = protocol.decoder_for(SandboxEvent)
+
+    async def on(msg) -> None:  # type: ignore[no-untyped-def]
+        with contextlib.suppress(protocol.BadMessage):
+            seen.append(protocol.decode(decoder, msg.data))
+
+    sub = await nc.subscribe(pattern, cb=on)
+    try:
+        yield seen
+        await asyncio.sleep(0.2)
+    finally:
+        await sub.unsubscribe()
+        await nc.close()

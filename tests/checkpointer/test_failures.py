@@ -1,0 +1,104 @@
+"""Environment failures are not observations; timeouts really stop actions; FIFO under concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
+
+from .conftest import Service
+from .helpers import events, kill_container
+
+
+async def test_exit_137_is_an_observation(client: SandboxClient, image: str) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="o")
+    result = await client.exec("o", "echo out; echo err >&2; kill -KILL $$")
+    assert (result.exit_code, result.stdout, result.timed_out) == (137, "out\n", False)
+    child = await client.exec("o", "sleep 30 & kill -KILL $!; wait $!; echo child=$?")
+    assert child.stdout == "child=137\n" and child.exit_code == 0
+    assert (await client.exec("o", "exit 3")).exit_code == 3
+
+
+async def test_timeout_kills_the_whole_action(client: SandboxClient, image: str) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="t")
+    started = time.monotonic()
+    result = await client.exec("t", "sleep 1000 & sleep 1000; echo never", timeout_s=1.0)
+    assert result.timed_out and result.exit_code == 137 and "never" not in result.stdout
+    assert time.monotonic() - started < 4.0
+    left = await client.exec("t", "ps -o args | grep -c '^sleep 1000' || true")
+    assert left.stdout.strip() == "0"  # the background child of the action died with it
+    assert (await client.exec("t", "echo alive")).stdout == "alive\n"
+
+
+async def test_background_job_holding_the_stream_does_not_block(client: SandboxClient, image: str) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="bg")
+    started = time.monotonic()
+    result = await client.exec("bg", "sleep 20 & echo started", timeout_s=30)
+    assert result.stdout == "started\n" and time.monotonic() - started < 5.0
+
+
+async def test_oom_kill_is_an_environment_failure(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    await client.create(SandboxSpec(image=image, memory_mb=32), sandbox="oom")
+    async with events(service.nats_url) as seen:
+        with pytest.raises(ServiceError) as failed:
+            await client.exec("oom", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived")
+    assert failed.value.code == "env-failure" and "oom" in failed.value.message
+    assert any(isinstance(e, EnvFailure) and e.reason == "oom-killed" and e.sandbox == "oom" for e in seen)
+    with pytest.raises(ServiceError) as still:
+        await client.exec("oom", "echo hi")
+    assert still.value.code == "env-failure"
+
+
+async def test_external_kill_is_an_environment_failure(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    info = await client.create(SandboxSpec(image=image), sandbox="ext")
+    async with events(service.nats_url) as seen:
+        action = asyncio.create_task(client.exec("ext", "sleep 30; echo never", timeout_s=60))
+        await asyncio.sleep(1.0)
+        await kill_container(info.container_id)
+        with pytest.raises(ServiceError) as failed:
+            await action
+    assert failed.value.code == "env-failure"
+    assert any(isinstance(e, EnvFailure) and e.reason == "dead" for e in seen)
+
+
+async def test_fifo_on_one_sandbox(client: SandboxClient, image: str) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="fifo")
+    calls = []
+    for i in range(1, 13):
+        calls.append(client.exec("fifo", f"echo {i} >> /order; sleep 0.0{i % 3}", expect_step=i - 1))
+        if i % 4 == 0:
+            calls.append(client.checkpoint("fifo", "traj-fifo", k=i))
+    results = await asyncio.gather(*calls)
+    steps = [r.step if hasattr(r, "step") else ("ckpt", r.k) for r in results]
+    assert steps == [1, 2, 3, 4, ("ckpt", 4), 5, 6, 7, 8, ("ckpt", 8), 9, 10, 11, 12, ("ckpt", 12)]
+    order = await client.exec("fifo", "cat /order")
+    assert order.stdout.split() == [str(i) for i in range(1, 13)]
+
+
+async def test_sixteen_sandboxes_at_once(client: SandboxClient, image: str) -> None:
+    names = [f"m{i}" for i in range(16)]
+    await asyncio.gather(*(client.create(SandboxSpec(image=image, memory_mb=64), sandbox=n) for n in names))
+
+    async def drive(name: str) -> tuple[int, int, str]:
+        await client.exec(name, f"echo {name} > /who")
+        checkpoint = client.checkpoint(name, f"traj-{name}", k=1, context_tokens=[len(name)])
+        second = client.exec(name, "cat /who", expect_step=1)
+        done, result = await asyncio.gather(checkpoint, second)
+        return done.k, result.step, result.stdout.strip()
+
+    outcomes = await asyncio.gather(*(drive(n) for n in names))
+    assert outcomes == [(1, 2, n) for n in names]
+    listing = await client.list()
+    assert sorted(s.sandbox for s in listing.sandboxes) == sorted(names)
+    restored = await client.restore("traj-m3")
+    assert (restored.source, restored.k) == ("latest", 1)
+    assert (await client.exec("m3", "cat /who", expect_step=1)).stdout == "m3\n"

@@ -1,0 +1,110 @@
+"""The writable-layer archive: hostile archives are rejected whole, clean ones install exactly."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from belayer_rl.services.checkpointer import layer
+
+
+def make_tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return path
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, **attrs: object) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = 0o644
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    return info
+
+
+def hostile_members(canary: Path) -> dict[str, list[tuple[tarfile.TarInfo, bytes | None]]]:
+    return {
+        "absolute": [(entry(str(canary / "canary")), b"pwned\n")],
+        "dotdot": [(entry("a/../../../../../../../../" + str(canary / "canary").lstrip("/")), b"pwned\n")],
+        "symlink-then-write": [
+            (entry("evil", tarfile.SYMTYPE, linkname=str(canary)), None),
+            (entry("evil/canary"), b"pwned\n"),
+        ],
+        "relative-escape": [(entry("up", tarfile.SYMTYPE, linkname="../../../../../../.."), None)],
+        "hardlink-to-host": [(entry("hl", tarfile.LNKTYPE, linkname=str(canary / "canary")), None)],
+        "hardlink-dotdot": [(entry("hl", tarfile.LNKTYPE, linkname="../../../canary"), None)],
+        "device": [(entry("sda", tarfile.CHRTYPE, devmajor=8, devminor=0), None)],
+        "block-device": [(entry("sdb", tarfile.BLKTYPE, devmajor=8, devminor=16), None)],
+        "duplicate": [
+            (entry("d", tarfile.DIRTYPE, mode=0o755), None),
+            (entry("d", tarfile.SYMTYPE, linkname="/"), None),
+        ],
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(hostile_members(Path("/x"))))
+def test_hostile_archives_are_rejected_whole(tmp_path: Path, canary_dir: Path, variant: str) -> None:
+    clean = [(entry("fine.txt"), b"ok\n")]
+    archive = make_tar(tmp_path / "layer.tar", clean + hostile_members(canary_dir)[variant])
+    target = tmp_path / "upper"
+    target.mkdir()
+    with pytest.raises(layer.HostileLayer):
+        layer.check(archive)
+    assert (canary_dir / "canary").read_text() == "untouched\n"
+    assert sorted(os.listdir(canary_dir)) == ["canary"]
+    assert os.listdir(target) == []
+
+
+def test_not_a_tar_is_rejected(tmp_path: Path) -> None:
+    bad = tmp_path / "layer.tar"
+    bad.write_bytes(b"\x00garbage" * 1000)
+    with pytest.raises(layer.HostileLayer):
+        layer.check(bad)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and owners need root")
+def test_clean_layer_round_trip_keeps_whiteouts_links_modes_and_opaque_dirs(tmp_path: Path) -> None:
+    upper = tmp_path / "upper"
+    (upper / "dir" / "sub").mkdir(parents=True)
+    (upper / "dir" / "file").write_text("content\n")
+    os.chmod(upper / "dir" / "file", 0o4750)
+    os.chown(upper / "dir" / "file", 1234, 5678)
+    os.symlink("/etc/passwd", upper / "abs-link")  # absolute targets resolve inside the container
+    os.symlink("dir/file", upper / "rel-link")
+    os.link(upper / "dir" / "file", upper / "hard")
+    os.mknod(upper / "deleted", stat.S_IFCHR | 0o000, os.makedev(0, 0))  # an overlay whiteout
+    os.mkfifo(upper / "fifo")
+    os.setxattr(upper / "dir" / "sub", layer.OPAQUE_XATTR, b"y")
+    os.chmod(upper / "dir", 0o555)
+    archive = tmp_path / "layer.tar"
+    layer.archive(upper, archive)
+    target = tmp_path / "new"
+    target.mkdir()
+    layer.install(archive, layer.check(archive), target)
+
+    def describe(root: Path) -> list[tuple]:
+        out = []
+        for path in sorted(root.rglob("*")):
+            st = path.lstat()
+            out.append((
+                str(path.relative_to(root)), stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
+                st.st_gid, st.st_rdev, st.st_nlink, int(st.st_mtime),
+                os.readlink(path) if path.is_symlink() else None,
+                path.read_bytes() if stat.S_ISREG(st.st_mode) else None,
+            ))  # fmt: skip
+        return out
+
+    assert describe(target) == describe(upper)
+    assert os.getxattr(target / "dir" / "sub", layer.OPAQUE_XATTR) == b"y"
+    assert os.stat(target / "hard").st_ino == os.stat(target / "dir" / "file").st_ino
