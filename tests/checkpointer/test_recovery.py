@@ -1,0 +1,209 @@
+"""Failures around checkpoints: corrupt and hostile artifacts, crashes at each phase, CRIU failing,
+a full disk. In every case the pointer stays on the previous ready checkpoint and restore works."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from belayer_rl.services.checkpointer.checkpointer import PHASES
+from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
+
+from .conftest import Service
+from .helpers import checkpoint_dir, events, kill_container, replace_layer
+from .test_layer import entry, hostile_members
+
+COUNTER = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/seen; sleep 0.1; done) >/dev/null 2>&1 </dev/null &"
+
+
+async def two_checkpoints(
+    client: SandboxClient, sandbox: str, trajectory: str, image: str
+) -> tuple[str, str]:
+    """Sandbox with a file per step: checkpoints at k=1 (file one) and k=2 (files one, two)."""
+    await client.create(SandboxSpec(image=image), sandbox=sandbox)
+    await client.exec(sandbox, f"echo one > /one; {COUNTER}")
+    first = await client.checkpoint(sandbox, trajectory, k=1, context_tokens=[1])
+    await client.exec(sandbox, "echo two > /two")
+    second = await client.checkpoint(sandbox, trajectory, k=2, context_tokens=[1, 2])
+    return first.checkpoint_id, second.checkpoint_id
+
+
+async def assert_restored_at_one(client: SandboxClient, sandbox: str) -> None:
+    files = await client.exec(
+        sandbox, "cat /one; ls /two 2>/dev/null; sleep 0.3; cat /tmp/seen", expect_step=1
+    )
+    lines = files.stdout.split()
+    assert lines[0] == "one" and "/two" not in lines and int(lines[-1]) > 0
+    # the counter process came back from the checkpoint: it keeps writing
+    later = await client.exec(sandbox, "sleep 0.5; cat /tmp/seen")
+    assert int(later.stdout) > int(lines[-1])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip-criu", "truncate-layer", "drop-manifest", "edit-context"])
+async def test_corrupt_newest_falls_back_to_previous(
+    client: SandboxClient, service: Service, image: str, damage: str
+) -> None:
+    first, second = await two_checkpoints(client, "c", "traj-c", image)
+    folder = checkpoint_dir(service.state_dir, "traj-c", second)
+    if damage == "flip-criu":
+        flip_byte(max((folder / "criu").iterdir(), key=lambda p: p.stat().st_size))
+    elif damage == "truncate-layer":
+        os.truncate(folder / "layer.tar", (folder / "layer.tar").stat().st_size // 2)
+    elif damage == "drop-manifest":
+        (folder / "manifest.json").unlink()
+    else:
+        (folder / "context.json").write_text('{"tokens":[9,9],"ref":""}')
+    async with events(service.nats_url) as seen:
+        restored = await client.restore("traj-c")
+    assert (restored.source, restored.checkpoint_id, restored.k) == ("previous", first, 1)
+    assert restored.incarnation == 1 and restored.context_tokens == [1]
+    assert len(restored.rejected) == 1 and second in restored.rejected[0]
+    assert any(isinstance(e, SandboxRestored) and e.source == "previous" for e in seen)
+    await assert_restored_at_one(client, "c")
+    # the new incarnation checkpoints on from its own k
+    three = await client.exec("c", "echo three > /three")
+    again = await client.checkpoint("c", "traj-c", k=three.step)
+    assert (again.incarnation, again.k) == (1, 4)
+
+
+async def test_everything_corrupt_falls_back_to_base(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    first, second = await two_checkpoints(client, "b", "traj-b", image)
+    for checkpoint_id in (first, second):
+        flip_byte(checkpoint_dir(service.state_dir, "traj-b", checkpoint_id) / "layer.tar")
+    restored = await client.restore("traj-b")
+    assert (restored.source, restored.k, restored.incarnation, restored.checkpoint_id) == ("base", 0, 1, "")
+    assert len(restored.rejected) == 2
+    fresh = await client.exec("b", "ls /one /two 2>&1; echo done", expect_step=0)
+    assert "No such file" in fresh.stdout
+
+
+@pytest.mark.parametrize("variant", sorted(hostile_members(Path("/x"))))
+async def test_hostile_layer_rejected_and_clean_one_restores(
+    client: SandboxClient, service: Service, image: str, canary_dir: Path, variant: str
+) -> None:
+    first, second = await two_checkpoints(client, "h", "traj-h", image)
+    folder = checkpoint_dir(service.state_dir, "traj-h", second)
+    replace_layer(folder, [(entry("two"), b"two\n"), *hostile_members(canary_dir)[variant]])
+    restored = await client.restore("traj-h")
+    assert (restored.source, restored.checkpoint_id) == ("previous", first)
+    assert "HostileLayer" in restored.rejected[0]
+    assert (canary_dir / "canary").read_text() == "untouched\n"
+    assert sorted(os.listdir(canary_dir)) == ["canary"]
+    await assert_restored_at_one(client, "h")  # the clean artifact beside it restores
+
+
+@pytest.mark.parametrize("phase", PHASES)
+async def test_checkpointer_killed_at_each_phase(
+    client: SandboxClient, service: Service, image: str, phase: str
+) -> None:
+    info = await client.create(SandboxSpec(image=image), sandbox="p")
+    await client.exec("p", f"echo one > /one; {COUNTER}")
+    first = await client.checkpoint("p", "traj-p", k=1)
+    await client.exec("p", "echo two > /two")
+    service.stop()
+    service.start("--crash-at", phase)
+    await service.ready(client)
+    with pytest.raises(ServiceError):
+        await client.checkpoint("p", "traj-p", k=2, timeout_s=5)
+    assert service.process is not None and service.process.wait(10) == -9
+    service.start()
+    await service.ready(client)
+    # reconcile unfroze the container; nothing half-written is left
+    alive = await client.exec("p", "cat /two")
+    assert alive.stdout == "two\n"
+    leftovers = [p.name for p in (service.state_dir / "checkpoints" / "traj-p").iterdir()]
+    assert sorted(leftovers) == sorted([first.checkpoint_id, "trajectory.json"])
+    await kill_container(info.container_id)
+    restored = await client.restore("traj-p")
+    assert (restored.source, restored.checkpoint_id, restored.k) == ("latest", first.checkpoint_id, 1)
+    await assert_restored_at_one(client, "p")
+
+
+async def test_checkpointer_killed_mid_dump(client: SandboxClient, service: Service, image: str) -> None:
+    info = await client.create(SandboxSpec(image=image, memory_mb=1024), sandbox="d")
+    await client.exec("d", f"echo one > /one; {COUNTER}")
+    first = await client.checkpoint("d", "traj-d", k=1)
+    await client.exec("d", "echo two > /two; (exec memhold 400) >/dev/null 2>&1 </dev/null & sleep 2")
+    attempt = asyncio.create_task(client.checkpoint("d", "traj-d", k=2, timeout_s=30))
+    await asyncio.sleep(0.8)  # inside the freeze: archive done, CRIU writing 400 MiB
+    service.kill()
+    with pytest.raises(ServiceError):
+        await attempt
+    service.start()
+    await service.ready(client)
+    await asyncio.sleep(3)  # let the orphaned dump in dockerd end
+    assert (await client.exec("d", "cat /two")).stdout == "two\n"
+    await kill_container(info.container_id)
+    restored = await client.restore("traj-d")
+    assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)
+    await assert_restored_at_one(client, "d")
+
+
+async def test_criu_failure_keeps_previous(client: SandboxClient, image: str) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="g")
+    await client.exec("g", f"echo one > /one; {COUNTER}")
+    first = await client.checkpoint("g", "traj-g", k=1)
+    # an open, deleted file larger than CRIU's ghost limit: CRIU refuses to dump it
+    await client.exec("g", "echo two > /two; head -c 3000000 /dev/zero > /ghost; "
+                           "(exec 3</ghost; exec sleep 100000) >/dev/null 2>&1 </dev/null & sleep 0.2; rm /ghost")  # fmt: skip
+    with pytest.raises(ServiceError) as failed:
+        await client.checkpoint("g", "traj-g", k=2)
+    assert failed.value.code == "checkpoint-failed"
+    assert (await client.exec("g", "echo still running")).stdout == "still running\n"  # unfrozen
+    restored = await client.restore("traj-g")
+    assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)
+    await assert_restored_at_one(client, "g")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    mount = tmp_path / "full"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+async def test_disk_full_keeps_previous(
+    docker_env: str, nats_url: str, tmp_path: Path, small_tmpfs: Path
+) -> None:
+    from belayer_rl.shared import bus
+
+    from .conftest import remove_host_containers
+
+    svc = Service(nats_url, "tfull", small_tmpfs / "state", tmp_path / "checkpointer.log")
+    svc.start()
+    nc = await bus.connect(nats_url, "test-client")
+    client = SandboxClient(nc, svc.host_id)
+    try:
+        await svc.ready(client)
+        await client.create(SandboxSpec(image=docker_env), sandbox="f")
+        await client.exec("f", f"echo one > /one; {COUNTER}")
+        first = await client.checkpoint("f", "traj-f", k=1)
+        await client.exec("f", "echo two > /two; head -c 8000000 /dev/urandom > /big")
+        with pytest.raises(ServiceError) as failed:
+            await client.checkpoint("f", "traj-f", k=2)
+        assert failed.value.code == "checkpoint-failed"
+        restored = await client.restore("traj-f")
+        assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)
+        await assert_restored_at_one(client, "f")
+    finally:
+        await nc.close()
+        svc.stop()
+        await remove_host_containers(svc.host_id)
