@@ -142,7 +142,21 @@ class Supervisor:
             ),
         )  # fmt: skip
         workers = [self.worker(f"e{i}") for i in range(c.engines)]
-        return [router, *workers]
+        from belayer_rl.services.checkpointer.probe import docker_unreachable
+
+        unreachable = docker_unreachable()
+        if unreachable is not None:
+            log.warning("no checkpointer, so no sandboxes: %s", unreachable)
+            return [router, *workers]
+        checkpointer = Child(
+            "checkpointer",
+            python_module(
+                "belayer_rl.services.checkpointer",
+                "--nats", self.nats_url,
+                "--state-dir", str(c.state_dir / "checkpointer"),
+            ),
+        )  # fmt: skip
+        return [router, *workers, checkpointer]
 
     def worker(self, engine_id: str) -> Child:
         c = self.config
