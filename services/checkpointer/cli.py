@@ -1,0 +1,123 @@
+"""`belayer sandbox create|exec|checkpoint|restore|ls|rm`: drive sandboxes by hand against a running
+cluster, for users debugging an environment and for scripted checks (`--json` prints the reply).
+
+Wired into the `belayer` command by `add_parser(commands)`; also runs alone as
+`python -m belayer_rl.services.checkpointer.cli [--nats URL] <verb> ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+import uvloop
+
+from belayer_rl.services.checkpointer.__main__ import default_host_id
+from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.shared import bus
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
+from belayer_rl.shared.protocol import ExecResult, Message, SandboxSpec
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    sandbox = commands.add_parser("sandbox", help="drive sandboxes of a checkpointer by hand")
+    sandbox.add_argument("--host", default=default_host_id(), help="checkpointer host id (default: hostname)")
+    sandbox.add_argument("--json", action="store_true", help="print the reply as JSON")
+    verbs = sandbox.add_subparsers(dest="verb", required=True)
+
+    create = verbs.add_parser("create", help="create a sandbox from a local image")
+    create.add_argument("image")
+    create.add_argument("--name", default="", help="sandbox id (default: generated)")
+    create.add_argument("--memory-mb", type=int, default=1024)
+    create.add_argument("--pids-limit", type=int, default=512)
+    create.add_argument("--network", action="store_true", help="attach to the default bridge network")
+    create.add_argument("--cap-add", action="append", default=[], help="a capability to keep (repeatable)")
+
+    exec_ = verbs.add_parser("exec", help="run one action: /bin/sh -c COMMAND")
+    exec_.add_argument("sandbox")
+    exec_.add_argument("command")
+    exec_.add_argument("--timeout", type=float, default=60.0, help="seconds before the action is killed")
+
+    checkpoint = verbs.add_parser("checkpoint", help="full checkpoint at action boundary k")
+    checkpoint.add_argument("sandbox")
+    checkpoint.add_argument("trajectory")
+    checkpoint.add_argument("k", type=int)
+    checkpoint.add_argument("--context-ref", default="", help="a reference to the LLM context L_k")
+    checkpoint.add_argument("--tokens", default="", help="L_k as comma-separated token ids")
+
+    restore = verbs.add_parser("restore", help="restore a trajectory's sandbox from its latest checkpoint")
+    restore.add_argument("trajectory")
+
+    verbs.add_parser("ls", help="list the host's sandboxes")
+    rm = verbs.add_parser("rm", help="destroy a sandbox")
+    rm.add_argument("sandbox")
+    sandbox.set_defaults(run=run)
+
+
+async def call(args: argparse.Namespace, client: SandboxClient) -> Message:
+    if args.verb == "create":
+        spec = SandboxSpec(
+            image=args.image, memory_mb=args.memory_mb, pids_limit=args.pids_limit,
+            network=args.network, cap_add=args.cap_add,
+        )  # fmt: skip
+        return await client.create(spec, sandbox=args.name)
+    if args.verb == "exec":
+        return await client.exec(args.sandbox, args.command, timeout_s=args.timeout)
+    if args.verb == "checkpoint":
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        return await client.checkpoint(args.sandbox, args.trajectory, args.k, tokens, args.context_ref)
+    if args.verb == "restore":
+        return await client.restore(args.trajectory)
+    if args.verb == "ls":
+        return await client.list()
+    return await client.destroy(args.sandbox)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    state_dir = getattr(args, "state_dir", None) or default_state_dir()
+    nc = await bus.connect(resolve_nats_url(getattr(args, "nats", None), Path(state_dir)), "belayer-sandbox")
+    try:
+        reply = await call(args, SandboxClient(nc, args.host))
+    except ServiceError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await nc.close()
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(reply)).decode())
+    elif isinstance(reply, ExecResult):
+        sys.stdout.write(reply.stdout)
+        sys.stderr.write(reply.stderr)
+        if reply.timed_out:
+            print(f"[timed out after {args.timeout}s]", file=sys.stderr)
+        return reply.exit_code
+    else:
+        print(msgspec.json.format(msgspec.json.encode(reply)).decode())
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return uvloop.run(main_async(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--nats", help="NATS URL (default: $BELAYER_NATS_URL or the local cluster)")
+    options.add_argument("--state-dir", type=Path, default=default_state_dir())
+    known, rest = options.parse_known_args(argv if argv is not None else sys.argv[1:])
+    parser = argparse.ArgumentParser(prog="belayer-sandbox", parents=[options])
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["sandbox", *rest])
+    args.nats, args.state_dir = known.nats, known.state_dir
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
