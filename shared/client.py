@@ -66,6 +66,20 @@ class Client:
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_s = stall_s  # silence after which the stream re-attaches
         self.reconnects = 0
+        self.streams: set[asyncio.Queue[Msg | None]] = set()  # None in a queue: re-attach now
+        self.watching_router = False
+
+    async def _watch_router(self) -> None:
+        """A restarted router has forgotten our inboxes: tell every open stream to re-attach."""
+        if self.watching_router:
+            return
+        self.watching_router = True
+
+        async def on_router_started(_: Msg) -> None:
+            for queue in self.streams:
+                queue.put_nowait(None)
+
+        await self.nc.subscribe(subjects.event("router_started", "*"), cb=on_router_started)
 
     @classmethod
     async def connect(cls, url: str, **kwargs: float) -> Client:
@@ -180,16 +194,19 @@ class Client:
         raise AssertionError(f"stream of {request_id} ended without an end message")
 
     @contextlib.asynccontextmanager
-    async def _subscription(self, inbox: str) -> AsyncIterator[asyncio.Queue[Msg]]:
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
+    async def _subscription(self, inbox: str) -> AsyncIterator[asyncio.Queue[Msg | None]]:
+        await self._watch_router()
+        queue: asyncio.Queue[Msg | None] = asyncio.Queue()
 
         async def on_message(msg: Msg) -> None:
             queue.put_nowait(msg)
 
         sub = await self.nc.subscribe(inbox, cb=on_message)
+        self.streams.add(queue)
         try:
             yield queue
         finally:
+            self.streams.discard(queue)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -198,14 +215,17 @@ class Client:
         await self._call(subjects.ROUTER_ATTACH, attach, patience_s=patience_s)
 
     async def _follow(
-        self, request_id: str, inbox: str, queue: asyncio.Queue[Msg], position: int, patience_s: float
+        self, request_id: str, inbox: str, queue: asyncio.Queue[Msg | None], position: int, patience_s: float
     ) -> AsyncIterator[TokenChunk | GenerateEnd]:
-        """Yield chunks in position order, each token once; re-attach on silence, gap or reconnect."""
+        """Yield chunks in position order, each token once; re-attach on silence, gap, reconnect
+        or router restart."""
         reconnects = self.reconnects
         while True:
             try:
                 msg = await asyncio.wait_for(queue.get(), self.stall_s)
             except TimeoutError:
+                msg = None
+            if msg is None:
                 await self._attach(request_id, position, inbox, patience_s)
                 continue
             if self.reconnects != reconnects:

@@ -62,6 +62,7 @@ from belayer_rl.shared.protocol import (
 log = logging.getLogger("belayer.router")
 
 FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
+DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
 
 
 # ---------------------------------------------------------------- state
@@ -379,8 +380,10 @@ class Router:
                     if request.attempt == dispatch.attempt:
                         self.detach(request)
                         request.attempt = 0
-                    if exc.code in ("stale-epoch", "no-responders", "timeout"):
-                        engine.alive = False  # wait for its next heartbeat or a new epoch
+                    if exc.code == "stale-epoch":
+                        await self.engine_failed(engine, "exit", "the registry moved to a new epoch")
+                    else:  # a worker that does not answer is left to the heartbeat timeout
+                        await asyncio.sleep(DISPATCH_RETRY_S)
                     continue
                 if request.attempt != dispatch.attempt:
                     continue  # interrupted while the dispatch was in flight; loop to re-place it
@@ -418,10 +421,10 @@ class Router:
         engine = self.engines.get(engine_id)
         now = time.monotonic()
         if engine is not None and engine.epoch == epoch:
-            engine.last_beat = now
-            if not engine.alive and engine.pid == pid:
-                engine.alive = True  # a missed dispatch, now answering again under the same epoch
-            self.dispatch_waiting()
+            # A worker declared failed stays failed, even if it wakes up or a heartbeat it sent
+            # before dying arrives late: only a new epoch brings the engine back.
+            if engine.alive:
+                engine.last_beat = now
             return
         if engine is not None and epoch < engine.epoch:
             return  # an old worker still talking: fenced off

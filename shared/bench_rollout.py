@@ -1,0 +1,309 @@
+"""`belayer bench rollout`: what the router and its token log cost, and what a failure costs.
+
+Every figure is printed next to its baseline from the same run:
+- failure-free throughput of N concurrent requests through the router vs the same requests sent
+  straight to the worker (Dispatch to its subject, chunks to our inbox), alternated round by round;
+- recovery after a worker SIGKILL: time from the kill to each interrupted request's next token and
+  tokens regenerated, vs restarting the request from its prompt (time to regain the same position);
+- recovery after a router SIGKILL: the same, with tokens regenerated bounded by k;
+- token-log cost: JetStream append time per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvloop
+from nats.aio.msg import Msg
+
+from belayer_rl.services.router import token_log
+from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.cluster import Supervisor, local_cluster
+from belayer_rl.shared.config import ClusterConfig
+from belayer_rl.shared.protocol import Dispatch, LogChunk, TokenChunk, WorkerChunk, WorkerDone
+
+PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    rollout = kinds.add_parser("rollout", help="router overhead, recovery vs restart, token-log cost")
+    rollout.add_argument("--presets", default="tiny,base", help="comma-separated model presets")
+    rollout.add_argument("--requests", type=int, default=8, help="concurrent requests")
+    rollout.add_argument("--max-tokens", type=int, default=96, help="tokens per request")
+    rollout.add_argument("--rounds", type=int, default=5, help="rounds of each path, alternated")
+    rollout.add_argument("--chunk-tokens", type=int, default=256, help="k of the token log")
+    rollout.add_argument("--json", action="store_true", help="print one JSON object")
+    rollout.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = uvloop.run(bench(args))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+    return 0
+
+
+async def bench(args: argparse.Namespace) -> dict[str, object]:
+    report: dict[str, object] = {"host_cpus": os.cpu_count(), "presets": {}}
+    for preset in args.presets.split(","):
+        with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
+            config = ClusterConfig(
+                state_dir=Path(state), engines=2, preset=preset, chunk_tokens=args.chunk_tokens
+            )
+            async with local_cluster(config) as supervisor:
+                client = Client(await bus.connect(supervisor.nats_url, "bench"))
+                async with client:
+                    await client.wait_for_engines(2, 300)
+                    figures = {
+                        "overhead": await overhead(client, args),
+                        "worker_kill": await recovery(client, supervisor, args, kill_router=False),
+                        "router_kill": await recovery(client, supervisor, args, kill_router=True),
+                        "token_log": await log_cost(client, args.chunk_tokens),
+                    }
+        report["presets"][preset] = figures  # type: ignore[index]
+    return report
+
+
+# ---------------------------------------------------------------- failure-free overhead
+
+
+async def overhead(client: Client, args: argparse.Namespace) -> dict[str, object]:
+    status = await client.wait_for_engines(2, 60)
+    engine = status.engines[0]
+    kv = await client.nc.jetstream().key_value(subjects.ENGINE_REGISTRY_BUCKET)
+    entry, _ = await registry.read(kv, engine.engine_id)
+    assert entry is not None
+    routed, direct = [], []
+    await through_router(client, args, args.requests)  # warm-up of both paths
+    await straight_to_worker(client, entry.engine_id, entry.epoch, args, args.requests)
+    for _ in range(args.rounds):
+        routed.append(await through_router(client, args, args.requests))
+        direct.append(await straight_to_worker(client, entry.engine_id, entry.epoch, args, args.requests))
+    r, d = statistics.median(routed), statistics.median(direct)
+    return {
+        "router_tokens_per_s": round(r, 1),
+        "router_spread": [round(min(routed), 1), round(max(routed), 1)],
+        "direct_tokens_per_s": round(d, 1),
+        "direct_spread": [round(min(direct), 1), round(max(direct), 1)],
+        "overhead_pct": round(100 * (d - r) / d, 2),
+        "rounds": args.rounds,
+    }
+
+
+async def through_router(client: Client, args: argparse.Namespace, n: int) -> float:
+    """Tokens/s of n concurrent requests through the router."""
+    t0 = time.perf_counter()
+    results = await asyncio.gather(
+        *(client.generate_all(PROMPT, max_tokens=args.max_tokens, seed=i, temperature=0.8) for i in range(n))
+    )
+    return sum(len(r.tokens) for r in results) / (time.perf_counter() - t0)
+
+
+async def straight_to_worker(
+    client: Client, engine_id: str, epoch: int, args: argparse.Namespace, n: int
+) -> float:
+    """Tokens/s of the same requests dispatched straight to the workers: no router, no log.
+    The router spreads requests over both engines, so this path splits them round robin."""
+    status = await client.status()
+    engines = [(e.engine_id, e.epoch) for e in status.engines if e.alive] or [(engine_id, epoch)]
+    inbox = client.nc.new_inbox()
+    done = asyncio.Event()
+    tokens = 0
+    finished = 0
+    decoder = protocol.decoder_for(protocol.WorkerStream)
+
+    async def on_message(msg: Msg) -> None:
+        nonlocal tokens, finished
+        item = protocol.decode(decoder, msg.data)
+        if isinstance(item, WorkerChunk):
+            tokens += len(item.tokens)
+        elif isinstance(item, WorkerDone):
+            finished += 1
+            if finished == n:
+                done.set()
+
+    sub = await client.nc.subscribe(inbox, cb=on_message)
+    t0 = time.perf_counter()
+    for i in range(n):
+        target, target_epoch = engines[i % len(engines)]
+        dispatch = Dispatch(
+            request_id=uuid.uuid4().hex,
+            attempt=1,
+            epoch=target_epoch,
+            engine_id=target,
+            prompt_tokens=tokenizer.encode(PROMPT),
+            max_tokens=args.max_tokens,
+            seed=i,
+            temperature=0.8,
+            reply_to=inbox,
+        )
+        await bus.request(client.nc, subjects.worker_dispatch(target), dispatch, 5.0)
+    await done.wait()
+    elapsed = time.perf_counter() - t0
+    await sub.unsubscribe()
+    return tokens / elapsed
+
+
+# ---------------------------------------------------------------- recovery
+
+
+@dataclass
+class Stream:
+    request_id: str
+    positions: list[tuple[float, int]]  # (arrival time, tokens so far)
+    tokens: list[int]
+
+
+async def follow(
+    client: Client,
+    seed: int,
+    max_tokens: int,
+    streams: dict[int, Stream],
+    progress: asyncio.Event | None = None,
+) -> None:
+    async for item in client.generate(PROMPT, max_tokens=max_tokens, seed=seed, temperature=0.8):
+        if isinstance(item, TokenChunk):
+            stream = streams.setdefault(seed, Stream(item.request_id, [], []))
+            stream.tokens.extend(item.tokens)
+            stream.positions.append((time.perf_counter(), len(stream.tokens)))
+            if progress is not None:
+                progress.set()
+
+
+async def recovery(
+    client: Client, supervisor: Supervisor, args: argparse.Namespace, *, kill_router: bool
+) -> dict[str, object]:
+    """Kill the worker serving the first request (or the router) mid-decode; time the recovery."""
+    await client.wait_for_engines(2, 120)
+    max_tokens = args.max_tokens * 4
+    streams: dict[int, Stream] = {}
+    seeds = range(1000, 1000 + args.requests)
+    progress = asyncio.Event()
+    running = [asyncio.create_task(follow(client, s, max_tokens, streams, progress)) for s in seeds]
+    # Fail over once requests are well into their decode (random weights may end some early).
+    while True:
+        progress.clear()
+        await progress.wait()
+        status = await client.status()
+        busy = [r for r in status.requests if r.engine_id and r.num_tokens >= args.max_tokens]
+        if busy:
+            break
+    if kill_router:
+        victim_pid = supervisor.children["router"].pid
+        in_flight = {r.request_id for r in status.requests}
+    else:
+        engine_id = busy[0].engine_id
+        victim_pid = next(e.pid for e in status.engines if e.engine_id == engine_id)
+        in_flight = {r.request_id for r in status.requests if r.engine_id == engine_id}
+    interrupted = {s for s, stream in streams.items() if stream.request_id in in_flight}
+    had = {s: len(streams[s].tokens) for s in interrupted}
+    resumed_from: dict[str, int] = {}  # request id -> position its first resume started from
+
+    async def on_resumed(event: protocol.RequestResumed) -> None:
+        resumed_from.setdefault(event.request_id, event.from_position)
+
+    sub = await bus.listen(
+        client.nc, subjects.event("request_resumed", "*"), protocol.RequestResumed, on_resumed
+    )
+    killed_at = time.perf_counter()
+    os.kill(victim_pid, signal.SIGKILL)
+    await asyncio.gather(*running)
+    await sub.unsubscribe()
+    # Tokens the client had already seen that the resumed attempt had to compute again.
+    regenerated = [
+        max(0, had[s] - resumed_from[streams[s].request_id])
+        for s in interrupted
+        if streams[s].request_id in resumed_from
+    ]
+
+    # Time from the kill to the first token computed by the resumed attempt.
+    to_next_token = []
+    for s in interrupted:
+        stream = streams[s]
+        start = resumed_from.get(stream.request_id)
+        after = [t for t, n in stream.positions if start is not None and n > start and t > killed_at]
+        if after:
+            to_next_token.append(after[0] - killed_at)
+    # Baseline: the same interrupted requests restarted from the prompt; time to regain position.
+    restart_streams: dict[int, Stream] = {}
+    t0 = time.perf_counter()
+    await asyncio.gather(*(follow(client, s, max(had[s], 1), restart_streams) for s in interrupted))
+    baseline = time.perf_counter() - t0
+    return {
+        "interrupted_requests": len(interrupted),
+        "time_to_next_token_s": summary(to_next_token),
+        "resumed_requests": len(regenerated),
+        "tokens_regenerated_max": max(regenerated, default=None),
+        "tokens_regenerated_total": sum(regenerated),
+        "restart_from_prompt_s": round(baseline, 3),
+        "restart_tokens_regenerated": sum(had.values()),
+        "speedup_vs_restart": round(baseline / statistics.median(to_next_token), 1)
+        if to_next_token
+        else None,
+    }
+
+
+def summary(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {
+        "p50": round(statistics.median(ordered), 4),
+        "max": round(ordered[-1], 4),
+        "n": len(ordered),
+    }
+
+
+# ---------------------------------------------------------------- token-log cost
+
+
+async def log_cost(client: Client, k: int, chunks: int = 200) -> dict[str, float]:
+    js = client.nc.jetstream()
+    request_id = f"bench-{uuid.uuid4().hex[:12]}"
+    tokens = list(range(k))
+    t0 = time.perf_counter()
+    for i in range(chunks):
+        await token_log.append(
+            js, LogChunk(request_id=request_id, index=i, position=i * k, tokens=tokens, attempt=1)
+        )
+    elapsed = time.perf_counter() - t0
+    await js.purge_stream(subjects.TOKEN_LOG_STREAM, subject=subjects.token_log(request_id))
+    return {
+        "append_ms_per_chunk": round(1000 * elapsed / chunks, 3),
+        "append_us_per_token": round(1e6 * elapsed / (chunks * k), 3),
+        "chunk_tokens": k,
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+def print_table(report: dict[str, object]) -> None:
+    for preset, figures in report["presets"].items():  # type: ignore[union-attr]
+        o, w, r, t = figures["overhead"], figures["worker_kill"], figures["router_kill"], figures["token_log"]
+        print(f"\npreset {preset}")
+        print(f"  tokens/s via router   {o['router_tokens_per_s']:>9}  spread {o['router_spread']}")
+        print(f"  tokens/s direct       {o['direct_tokens_per_s']:>9}  spread {o['direct_spread']}")
+        print(f"  router overhead       {o['overhead_pct']:>8}%  ({o['rounds']} alternated rounds each)")
+        for name, f in (("worker kill", w), ("router kill", r)):
+            print(
+                f"  {name}: next token {f['time_to_next_token_s']} s, regenerated max {f['tokens_regenerated_max']} per request;"
+                f" restart from prompt {f['restart_from_prompt_s']} s, regenerated"
+                f" {f['restart_tokens_regenerated']}; ratio {f['speedup_vs_restart']}x"
+            )
+        print(
+            f"  token log: {t['append_us_per_token']} us/token ({t['append_ms_per_chunk']} ms per {t['chunk_tokens']}-token chunk)"
+        )
