@@ -6,15 +6,18 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
 from belayer_rl.shared import bus, protocol, subjects, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.cluster import Supervisor, local_cluster, start_nats_server
 from belayer_rl.shared.config import ClusterConfig
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -126,3 +129,18 @@ class EventLog:
 
 def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
     os.kill(pid, sig)
+
+
+async def poll(check: Callable[[], Awaitable[T | None]], timeout_s: float = 60, every_s: float = 0.01) -> T:
+    """Call `check` until it returns something other than None (for state only reachable by asking)."""
+    async with asyncio.timeout(timeout_s):
+        while (found := await check()) is None:  # noqa: ASYNC110 - the state lives in another process
+            await asyncio.sleep(every_s)
+    return found
+
+
+async def busy_requests(client: Client, low: int, high: int) -> list[protocol.RequestStatus] | None:
+    """The requests in flight with low < tokens < high, or None while there are none such."""
+    status = await client.status()
+    found = [r for r in status.requests if r.engine_id and low < r.num_tokens < high]
+    return found or None
