@@ -513,3 +513,158 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
     k: Step
     context_digest: Digest = ""
     context_len: Annotated[int, Meta(ge=0)] = 0
+
+
+# ---------------------------------------------------------------- weight and KV servers
+# The weight server owns the model weights, one shared-memory segment per version; the kv-server
+# owns each engine's KV arena, one segment per engine. Both reply with handles a worker maps
+# without copying (services/worker/shm.py): a segment name and a byte layout, plus a CUDA IPC
+# handle when the data lives on a GPU. `instance` changes whenever a server restarts, so a handle
+# from a dead instance is recognisable (its segments were removed by the restarted server).
+
+WeightVersion = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_:-]+$")]
+HolderId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_:-]{1,128}$")]
+SegmentName = Annotated[str, Meta(max_length=200, pattern=r"^[A-Za-z0-9_.-]*$")]
+InstanceId = Annotated[str, Meta(pattern=r"^[0-9a-f]{1,32}$")]
+TensorDType = Literal["float32", "float16", "bfloat16", "uint8", "int64"]
+ByteCount = Annotated[int, Meta(ge=0, le=1 << 46)]
+
+
+class TensorLayout(Message, tag="tensor_layout", kw_only=True):
+    """One tensor inside a segment: C-contiguous `shape` of `dtype` at byte `offset` (64-aligned)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    shape: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=8)]
+    dtype: TensorDType
+    offset: ByteCount
+    nbytes: ByteCount
+
+
+class CudaIpcHandle(Message, tag="cuda_ipc", kw_only=True):
+    """torch's CUDA IPC export of one uint8 buffer laid out like the segment (same offsets)."""
+
+    device: Annotated[int, Meta(ge=0)]
+    handle: bytes
+    storage_size_bytes: ByteCount
+    storage_offset_bytes: ByteCount
+    ref_counter_handle: bytes
+    ref_counter_offset: ByteCount
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+class SegmentManifest(Message, tag="segment_manifest", kw_only=True):
+    """Written at the head of every segment and repeated in the handles: a mapper checks both agree."""
+
+    owner: Literal["weights", "kv"]
+    key: str  # the weight version, or the engine id
+    instance: InstanceId
+    size: ByteCount  # bytes of the whole segment
+    tensors: Annotated[list[TensorLayout], Meta(max_length=4096)]
+
+
+class WeightHandles(Message, tag="weight_handles", kw_only=True):
+    version: WeightVersion
+    segment: SegmentName  # a file name under /dev/shm
+    manifest: SegmentManifest
+    cuda: CudaIpcHandle | None = None  # set when the server holds the weights on a GPU
+
+
+class ArenaHandle(Message, tag="arena_handle", kw_only=True):
+    engine_id: EngineId
+    preset: Annotated[str, Meta(min_length=1, max_length=64)]
+    num_blocks: Annotated[int, Meta(ge=1)]
+    block_size: Annotated[int, Meta(ge=1)]
+    segment: SegmentName
+    manifest: SegmentManifest  # one tensor, "arena", shaped as kv_cache.arena_shape
+    cuda: CudaIpcHandle | None = None
+
+
+class WeightsList(Message, tag="weights_list", kw_only=True):
+    pass
+
+
+class WeightsHandlesRequest(Message, tag="weights_handles", kw_only=True):
+    version: WeightVersion | None = None  # None: the newest
+
+
+class WeightsPin(Message, tag="weights_pin", kw_only=True):
+    """Pin a version for `holder`, a process `pid` on this host; the reply is its handles, so a
+    holder that pins first and then maps can never map a freed version."""
+
+    version: WeightVersion | None = None  # None: the newest
+    holder: HolderId
+    pid: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)]
+
+
+class WeightsUnpin(Message, tag="weights_unpin", kw_only=True):
+    version: WeightVersion
+    holder: HolderId
+
+
+class WeightsPublish(Message, tag="weights_publish", kw_only=True):
+    """Load a weights file (written by model.save_params) as a new version and make it the newest."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class ServerPing(Message, tag="server_ping", kw_only=True):
+    pass
+
+
+class WeightVersionInfo(Message, tag="weight_version_info", kw_only=True):
+    version: WeightVersion
+    segment: SegmentName
+    size: ByteCount
+    holders: list[HolderId]
+
+
+class WeightVersions(Message, tag="weight_versions", kw_only=True):
+    newest: WeightVersion
+    versions: list[WeightVersionInfo]
+
+
+class WeightServerAlive(Message, tag="weight_server_alive", kw_only=True):
+    pid: int
+    instance: InstanceId
+    newest: WeightVersion
+    versions: list[WeightVersion]
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class WeightsPublished(Message, tag="weights_published", kw_only=True):
+    """Event `belayer.evt.weights_published.<version>`: a new newest version is mapped and ready."""
+
+    version: WeightVersion
+    segment: SegmentName
+    size: ByteCount
+    previous: str  # the version that was newest before
+
+
+class KvArenaRequest(Message, tag="kv_arena", kw_only=True):
+    """The engine's arena: created zeroed on the first call, the same segment after; a different
+    shape for an existing engine is refused ("shape-mismatch")."""
+
+    engine_id: EngineId
+    preset: Annotated[str, Meta(min_length=1, max_length=64)]
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 24)]
+    block_size: Annotated[int, Meta(ge=1, le=1 << 12)]
+
+
+class KvFlush(Message, tag="kv_flush", kw_only=True):
+    """Zero the engine's arena (a real write of every byte)."""
+
+    engine_id: EngineId
+
+
+class KvRelease(Message, tag="kv_release", kw_only=True):
+    """Free the engine's arena (its segment is unlinked; existing mappings stay valid)."""
+
+    engine_id: EngineId
+
+
+class KvServerAlive(Message, tag="kv_server_alive", kw_only=True):
+    pid: int
+    instance: InstanceId
+    engines: list[EngineId]
+    device: Literal["cpu", "cuda"] = "cpu"

@@ -57,3 +57,24 @@ def sandbox_rpc(host_id: str, verb: str) -> str:
 
 def sandbox_rpc_all(host_id: str) -> str:
     return f"{SANDBOX_PREFIX}.{host_id}.*"
+
+
+# Weight and KV servers: one of each per host (they own that host's shared memory), so no queue
+# group. Events: belayer.evt.weights_published.<version>.
+WEIGHTS_PREFIX = f"{PREFIX}.weights"
+WEIGHTS_LIST = f"{WEIGHTS_PREFIX}.list"
+WEIGHTS_HANDLES = f"{WEIGHTS_PREFIX}.handles"
+WEIGHTS_PIN = f"{WEIGHTS_PREFIX}.pin"
+WEIGHTS_UNPIN = f"{WEIGHTS_PREFIX}.unpin"
+WEIGHTS_PUBLISH = f"{WEIGHTS_PREFIX}.publish"
+WEIGHTS_PING = f"{WEIGHTS_PREFIX}.ping"
+
+KV_PREFIX = f"{PREFIX}.kv"
+KV_ARENA = f"{KV_PREFIX}.arena"
+KV_FLUSH = f"{KV_PREFIX}.flush"
+KV_RELEASE = f"{KV_PREFIX}.release"
+KV_PING = f"{KV_PREFIX}.ping"
+
+
+def weights_published(version: str) -> str:
+    return event("weights_published", version)
