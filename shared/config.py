@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 NATS_URL_ENV = "BELAYER_NATS_URL"
 STATE_DIR_ENV = "BELAYER_STATE_DIR"
@@ -67,6 +68,13 @@ class WorkerConfig:
     num_blocks: int = 512
     max_step_tokens: int = 128
     heartbeat_interval_s: float = 0.2
+    # Under a shadow supervisor: "main" serves, "shadow" pre-initialises and waits for a handover.
+    role: Literal["standalone", "main", "shadow"] = "standalone"
+    heartbeat_file: Path | None = None  # mtime refreshed by the scheduling loop
+    shared_memory: bool = False  # map weights and KV arena from the weight and KV servers
+    watch_pid: int = 0  # shadow: the main it stands behind
+    watch_file: Path | None = None  # shadow: the main's heartbeat file
+    hang_timeout_s: float = 1.0  # shadow: main's heartbeat file older than this is a hang
 
     def __post_init__(self) -> None:
         _positive("--num-blocks", self.num_blocks)
@@ -74,6 +82,9 @@ class WorkerConfig:
         _positive("--heartbeat-interval", self.heartbeat_interval_s)
         if self.weights_path is not None and not self.weights_path.is_file():
             raise ConfigError(f"--weights {self.weights_path} is not a file")
+        if self.role == "shadow" and (self.watch_pid <= 0 or self.watch_file is None):
+            raise ConfigError("--role shadow needs --watch-pid and --watch-file")
+        _positive("--hang-timeout", self.hang_timeout_s)
 
 
 @dataclass(frozen=True)

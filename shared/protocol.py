@@ -203,7 +203,39 @@ class RouterStarted(Message, tag="router_started", kw_only=True):
     resumed_requests: int
 
 
-Event = Heartbeat | WorkerFailed | RequestResumed | RequestFailed | ProcessEvent | RouterStarted
+class Handover(Message, tag="handover", kw_only=True):
+    """An engine's worker was replaced. `path` is "shadow" (the pre-initialised shadow took over,
+    reusing weights and arena) or "cold" (a worker from scratch; `cold_reason` says why)."""
+
+    engine_id: EngineId
+    reason: str  # what failed: "exit" or "hang"
+    path: Literal["shadow", "cold"]
+    cold_reason: str = ""
+    old_pid: int
+    new_pid: int
+    epoch: Epoch
+    detected_at: float  # wall-clock time the failure was noticed
+    phases_ms: dict[str, float]  # kill confirmed, servers checked, arena flushed, promoted
+
+
+class EngineQuarantined(Message, tag="engine_quarantined", kw_only=True):
+    """An alert: the engine failed again inside the window; its device is treated as unhealthy."""
+
+    engine_id: EngineId
+    failures: int
+    window_s: float
+
+
+Event = (
+    Heartbeat
+    | WorkerFailed
+    | RequestResumed
+    | RequestFailed
+    | ProcessEvent
+    | RouterStarted
+    | Handover
+    | EngineQuarantined
+)
 
 # ---------------------------------------------------------------- JetStream records
 

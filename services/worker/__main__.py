@@ -11,14 +11,25 @@ import signal
 from pathlib import Path
 
 import uvloop
+from nats.aio.client import Client as NATS
 
+from belayer_rl.services.worker import shadow, shm
 from belayer_rl.services.worker.engine import Engine, EngineConfig
 from belayer_rl.services.worker.worker import Worker
 from belayer_rl.shared import bus, registry, subjects
 from belayer_rl.shared.config import WorkerConfig, resolve_nats_url
-from belayer_rl.shared.protocol import CancelDispatch, Dispatch
+from belayer_rl.shared.protocol import (
+    ArenaHandle,
+    CancelDispatch,
+    Dispatch,
+    KvArenaRequest,
+    WeightHandles,
+    WeightsPin,
+)
 
 log = logging.getLogger("belayer.worker")
+SERVER_TIMEOUT_S = 10.0  # pinning maps nothing yet, but a big version may still be loading
+BLOCK_SIZE = 16
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -31,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--num-blocks", type=int, default=512, help="KV arena size in blocks")
     parser.add_argument("--max-step-tokens", type=int, default=128, help="prefill chunk budget per step")
     parser.add_argument("--heartbeat-interval", type=float, default=0.2, help="seconds between heartbeats")
+    parser.add_argument("--role", choices=["standalone", "main", "shadow"], default="standalone")
+    parser.add_argument("--heartbeat-file", type=Path, help="file whose mtime the scheduling loop refreshes")
+    parser.add_argument("--shared-memory", action="store_true", help="map weights and arena from the servers")
+    parser.add_argument("--watch-pid", type=int, default=0, help="shadow: pid of the main")
+    parser.add_argument("--watch-file", type=Path, help="shadow: the main's heartbeat file")
+    parser.add_argument("--hang-timeout", type=float, default=1.0, help="shadow: stale heartbeat file (s)")
     args = parser.parse_args(argv)
     return WorkerConfig(
         nats_url=resolve_nats_url(args.nats),
@@ -41,33 +58,61 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         num_blocks=args.num_blocks,
         max_step_tokens=args.max_step_tokens,
         heartbeat_interval_s=args.heartbeat_interval,
+        role=args.role,
+        heartbeat_file=args.heartbeat_file,
+        shared_memory=args.shared_memory,
+        watch_pid=args.watch_pid,
+        watch_file=args.watch_file,
+        hang_timeout_s=args.hang_timeout,
     )
 
 
-def build_engine(config: WorkerConfig) -> Engine:
-    return Engine(
-        EngineConfig(
-            preset=config.preset,
-            weights_seed=config.weights_seed,
-            weights_path=config.weights_path,
-            num_blocks=config.num_blocks,
-            max_step_tokens=config.max_step_tokens,
-        )
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
+        preset=config.preset,
+        weights_seed=config.weights_seed,
+        weights_path=config.weights_path,
+        num_blocks=config.num_blocks,
+        max_step_tokens=config.max_step_tokens,
     )
+
+
+async def build_engine(config: WorkerConfig, nc: NATS) -> Engine:
+    """The engine, with its own weights and arena, or mapped from the weight and KV servers."""
+    if not config.shared_memory:
+        return await asyncio.to_thread(Engine, engine_config(config))
+    holder = f"{config.engine_id}:{os.getpid()}"
+    pin = WeightsPin(holder=holder, pid=os.getpid())
+    weights = await bus.request_struct(nc, subjects.WEIGHTS_PIN, pin, WeightHandles, SERVER_TIMEOUT_S)
+    ask = KvArenaRequest(
+        engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE
+    )
+    arena = await bus.request_struct(nc, subjects.KV_ARENA, ask, ArenaHandle, SERVER_TIMEOUT_S)
+    params = await asyncio.to_thread(shm.map_weights, weights)
+    tensor = await asyncio.to_thread(shm.map_arena, arena)
+    return Engine(engine_config(config), params, tensor, weight_version=weights.version)
 
 
 async def serve(config: WorkerConfig) -> None:
-    engine = await asyncio.to_thread(build_engine, config)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
     async with contextlib.AsyncExitStack() as stack:
         nc = await bus.connect(config.nats_url, f"worker-{config.engine_id}")
         stack.push_async_callback(nc.close)
         kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
+        engine = await build_engine(config, nc)
+        if config.role == "shadow":
+            # Everything needed to serve is built; now idle until the supervisor hands over.
+            if not await shadow.stand_by(config, stopping):
+                return
+            healthy, why = await asyncio.to_thread(shadow.device_check, engine)
+            if not healthy:
+                shadow.report(f"unhealthy {why}")
+                return
         epoch = await registry.install_worker(kv, config.engine_id, os.getpid())
-        worker = Worker(config, nc, engine, epoch)
-
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stopping.set)
+        worker = Worker(config, nc, engine, epoch, stopping)
 
         subscriptions = [
             await bus.serve(nc, subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
@@ -75,11 +120,13 @@ async def serve(config: WorkerConfig) -> None:
         ]
         await bus.publish(nc, subjects.event("worker_registered", config.engine_id), worker.registration())
         log.info("engine %s serving at epoch %d (pid %d)", config.engine_id, epoch, os.getpid())
+        if config.role != "standalone":
+            shadow.report(f"ready {epoch}")
 
         async with asyncio.TaskGroup() as tasks:
             engine_task = tasks.create_task(worker.run_engine())
             beat_task = tasks.create_task(worker.heartbeat())
-            await worker.stopping.wait()
+            await stopping.wait()
             for sub in subscriptions:  # stop intake first
                 await sub.unsubscribe()
             worker.wake.set()

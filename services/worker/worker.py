@@ -52,7 +52,9 @@ class Attempt:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, nc: NATS, engine: Engine, epoch: int) -> None:
+    def __init__(
+        self, config: WorkerConfig, nc: NATS, engine: Engine, epoch: int, stopping: asyncio.Event
+    ) -> None:
         self.config = config
         self.nc = nc
         self.engine = engine
@@ -61,7 +63,7 @@ class Worker:
         self.ops: list[Callable[[], None]] = []  # engine calls queued for the gap between steps
         self.rejected: list[tuple[Attempt, str]] = []  # submits the engine refused, to report
         self.wake = asyncio.Event()
-        self.stopping = asyncio.Event()
+        self.stopping = stopping
 
     # ------------------------------------------------------------ handlers
 
@@ -114,7 +116,12 @@ class Worker:
         self.engine.cancel(key)
 
     async def run_engine(self) -> None:
+        """The scheduling loop. Each turn refreshes the heartbeat file's mtime, so a stuck step
+        (or a frozen process) shows as a stale file to whoever watches it."""
+        idle_wait_s = self.config.heartbeat_interval_s
         while not self.stopping.is_set():
+            if self.config.heartbeat_file is not None:
+                self.config.heartbeat_file.touch()
             ops, self.ops = self.ops, []
             for op in ops:
                 op()
@@ -124,7 +131,8 @@ class Worker:
             if not self.engine.has_work():
                 self.wake.clear()
                 if not self.ops:
-                    await self.wake.wait()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), idle_wait_s)
                 continue
             events = await asyncio.to_thread(self.engine.step)
             for event in events:
