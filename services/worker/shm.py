@@ -22,6 +22,7 @@ import fcntl
 import math
 import mmap
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -43,6 +44,7 @@ SHM_DIR = Path("/dev/shm")
 ALIGN = 64
 MAGIC = b"BLYRSEG1"
 _HEAD = struct.Struct("<8sQ")  # magic, manifest length
+PREFIX_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # a server's --shm-prefix
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -184,6 +186,10 @@ class PrefixLock:
 
 class PrefixBusy(RuntimeError):
     pass
+
+
+def prefix_ok(prefix: str) -> bool:
+    return re.fullmatch(PREFIX_PATTERN, prefix) is not None
 
 
 def remove_leftovers(prefix: str, keep: tuple[str, ...] = ()) -> list[str]:

@@ -1,0 +1,280 @@
+"""The weight server: owns the model weights of one host, one shared-memory segment per version.
+
+It loads or creates the weights once, writes each version into its own segment (see
+services/worker/shm.py for the format) and hands out handles that workers map read-only without a
+copy. Holders pin the versions they serve; a version nobody pins, other than the newest, is freed
+(its segment unlinked: mappings that still exist stay valid until dropped). Pins carry the
+holder's pid, and a periodic sweep drops the pins of processes that died, so a crashed worker
+never keeps a version alive. On a GPU each version is also uploaded once and exported as a CUDA
+IPC handle.
+
+Knows nothing about engines or requests: a version is a name and a set of tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from nats.aio.client import Client as NATS
+
+from belayer_rl.services.worker import shm
+from belayer_rl.services.worker.model import (
+    PRESETS,
+    Params,
+    check_params,
+    init_params,
+    load_params,
+    seed_version,
+)
+from belayer_rl.shared import bus, subjects
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import ConfigError
+from belayer_rl.shared.protocol import (
+    Ack,
+    ServerPing,
+    WeightHandles,
+    WeightServerAlive,
+    WeightsHandlesRequest,
+    WeightsList,
+    WeightsPin,
+    WeightsPublish,
+    WeightsPublished,
+    WeightsUnpin,
+    WeightVersionInfo,
+    WeightVersions,
+)
+
+log = logging.getLogger("belayer.weight_server")
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class WeightServerConfig:
+    nats_url: str
+    preset: str
+    shm_prefix: str
+    weights_seed: int = 0
+    weights_path: Path | None = None  # overrides weights_seed
+    device: Literal["cpu", "cuda"] = "cpu"
+    sweep_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
+        if not shm.prefix_ok(self.shm_prefix):
+            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {shm.PREFIX_PATTERN}")
+        if self.weights_path is not None and not self.weights_path.is_file():
+            raise ConfigError(f"--weights {self.weights_path} is not a file")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: torch sees no CUDA device")
+        if not self.sweep_interval_s > 0:
+            raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
+
+
+# ---------------------------------------------------------------------------- holders
+
+
+def process_start(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of process `pid`, or None if it does not exist.
+
+    A pin records it with the pid, so a pid reused by an unrelated process does not keep a
+    dead holder's pin alive."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):  # a zombie is dead for our purposes
+        return None
+    return int(fields[19])  # field 22 of stat(5), counted after the comm field
+
+
+# ---------------------------------------------------------------------------- state
+
+
+@dataclass
+class Version:
+    segment: shm.Segment
+    handles: WeightHandles
+    gpu: torch.Tensor | None = None  # uint8 [size] on the GPU, laid out like the segment
+    holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # holder -> (pid, start)
+
+    def info(self) -> WeightVersionInfo:
+        return WeightVersionInfo(
+            version=self.handles.version,
+            segment=self.segment.name,
+            size=self.segment.manifest.size,
+            holders=sorted(self.holders),
+        )
+
+
+class WeightServer:
+    """All state lives on the event loop; only loading and copying run in threads."""
+
+    def __init__(self, config: WeightServerConfig) -> None:
+        self.config = config
+        self.instance = secrets.token_hex(8)
+        self.lock = shm.PrefixLock(f"{config.shm_prefix}.w.")
+        if self.lock.removed:
+            log.warning(
+                "removed %d segments left by an earlier instance: %s",
+                len(self.lock.removed),
+                self.lock.removed,
+            )
+        self.versions: dict[str, Version] = {}  # insertion order = publication order
+        self.newest = ""
+        self._serial = 0
+        self._publishing = asyncio.Lock()
+        self.nc: NATS | None = None  # set once connected; publish announces on it
+
+    # ------------------------------------------------------------------ versions
+
+    def build(self, params: Params, version: str, serial: int) -> Version:
+        """Write `params` into a new segment (and the GPU); runs in a thread, touches no state."""
+        check_params(PRESETS[self.config.preset], params)
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in params.items()]
+        manifest = shm.plan("weights", version, self.instance, specs)
+        segment = shm.Segment(f"{self.config.shm_prefix}.w.{self.instance}.{serial}", manifest)
+        try:
+            for name, tensor in params.items():
+                segment.tensors[name].copy_(tensor)
+            gpu, cuda = None, None
+            if self.config.device == "cuda":
+                gpu = segment.buffer.to("cuda")
+                cuda = shm.export_cuda(gpu)
+        except BaseException:
+            segment.close()
+            segment.unlink()
+            raise
+        handles = WeightHandles(version=version, segment=segment.name, manifest=manifest, cuda=cuda)
+        return Version(segment=segment, handles=handles, gpu=gpu)
+
+    async def add(self, load: Callable[[], tuple[Params, str]]) -> Version:
+        """Load (params, version) with `load` in a thread, build its segment, make it the newest."""
+        async with self._publishing:
+            params, version = await asyncio.to_thread(load)
+            if version not in self.versions:
+                self._serial += 1
+                try:
+                    built = await asyncio.to_thread(self.build, params, version, self._serial)
+                except OSError as exc:  # /dev/shm full, most likely
+                    raise ServiceError("no-space", f"cannot hold version {version}: {exc}") from None
+                self.versions[version] = built
+                log.info(
+                    "version %s in %s (%d bytes)", version, built.segment.name, built.segment.manifest.size
+                )
+            self.newest = version
+            self.collect()
+            return self.versions[version]
+
+    async def load_initial(self) -> None:
+        c = self.config
+        if c.weights_path is not None:
+            await self.add(lambda: load_params(c.weights_path))
+        else:
+            await self.add(
+                lambda: (
+                    init_params(PRESETS[c.preset], c.weights_seed),
+                    seed_version(c.weights_seed, c.preset),
+                )
+            )
+
+    def get(self, version: str | None) -> Version:
+        found = self.versions.get(version or self.newest)
+        if found is None:
+            raise ServiceError("unknown-version", f"no version {version!r}; have {list(self.versions)}")
+        return found
+
+    def free(self, version: str) -> None:
+        gone = self.versions.pop(version)
+        gone.segment.unlink()
+        gone.segment.close()
+        gone.gpu = None
+        log.info("freed version %s (%s)", version, gone.segment.name)
+
+    def collect(self) -> None:
+        """Free every version no holder pins, except the newest."""
+        for version, entry in list(self.versions.items()):
+            if version != self.newest and not entry.holders:
+                self.free(version)
+
+    def sweep(self) -> None:
+        """Drop the pins of holders whose process is gone, then collect."""
+        for version, entry in self.versions.items():
+            for holder, (pid, start) in list(entry.holders.items()):
+                if process_start(pid) != start:
+                    del entry.holders[holder]
+                    log.warning("dropped pin of %s on %s: pid %d is gone", holder, version, pid)
+        self.collect()
+
+    def close(self) -> None:
+        """Free everything and leave nothing in /dev/shm."""
+        for version in list(self.versions):
+            self.free(version)
+        self.lock.release()
+
+    # ------------------------------------------------------------------ handlers
+
+    async def on_list(self, _: WeightsList) -> WeightVersions:
+        return WeightVersions(newest=self.newest, versions=[v.info() for v in self.versions.values()])
+
+    async def on_handles(self, request: WeightsHandlesRequest) -> WeightHandles:
+        return self.get(request.version).handles
+
+    async def on_pin(self, request: WeightsPin) -> WeightHandles:
+        entry = self.get(request.version)
+        start = process_start(request.pid)
+        if start is None:
+            raise ServiceError("dead-holder", f"pid {request.pid} is not a live process on this host")
+        entry.holders[request.holder] = (request.pid, start)
+        return entry.handles
+
+    async def on_unpin(self, request: WeightsUnpin) -> Ack:
+        entry = self.get(request.version)
+        if entry.holders.pop(request.holder, None) is None:
+            return Ack(detail="not pinned")
+        self.collect()
+        return Ack(detail="unpinned")
+
+    async def on_publish(self, request: WeightsPublish) -> WeightHandles:
+        path = Path(request.path)
+        if not path.is_absolute():
+            raise ServiceError("bad-weights", f"{request.path} is not an absolute path")
+        previous = self.newest
+
+        def load() -> tuple[Params, str]:
+            if not path.is_file():
+                raise ServiceError("bad-weights", f"{request.path} is not a file")
+            try:
+                params, version = load_params(path)
+                check_params(PRESETS[self.config.preset], params)
+            except Exception as exc:
+                raise ServiceError("bad-weights", f"{request.path}: {type(exc).__name__}: {exc}") from None
+            return params, version
+
+        entry = await self.add(load)
+        handles = entry.handles
+        published = WeightsPublished(
+            version=handles.version, segment=handles.segment, size=handles.manifest.size, previous=previous
+        )
+        if self.nc is not None:
+            await bus.publish(self.nc, subjects.weights_published(handles.version), published)
+        return handles
+
+    async def on_ping(self, _: ServerPing) -> WeightServerAlive:
+        return WeightServerAlive(
+            pid=os.getpid(),
+            instance=self.instance,
+            newest=self.newest,
+            versions=list(self.versions),
+            device=self.config.device,
+        )
