@@ -33,7 +33,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from belayer_rl.services.checkpointer import layer, pointer
-from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure
+from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, dump_in_flight
 from belayer_rl.services.checkpointer.store import (
     CONTEXT,
     CRIU,
@@ -72,6 +72,7 @@ log = logging.getLogger("belayer.checkpointer")
 
 PHASES = ("freeze", "archive", "dump", "unfreeze", "seal", "publish", "advance")
 CRIU_NAME = "criu"  # the checkpoint name under which the engine dumps and restores
+ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash is waited for
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,10 @@ class Checkpointer:
                 await self.engine.remove(container["Id"])
                 continue
             if container.get("State") == "paused":  # a crash mid-checkpoint left it frozen
+                for _ in range(int(ORPHAN_DUMP_WAIT_S * 10)):  # a dump we started may still run
+                    if not dump_in_flight(container["Id"]):
+                        break
+                    await asyncio.sleep(0.1)
                 log.info("sandbox %s was left frozen: unfreezing", sb.record.sandbox)
                 with contextlib.suppress(aiodocker.DockerError):
                     await self.engine.unpause(container["Id"])
@@ -385,7 +390,7 @@ class Checkpointer:
             await asyncio.to_thread(layer.archive, upper, staging / LAYER)
             await self.phase("dump")
             dump_started = time.monotonic()
-            await self.engine.checkpoint(r.container_id, CRIU_NAME, staging)
+            await self.engine.checkpoint(r.container_id, staging / CRIU)
             dump_s = time.monotonic() - dump_started
         except (OSError, aiodocker.DockerError) as exc:
             raise ServiceError("checkpoint-failed", f"{type(exc).__name__}: {exc}") from None
