@@ -1,0 +1,253 @@
+"""The weight server as a real process: versions, pins, publication, dead holders, bad input,
+SIGTERM and SIGKILL + restart, and what each leaves in /dev/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from belayer_rl.services.worker import shm
+from belayer_rl.services.worker.model import PRESETS, init_params, save_params, seed_version
+from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared.protocol import (
+    Ack,
+    ServerPing,
+    WeightHandles,
+    WeightServerAlive,
+    WeightsHandlesRequest,
+    WeightsList,
+    WeightsPin,
+    WeightsPublish,
+    WeightsPublished,
+    WeightsUnpin,
+    WeightVersions,
+)
+from tests.servers.helpers import call, encode_json, error_code, error_of, running, shm_names, start
+from tests.support import poll
+
+V0 = seed_version(0, "tiny")
+
+
+async def versions(nc) -> WeightVersions:
+    return await call(nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions)
+
+
+async def pin(nc, holder: str, pid: int, version: str | None = None) -> WeightHandles:
+    return await call(
+        nc, subjects.WEIGHTS_PIN, WeightsPin(version=version, holder=holder, pid=pid), WeightHandles
+    )
+
+
+async def publish(nc, path: Path) -> WeightHandles:
+    return await call(nc, subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(path)), WeightHandles)
+
+
+def weights_file(
+    tmp_path: Path, seed: int, preset: str = "tiny"
+) -> tuple[Path, dict[str, torch.Tensor], str]:
+    params = init_params(PRESETS[preset], seed)
+    path = tmp_path / f"weights-{preset}-{seed}.pt"
+    version = save_params(params, path)
+    return path, params, version
+
+
+async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, tmp_path) -> None:
+    announced: list[WeightsPublished] = []
+
+    async def on_published(msg) -> None:  # type: ignore[no-untyped-def]
+        announced.append(protocol.decode(protocol.decoder_for(WeightsPublished), msg.data))
+
+    await nc.subscribe(subjects.weights_published("*"), cb=on_published)
+    async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny") as server:
+        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        assert (alive.pid, alive.newest, alive.versions) == (server.pid, V0, [V0])
+
+        old = await pin(nc, "worker-a", os.getpid())
+        assert old.version == V0
+        old_params = shm.map_weights(old)
+        reference = init_params(PRESETS["tiny"], 0)
+        assert all(torch.equal(old_params[name], reference[name]) for name in reference)
+
+        path, new_params, new_version = weights_file(tmp_path, seed=7)
+        new = await publish(nc, path)
+        assert new.version == new_version != V0
+        listed = await versions(nc)
+        assert listed.newest == new_version
+        assert [(v.version, v.holders) for v in listed.versions] == [(V0, ["worker-a"]), (new_version, [])]
+        mapped_new = shm.map_weights(new)
+        assert all(torch.equal(mapped_new[name], new_params[name]) for name in new_params)
+        await poll(lambda: asyncio.sleep(0, announced or None), timeout_s=10)
+        assert (announced[0].version, announced[0].previous) == (new_version, V0)
+
+        # Publishing the same file again is idempotent: same segment, still the newest.
+        again = await publish(nc, path)
+        assert again.segment == new.segment
+
+        # The newest version stays even unpinned; the old one goes once its last holder lets go.
+        unpinned = await call(nc, subjects.WEIGHTS_UNPIN, WeightsUnpin(version=V0, holder="worker-a"), Ack)
+        assert unpinned.detail == "unpinned"
+        listed = await versions(nc)
+        assert [v.version for v in listed.versions] == [new_version]
+        assert old.segment not in shm_names(shm_prefix)
+        # A mapping made before the free stays valid: freeing unlinks, it does not unmap.
+        assert all(torch.equal(old_params[name], reference[name]) for name in reference)
+        assert await error_code(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(version=V0)) == (
+            "unknown-version"
+        )
+        with pytest.raises(shm.MappingError):
+            shm.map_weights(old)
+
+        not_pinned = await call(
+            nc, subjects.WEIGHTS_UNPIN, WeightsUnpin(version=new_version, holder="worker-a"), Ack
+        )
+        assert not_pinned.detail == "not pinned"
+        newest = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
+        assert newest == new
+
+
+async def test_pins_of_a_dead_holder_are_swept(nats_server, nc, shm_prefix, tmp_path) -> None:
+    holder = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(600)")
+    try:
+        async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--sweep-interval", "0.1"):
+            old = await pin(nc, "worker-doomed", holder.pid)
+            path, _, new_version = weights_file(tmp_path, seed=3)
+            await publish(nc, path)
+            await asyncio.sleep(0.5)  # several sweeps: a live holder keeps its version
+            assert [v.version for v in (await versions(nc)).versions] == [V0, new_version]
+
+            holder.kill()
+            await holder.wait()
+
+            async def old_gone() -> bool | None:
+                listed = await versions(nc)
+                return True if [v.version for v in listed.versions] == [new_version] else None
+
+            await poll(old_gone, timeout_s=10)
+            assert old.segment not in shm_names(shm_prefix)
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+            await holder.wait()
+
+
+async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
+    nats_server, nc, shm_prefix, tmp_path
+) -> None:
+    async with running("weight_server", nats_server.url, shm_prefix, tmp_path) as server:
+        garbage = tmp_path / "garbage.pt"
+        garbage.write_bytes(b"\x00not a torch file" * 100)
+        other_preset, _, _ = weights_file(tmp_path, seed=1, preset="small")
+        dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+        await dead.wait()
+
+        raw = {
+            "malformed": (subjects.WEIGHTS_PIN, b"{not json"),
+            "empty": (subjects.WEIGHTS_HANDLES, b""),
+            "wrong types": (
+                subjects.WEIGHTS_PIN,
+                encode_json({"type": "weights_pin", "holder": 5, "pid": "x"}),
+            ),
+            "wrong tag": (subjects.WEIGHTS_PIN, encode_json({"type": "kv_flush", "engine_id": "e0"})),
+            "bad holder": (
+                subjects.WEIGHTS_PIN,
+                encode_json({"type": "weights_pin", "holder": "a b/c", "pid": os.getpid()}),
+            ),
+            "negative pid": (
+                subjects.WEIGHTS_PIN,
+                encode_json({"type": "weights_pin", "holder": "h", "pid": -1}),
+            ),
+            "bad version": (
+                subjects.WEIGHTS_HANDLES,
+                encode_json({"type": "weights_handles", "version": "a.b"}),
+            ),
+            "newer schema": (subjects.WEIGHTS_LIST, encode_json({"type": "weights_list", "v": 99})),
+        }
+        for name, (subject, payload) in raw.items():
+            reply = await error_of(nc, subject, payload)
+            assert reply.code == "bad-request", name
+
+        typed = {
+            "unknown version handles": (subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(version="sha256:0")),
+            "unknown version pin": (
+                subjects.WEIGHTS_PIN,
+                WeightsPin(version="nope", holder="h", pid=os.getpid()),
+            ),
+            "unknown version unpin": (subjects.WEIGHTS_UNPIN, WeightsUnpin(version="nope", holder="h")),
+            "dead holder": (subjects.WEIGHTS_PIN, WeightsPin(holder="h", pid=dead.pid)),
+            "relative path": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path="weights.pt")),
+            "missing file": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(tmp_path / "none.pt"))),
+            "not weights": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(garbage))),
+            "other preset": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(other_preset))),
+            "a directory": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(tmp_path))),
+        }
+        codes = {name: await error_code(nc, subject, message) for name, (subject, message) in typed.items()}
+        assert codes == {
+            "unknown version handles": "unknown-version",
+            "unknown version pin": "unknown-version",
+            "unknown version unpin": "unknown-version",
+            "dead holder": "dead-holder",
+            "relative path": "bad-weights",
+            "missing file": "bad-weights",
+            "not weights": "bad-weights",
+            "other preset": "bad-weights",
+            "a directory": "bad-weights",
+        }
+
+        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        assert (alive.pid, alive.versions) == (server.pid, [V0])
+        assert server.process.returncode is None
+        assert len(shm_names(f"{shm_prefix}.w.")) == 2  # the one version and the lock
+
+
+async def test_sigterm_leaves_nothing_in_dev_shm(nats_server, nc, shm_prefix, tmp_path) -> None:
+    server = await start("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "small")
+    await pin(nc, "worker-a", os.getpid())
+    path, _, _ = weights_file(tmp_path, seed=5, preset="small")
+    await publish(nc, path)
+    assert len(shm_names(shm_prefix)) == 3  # two versions and the lock
+
+    server.process.send_signal(signal.SIGTERM)
+    code = await asyncio.wait_for(server.process.wait(), 30)
+
+    assert code == 0, server.output()
+    assert shm_names(shm_prefix) == []
+
+
+async def test_sigkill_then_restart_removes_the_dead_instances_segments(
+    nats_server, nc, shm_prefix, tmp_path
+) -> None:
+    first = await start("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "small")
+    old = await pin(nc, "worker-a", os.getpid())
+    path, _, _ = weights_file(tmp_path, seed=5, preset="small")
+    await publish(nc, path)
+    first.process.kill()
+    await first.process.wait()
+    left = shm_names(shm_prefix)
+    assert len(left) == 3  # a SIGKILL leaves the segments: the restart must clean them
+
+    async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "small") as second:
+        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        assert alive.pid == second.pid and alive.versions == [seed_version(0, "small")]
+        now = shm_names(shm_prefix)
+        assert not set(now) & (set(left) - {f"{shm_prefix}.w.lock"})
+        assert len(now) == 2
+        with pytest.raises(shm.MappingError):
+            shm.map_weights(old)  # the dead instance's handle maps nothing of the new one
+    assert second.process.returncode == 0
+    assert shm_names(shm_prefix) == []
+
+
+async def test_a_second_server_on_a_live_prefix_is_refused(nats_server, nc, shm_prefix, tmp_path) -> None:
+    async with running("weight_server", nats_server.url, shm_prefix, tmp_path) as server:
+        before = shm_names(shm_prefix)
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            await start("weight_server", nats_server.url, shm_prefix, tmp_path)
+        assert shm_names(shm_prefix) == before
+        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        assert alive.pid == server.pid
