@@ -64,6 +64,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if args.nats:
         argv += ["--nats", args.nats]
+    if args.no_shadows:
+        argv.append("--no-shadows")
     with (state_dir / "logs" / "cluster.log").open("ab") as out:
         supervisor = subprocess.Popen(
             argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True
@@ -249,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--chunk-tokens", type=int, default=256, help="token-log chunk size k")
     up.add_argument("--heartbeat-timeout", type=float, default=1.0, help="worker silence before failover (s)")
     up.add_argument("--no-worker-deadline", type=float, default=30.0, help="wait for a healthy engine (s)")
+    up.add_argument(
+        "--no-shadows", action="store_true", help="start workers directly: no shadows, weight or KV servers"
+    )
     up.set_defaults(run=cmd_up)
 
     down = commands.add_parser("down", help="stop the local cluster")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -36,6 +37,7 @@ log = logging.getLogger("belayer.cluster")
 
 STABLE_AFTER_S = 10.0  # a child that ran this long gets its backoff reset
 STOP_GRACE_S = 5.0
+HANDOVER_GRACE_S = 1.0  # with shadows, a failed engine's requests wait this long for its shadow
 
 
 class ProcessRecord(msgspec.Struct, kw_only=True):
@@ -139,15 +141,65 @@ class Supervisor:
                 "--chunk-tokens", str(c.chunk_tokens),
                 "--heartbeat-timeout", str(c.heartbeat_timeout_s),
                 "--no-worker-deadline", str(c.no_worker_deadline_s),
+                "--handover-grace", str(HANDOVER_GRACE_S if c.shadows else 0.0),
             ),
         )  # fmt: skip
-        workers = [self.worker(f"e{i}") for i in range(c.engines)]
+        workers = self.shadowed_workers() if c.shadows else [self.worker(f"e{i}") for i in range(c.engines)]
+        return [router, *workers, *self.checkpointer()]
+
+    @property
+    def shm_prefix(self) -> str:
+        """Shared-memory segment names of this cluster's servers start with it (one per state dir)."""
+        return f"bl{hashlib.sha256(str(self.config.state_dir).encode()).hexdigest()[:10]}"
+
+    def shadowed_workers(self) -> list[Child]:
+        """The weight and KV servers, and the shadow supervisor that alone runs the workers."""
+        c = self.config
+        prefix = self.shm_prefix
+        servers = [
+            Child(
+                "weight-server",
+                python_module(
+                    "belayer_rl.services.weight_server",
+                    "--nats", self.nats_url,
+                    "--preset", c.preset,
+                    "--weights-seed", str(c.weights_seed),
+                    "--shm-prefix", prefix,
+                ),
+            ),
+            Child(
+                "kv-server",
+                python_module("belayer_rl.services.kv_server", "--nats", self.nats_url, "--shm-prefix", prefix),
+            ),
+        ]  # fmt: skip
+        if not c.engines:
+            return servers
+        supervisor = Child(
+            "shadow-supervisor",
+            python_module(
+                "belayer_rl.services.shadow_supervisor",
+                "--nats", self.nats_url,
+                "--engines", ",".join(f"e{i}" for i in range(c.engines)),
+                "--state-dir", str(c.state_dir / "workers"),
+                "--preset", c.preset,
+                "--weights-seed", str(c.weights_seed),
+                "--hang-timeout", str(c.hang_timeout_s),
+                "--failure-window", str(c.failure_window_s),
+            ),
+        )  # fmt: skip
+        return [*servers, supervisor]
+
+    def checkpointer(self) -> list[Child]:
+        """The checkpointer, when sandboxes are wanted and a Docker engine answers."""
+        c = self.config
+        if not c.sandboxes:
+            return []
         from belayer_rl.services.checkpointer.probe import docker_unreachable
 
         unreachable = docker_unreachable()
         if unreachable is not None:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
-            return [router, *workers]
+            return []
         checkpointer = Child(
             "checkpointer",
             python_module(
@@ -156,7 +208,7 @@ class Supervisor:
                 "--state-dir", str(c.state_dir / "checkpointer"),
             ),
         )  # fmt: skip
-        return [router, *workers, checkpointer]
+        return [checkpointer]
 
     def worker(self, engine_id: str) -> Child:
         c = self.config
@@ -284,6 +336,7 @@ def parse_args(argv: list[str] | None = None) -> ClusterConfig:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--no-worker-deadline", type=float, default=30.0)
+    parser.add_argument("--no-shadows", action="store_true")
     args = parser.parse_args(argv)
     return ClusterConfig(
         state_dir=args.state_dir.resolve(),
@@ -295,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> ClusterConfig:
         chunk_tokens=args.chunk_tokens,
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_deadline_s=args.no_worker_deadline,
+        shadows=not args.no_shadows,
     )
 
 

@@ -49,6 +49,7 @@ class RouterConfig:
     no_worker_deadline_s: float = 30.0  # how long a request waits for any healthy worker
     dispatch_timeout_s: float = 2.0
     max_dispatch_attempts: int = 1000  # bound on resumes of one request
+    handover_grace_s: float = 0.0  # how long a failed engine's requests wait for its shadow
 
     def __post_init__(self) -> None:
         _positive("--chunk-tokens", self.chunk_tokens)
@@ -74,7 +75,7 @@ class WorkerConfig:
     shared_memory: bool = False  # map weights and KV arena from the weight and KV servers
     watch_pid: int = 0  # shadow: the main it stands behind
     watch_file: Path | None = None  # shadow: the main's heartbeat file
-    hang_timeout_s: float = 1.0  # shadow: main's heartbeat file older than this is a hang
+    hang_timeout_s: float = 2.0  # shadow: main's heartbeat file older than this is a hang
 
     def __post_init__(self) -> None:
         _positive("--num-blocks", self.num_blocks)
@@ -100,6 +101,10 @@ class ClusterConfig:
     no_worker_deadline_s: float = 30.0
     restart_backoff_s: float = 0.2
     max_restart_backoff_s: float = 5.0
+    shadows: bool = True  # workers under the shadow supervisor, with weight and KV servers
+    hang_timeout_s: float = 2.0  # shadow: a main's stale heartbeat file means a hang
+    failure_window_s: float = 60.0  # two failures of one engine inside it: quarantine
+    sandboxes: bool = True  # start the checkpointer when a Docker engine answers
 
     def __post_init__(self) -> None:
         if self.engines < 0:
@@ -108,3 +113,25 @@ class ClusterConfig:
         _positive("--heartbeat-timeout", self.heartbeat_timeout_s)
         _positive("--no-worker-deadline", self.no_worker_deadline_s)
         _positive("--restart-backoff", self.restart_backoff_s)
+
+
+@dataclass(frozen=True)
+class ShadowSupervisorConfig:
+    nats_url: str
+    engines: tuple[str, ...]
+    state_dir: Path  # heartbeat files and worker logs
+    preset: str = "tiny"
+    weights_seed: int = 0
+    num_blocks: int = 512
+    hang_timeout_s: float = 2.0  # a main's heartbeat file older than this is a hang
+    failure_window_s: float = 60.0  # a second failure of one engine inside it: quarantine
+    death_timeout_s: float = 2.0  # how long a SIGKILLed main may take to be reaped
+    start_timeout_s: float = 120.0  # a worker's start-up (cold path included)
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ConfigError("--engines must name at least one engine")
+        _positive("--hang-timeout", self.hang_timeout_s)
+        _positive("--failure-window", self.failure_window_s)
+        _positive("--death-timeout", self.death_timeout_s)
+        _positive("--start-timeout", self.start_timeout_s)

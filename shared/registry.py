@@ -55,3 +55,20 @@ async def entries(kv: KeyValue) -> list[EngineEntry]:
         if entry is not None:
             found.append(entry)
     return found
+
+
+async def quarantine(kv: KeyValue, engine_id: str) -> None:
+    """Mark the engine quarantined (compare-and-set); its epoch stays, so nobody serves it."""
+    for _ in range(MAX_CAS_TRIES):
+        entry, revision = await read(kv, engine_id)
+        if entry is None:
+            return
+        value = protocol.encode(
+            EngineEntry(engine_id=engine_id, epoch=entry.epoch, pid=entry.pid, health="quarantined")
+        )
+        try:
+            await kv.update(engine_id, value, last=revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+            continue
+        return
+    raise RuntimeError(f"engine {engine_id}: quarantine compare-and-set lost {MAX_CAS_TRIES} times")

@@ -53,6 +53,8 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def running_cluster(nats: NatsServer, state_dir: Path, **options: object) -> AsyncIterator[Cluster]:
     options.setdefault("engines", 2)
+    options.setdefault("shadows", False)  # workers started directly: the router's recovery alone
+    options.setdefault("sandboxes", False)
     config = ClusterConfig(state_dir=state_dir, nats_url=nats.url, **options)  # type: ignore[arg-type]
     async with local_cluster(config) as supervisor:
         client = Client(await bus.connect(nats.url, "test-client"))

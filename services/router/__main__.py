@@ -16,6 +16,7 @@ from belayer_rl.shared.config import RouterConfig, resolve_nats_url
 from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelRequest,
+    EngineQuarantined,
     GenerateRequest,
     Heartbeat,
     StatusRequest,
@@ -37,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "--no-worker-deadline", type=float, default=30.0, help="seconds a request waits for an engine"
     )
     parser.add_argument("--dispatch-timeout", type=float, default=2.0, help="seconds to await a worker ack")
+    parser.add_argument(
+        "--handover-grace",
+        type=float,
+        default=0.0,
+        help="seconds a failed engine's requests wait for its shadow",
+    )
     args = parser.parse_args(argv)
     return RouterConfig(
         nats_url=resolve_nats_url(args.nats),
@@ -44,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_deadline_s=args.no_worker_deadline,
         dispatch_timeout_s=args.dispatch_timeout,
+        handover_grace_s=args.handover_grace,
     )
 
 
@@ -74,6 +82,9 @@ async def serve(config: RouterConfig) -> None:
                 nc, subjects.event("worker_registered", "*"), WorkerRegistration, router.on_registration
             ),
             await bus.listen(nc, subjects.event("worker_failed", "*"), WorkerFailed, router.on_worker_failed),
+            await bus.listen(
+                nc, subjects.event("engine_quarantined", "*"), EngineQuarantined, router.on_quarantined
+            ),
         ]
         started = await router.rebuild()
         subscriptions += [

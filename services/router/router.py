@@ -37,6 +37,7 @@ from belayer_rl.shared.protocol import (
     CancelDispatch,
     CancelRequest,
     Dispatch,
+    EngineQuarantined,
     EngineStatus,
     FinishReason,
     GenerateEnd,
@@ -79,6 +80,8 @@ class Request:
     dispatches: int = 0
     logged_chunks: int = 0  # full chunks queued for the token log
     dispatching: bool = False
+    prefer_engine: str | None = None  # only this engine until prefer_until (grace, spreading)
+    prefer_until: float = 0.0
     waiting_since: float | None = None  # monotonic time it started waiting for an engine
     end: GenerateEnd | GenerateError | None = None
     ended_at: float = 0.0
@@ -100,6 +103,8 @@ class Engine:
     pid: int
     last_beat: float
     alive: bool = True
+    quarantined: bool = False
+    failed_reason: str = ""  # why it is not alive: "exit" is final, "heartbeat-timeout" may end
     requests: set[str] = field(default_factory=set)
 
 
@@ -325,10 +330,16 @@ class Router:
         if not request.dispatching:
             self.spawn(self.dispatch(request))
 
-    async def resume(self, request: Request, reason: str) -> None:
+    async def resume(
+        self, request: Request, reason: str, *, prefer: str | None = None, for_s: float = 0.0
+    ) -> None:
+        """Re-place the request from the tokens it has. With `prefer`, only that engine is used
+        for `for_s` seconds (the grace period in which a shadow takes over a failed engine)."""
         if request.end is not None:
             return
         log.info("resuming %s at %d: %s", request.request_id, len(request.tokens), reason)
+        request.prefer_engine = prefer
+        request.prefer_until = time.monotonic() + for_s
         self.detach(request)
         request.resumes += 1
         request.attempt = 0  # nothing from the interrupted attempt is accepted any more
@@ -339,8 +350,10 @@ class Router:
         try:
             while request.end is None and request.engine_id is None:
                 engines = [e for e in self.engines.values() if e.alive]
+                if request.prefer_engine is not None and time.monotonic() < request.prefer_until:
+                    engines = [e for e in engines if e.engine_id == request.prefer_engine]
                 if not engines:
-                    return  # the watchdog retries, and fails it past the deadline
+                    return  # a new epoch or the watchdog retries; past the deadline it fails
                 if request.dispatches >= self.config.max_dispatch_attempts:
                     limit = self.config.max_dispatch_attempts
                     await self.fail(request, "too-many-attempts", f"dispatched {limit} times")
@@ -421,15 +434,21 @@ class Router:
         engine = self.engines.get(engine_id)
         now = time.monotonic()
         if engine is not None and engine.epoch == epoch:
-            # A worker declared failed stays failed, even if it wakes up or a heartbeat it sent
-            # before dying arrives late: only a new epoch brings the engine back.
             if engine.alive:
                 engine.last_beat = now
+            elif engine.failed_reason == "heartbeat-timeout" and engine.pid == pid and not engine.quarantined:
+                # It stalled and is back. Its interrupted attempts were replaced, so whatever it
+                # still sends for them is dropped; it may take new work. An engine whose worker
+                # exited stays failed however late its last heartbeat arrives: only a new epoch
+                # brings it back.
+                log.warning("engine %s (pid %d) answers again after a heartbeat timeout", engine_id, pid)
+                engine.alive, engine.failed_reason, engine.last_beat = True, "", now
+                self.dispatch_waiting()
             return
         if engine is not None and epoch < engine.epoch:
             return  # an old worker still talking: fenced off
         entry, _ = await registry.read(self.kv, engine_id)
-        if entry is None or entry.epoch != epoch or entry.pid != pid:
+        if entry is None or entry.epoch != epoch or entry.pid != pid or entry.health == "quarantined":
             log.warning("ignored worker %s epoch %d pid %d: not in the registry", engine_id, epoch, pid)
             return
         if engine is not None and engine.epoch == epoch:
@@ -446,6 +465,8 @@ class Router:
             await self.engine_failed(engine, failed.reason, failed.detail, announce=False)
 
     async def engine_failed(self, engine: Engine, reason: str, detail: str, *, announce: bool = True) -> None:
+        if engine.failed_reason != "exit":  # an exit is final; a stall may end
+            engine.failed_reason = reason
         if not engine.alive and not engine.requests:
             return
         engine.alive = False
@@ -460,8 +481,31 @@ class Router:
                 detail=f"{detail}; {len(interrupted)} requests interrupted",
             )
             await bus.publish(self.nc, subjects.event("worker_failed", engine.engine_id), failed)
+        grace = self.config.handover_grace_s
         for request in interrupted:
-            await self.resume(request, f"engine {engine.engine_id} {reason}")
+            await self.resume(
+                request, f"engine {engine.engine_id} {reason}", prefer=engine.engine_id, for_s=grace
+            )
+
+    async def on_quarantined(self, alert: EngineQuarantined) -> None:
+        """Move the engine's requests at once, spread evenly over the healthy engines."""
+        engine = self.engines.get(alert.engine_id)
+        if engine is None:
+            return
+        engine.quarantined = True
+        engine.alive = False
+        interrupted = [self.requests[r] for r in engine.requests]
+        for request in self.requests.values():  # also those waiting out its grace period
+            if request.prefer_engine == alert.engine_id and request.engine_id is None and request.end is None:
+                interrupted.append(request)
+        healthy = sorted(
+            (e for e in self.engines.values() if e.alive),
+            key=lambda e: (len(e.requests), self.outstanding(e)),
+        )
+        log.error("engine %s quarantined: moving %d requests", alert.engine_id, len(interrupted))
+        for i, request in enumerate(interrupted):
+            target = healthy[i % len(healthy)].engine_id if healthy else None
+            await self.resume(request, f"engine {alert.engine_id} quarantined", prefer=target, for_s=60.0)
 
     def dispatch_waiting(self) -> None:
         for request in self.requests.values():

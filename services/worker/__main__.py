@@ -8,7 +8,9 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from pathlib import Path
+from typing import TypeVar
 
 import uvloop
 from nats.aio.client import Client as NATS
@@ -23,12 +25,15 @@ from belayer_rl.shared.protocol import (
     CancelDispatch,
     Dispatch,
     KvArenaRequest,
+    Message,
     WeightHandles,
     WeightsPin,
 )
 
 log = logging.getLogger("belayer.worker")
+T = TypeVar("T")
 SERVER_TIMEOUT_S = 10.0  # pinning maps nothing yet, but a big version may still be loading
+SERVER_WAIT_S = 60.0  # how long a worker waits for the servers to come up
 BLOCK_SIZE = 16
 
 
@@ -47,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--shared-memory", action="store_true", help="map weights and arena from the servers")
     parser.add_argument("--watch-pid", type=int, default=0, help="shadow: pid of the main")
     parser.add_argument("--watch-file", type=Path, help="shadow: the main's heartbeat file")
-    parser.add_argument("--hang-timeout", type=float, default=1.0, help="shadow: stale heartbeat file (s)")
+    parser.add_argument("--hang-timeout", type=float, default=2.0, help="shadow: stale heartbeat file (s)")
     args = parser.parse_args(argv)
     return WorkerConfig(
         nats_url=resolve_nats_url(args.nats),
@@ -77,17 +82,29 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
     )
 
 
+async def ask_server(nc: NATS, subject: str, message: Message, kind: type[T]) -> T:
+    """A request to the weight or KV server, waiting (bounded) while it is still starting."""
+    deadline = time.monotonic() + SERVER_WAIT_S
+    while True:
+        try:
+            return await bus.request_struct(nc, subject, message, kind, SERVER_TIMEOUT_S)
+        except bus.ServiceError as exc:
+            if exc.code not in ("no-responders", "timeout") or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def build_engine(config: WorkerConfig, nc: NATS) -> Engine:
     """The engine, with its own weights and arena, or mapped from the weight and KV servers."""
     if not config.shared_memory:
         return await asyncio.to_thread(Engine, engine_config(config))
     holder = f"{config.engine_id}:{os.getpid()}"
     pin = WeightsPin(holder=holder, pid=os.getpid())
-    weights = await bus.request_struct(nc, subjects.WEIGHTS_PIN, pin, WeightHandles, SERVER_TIMEOUT_S)
+    weights = await ask_server(nc, subjects.WEIGHTS_PIN, pin, WeightHandles)
     ask = KvArenaRequest(
         engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE
     )
-    arena = await bus.request_struct(nc, subjects.KV_ARENA, ask, ArenaHandle, SERVER_TIMEOUT_S)
+    arena = await ask_server(nc, subjects.KV_ARENA, ask, ArenaHandle)
     params = await asyncio.to_thread(shm.map_weights, weights)
     tensor = await asyncio.to_thread(shm.map_arena, arena)
     return Engine(engine_config(config), params, tensor, weight_version=weights.version)

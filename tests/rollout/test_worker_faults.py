@@ -14,7 +14,7 @@ import pytest
 
 from belayer_rl.shared.client import Client, Generation
 from belayer_rl.shared.protocol import RequestResumed, WorkerFailed
-from tests.support import EventLog, Job, kill, reference_tokens, running_cluster
+from tests.support import EventLog, Job, kill, poll, reference_tokens, running_cluster
 
 WORDS = "rope anchor belay carabiner crux ledge pitch summit traverse chalk".split()
 
@@ -22,6 +22,13 @@ WORDS = "rope anchor belay carabiner crux ledge pitch summit traverse chalk".spl
 def make_job(rng: random.Random, request_id: str, max_tokens: int) -> Job:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
     return Job(request_id, prompt, max_tokens, seed=rng.randrange(1 << 31))
+
+
+async def restarted(client: Client, engine_id: str, old_pid: int) -> bool | None:
+    status = await client.status()
+    if any(e.engine_id == engine_id and e.alive and e.pid != old_pid for e in status.engines):
+        return True
+    return None
 
 
 async def run(client: Client, job: Job) -> Generation:
@@ -54,44 +61,37 @@ async def test_sigkill_workers_at_50_random_points_token_exact(nats_server, tmp_
 
         producers = [asyncio.create_task(producer(slot)) for slot in range(slots)]
         killer = random.Random(seed)
-        kills: list[tuple[str, int, int]] = []  # (request id, tokens it had, pid killed)
+        kills: list[tuple[int, dict[str, int]]] = []  # (pid killed, its requests -> tokens they had)
         while len(kills) < kills_wanted:
             await asyncio.sleep(killer.uniform(0.0, 0.3))
             status = await cluster.client.wait_for_engines(2, 60)
             live = {e.engine_id: e.pid for e in status.engines if e.alive}
-            mid_decode = sorted(
-                (r for r in status.requests if r.engine_id in live and 0 < r.num_tokens < r.max_tokens - 80),
-                key=lambda r: r.request_id,
-            )
+            mid_decode = [
+                r for r in status.requests if r.engine_id in live and 0 < r.num_tokens < r.max_tokens - 80
+            ]
             if not mid_decode:
                 continue
-            victim = killer.choice(mid_decode)
-            pid = live[victim.engine_id]
+            engine_id = killer.choice(sorted({r.engine_id for r in mid_decode}))
+            pid = live[engine_id]
             kill(pid)
-            kills.append((victim.request_id, victim.num_tokens, pid))
-            # Wait for the resume before the next kill, so every kill meets a running cluster.
-            await resumed.wait_for(
-                lambda e, v=victim: (
-                    isinstance(e, RequestResumed)
-                    and e.request_id == v.request_id
-                    and e.from_position >= v.num_tokens
-                )
-            )
+            kills.append((pid, {r.request_id: r.num_tokens for r in mid_decode if r.engine_id == engine_id}))
+            # The next kill waits for the supervisor's restart to be serving.
+            await poll(lambda e=engine_id, p=pid: restarted(cluster.client, e, p))
         stop.set()
         await asyncio.gather(*producers)
 
-    for request_id, position, pid in kills:
+    for pid, had in kills:
         interrupted = [
             e
             for e in resumed.events
-            if isinstance(e, RequestResumed) and e.request_id == request_id and position <= e.from_position
+            if isinstance(e, RequestResumed) and had.get(e.request_id, 1 << 30) <= e.from_position
         ]
-        assert interrupted, f"killing pid {pid} did not interrupt {request_id} at {position}"
-    assert len({pid for _, _, pid in kills}) == kills_wanted  # every kill hit a fresh process
+        assert interrupted, f"killing pid {pid} interrupted none of {had} mid-decode"
+    assert len({pid for pid, _ in kills}) == kills_wanted  # every kill hit a fresh process
     expected = reference_tokens(jobs)
     wrong = [j.request_id for j in jobs if results[j.request_id].tokens != expected[j.request_id]]
     assert not wrong, f"{len(wrong)} of {len(jobs)} requests differ from the reference: {wrong[:5]}"
-    assert sum(results[r].resumes for r, _, _ in kills) >= kills_wanted
+    assert sum(r.resumes for r in results.values()) >= kills_wanted
 
 
 async def test_sigstop_worker_detected_by_heartbeat_and_fenced(nats_server, tmp_path, seed) -> None:

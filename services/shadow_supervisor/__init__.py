@@ -1,0 +1,1 @@
+"""The shadow supervisor: main and shadow rollout workers per engine, handover, quarantine."""

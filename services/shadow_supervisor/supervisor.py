@@ -1,0 +1,369 @@
+"""The shadow supervisor: per engine, a main worker and one pre-initialised shadow; handover.
+
+Owns: every rollout-worker process of its engines (it alone starts, replaces and kills them), each
+engine's failure history and quarantine.
+Listens: its shadows' reports on stdout (`main-failed exit|hang`), its children's exits.
+Publishes: `belayer.evt.handover.<engine>` with each phase's duration,
+`belayer.evt.engine_quarantined.<engine>`, process events; the registry's quarantine mark.
+
+A handover: (1) the shadow, or the main's exit, reports the failure; (2) the main is SIGKILLed
+through a pidfd and its death confirmed by reaping it, and without that confirmation the arena is
+not reused; (3) the weight and KV servers must answer and the arena is flushed; (4) the shadow
+checks its device and installs itself under a new epoch (compare-and-set on the registry); (5) the
+router sees the new epoch and resumes the interrupted requests on it. Anything not proven healthy
+sends the engine down the cold path: a worker from scratch, with its own weights and arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
+
+from belayer_rl.shared import bus, protocol, registry, subjects
+from belayer_rl.shared.config import ShadowSupervisorConfig
+from belayer_rl.shared.protocol import EngineQuarantined, Handover, KvFlush, ProcessEvent, ServerPing
+
+log = logging.getLogger("belayer.shadow_supervisor")
+
+SERVER_PING_TIMEOUT_S = 0.5
+
+
+class StartFailed(RuntimeError):
+    """A worker process exited or said it was unhealthy before it was ready."""
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+@dataclass
+class WorkerProcess:
+    role: str  # "main", "shadow" or "cold"
+    process: asyncio.subprocess.Process
+    heartbeat_file: Path
+    lines: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    reader: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def read_lines(self) -> None:
+        assert self.process.stdout is not None
+        while line := await self.process.stdout.readline():
+            self.lines.put_nowait(line.decode().strip())
+        self.lines.put_nowait("exited")
+
+    async def expect(self, *prefixes: str, timeout_s: float) -> str:
+        """The next line starting with one of `prefixes`; StartFailed on exit or `unhealthy`."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                line = await self.lines.get()
+                if line == "exited" or line.startswith("unhealthy"):
+                    raise StartFailed(f"{self.role} pid {self.pid}: {line}")
+                if line.startswith(prefixes):
+                    return line
+
+    async def tell(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command.encode() + b"\n")
+        await self.process.stdin.drain()
+
+    async def kill_confirmed(self, timeout_s: float) -> bool:
+        """SIGKILL through a pidfd (no pid-reuse race) and reap: True once death is confirmed."""
+        if self.process.returncode is not None:
+            return True
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            pidfd = -1
+        try:
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            await asyncio.wait_for(self.process.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False  # stuck in the kernel (D state): alive as far as we can tell
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+
+@dataclass
+class EngineSlot:
+    engine_id: str
+    main: WorkerProcess | None = None
+    shadow: WorkerProcess | None = None
+    failures: list[float] = field(default_factory=list)  # monotonic times
+    quarantined: bool = False
+    generation: int = 0  # names heartbeat files uniquely
+    shadow_started: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+class ShadowSupervisor:
+    def __init__(self, config: ShadowSupervisorConfig, nc: NATS, kv: KeyValue) -> None:
+        self.config = config
+        self.nc = nc
+        self.kv = kv
+        self.slots = {engine_id: EngineSlot(engine_id) for engine_id in config.engines}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+
+    def spawn_task(self, coro: object, name: str) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        task.set_name(name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------ starting workers
+
+    def worker_argv(
+        self, slot: EngineSlot, role: str, heartbeat_file: Path, watch: WorkerProcess | None
+    ) -> list[str]:
+        c = self.config
+        argv = [
+            sys.executable, "-m", "belayer_rl.services.worker",
+            "--nats", c.nats_url,
+            "--engine-id", slot.engine_id,
+            "--preset", c.preset,
+            "--weights-seed", str(c.weights_seed),
+            "--num-blocks", str(c.num_blocks),
+            "--role", "main" if role == "cold" else role,
+            "--heartbeat-file", str(heartbeat_file),
+        ]  # fmt: skip
+        if role != "cold":
+            argv.append("--shared-memory")
+        if watch is not None:
+            argv += ["--watch-pid", str(watch.pid), "--watch-file", str(watch.heartbeat_file)]
+            argv += ["--hang-timeout", str(c.hang_timeout_s)]
+        return argv
+
+    async def start_worker(
+        self, slot: EngineSlot, role: str, watch: WorkerProcess | None = None
+    ) -> WorkerProcess:
+        """Start a worker; return once it serves (main, cold) or idles ready to take over (shadow)."""
+        slot.generation += 1
+        heartbeat_file = self.config.state_dir / f"{slot.engine_id}.{slot.generation}.heartbeat"
+        log_path = self.config.state_dir / f"worker-{slot.engine_id}.log"
+        with log_path.open("ab") as err:
+            process = await asyncio.create_subprocess_exec(
+                *self.worker_argv(slot, role, heartbeat_file, watch),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+            )
+        worker = WorkerProcess(role, process, heartbeat_file)
+        worker.reader = asyncio.create_task(worker.read_lines())
+        await self.announce(
+            ProcessEvent(name=f"worker-{slot.engine_id}-{role}", pid=worker.pid, state="started")
+        )
+        try:
+            await worker.expect(
+                "idle" if role == "shadow" else "ready", timeout_s=self.config.start_timeout_s
+            )
+        except (StartFailed, TimeoutError):
+            await worker.kill_confirmed(self.config.death_timeout_s)
+            raise
+        return worker
+
+    async def start(self) -> None:
+        for slot in self.slots.values():
+            slot.main = await self.start_worker(slot, "main")
+        for slot in self.slots.values():
+            slot.shadow = await self.start_worker(slot, "shadow", watch=slot.main)
+            self.spawn_task(self.watch(slot), f"watch-{slot.engine_id}")
+        self.write_state()
+
+    # ------------------------------------------------------------ watching
+
+    async def watch(self, slot: EngineSlot) -> None:
+        """Wait for the main to fail (its exit, or the shadow's report) and hand over; forever."""
+        while not self.stopping and not slot.quarantined:
+            assert slot.main is not None
+            main_exit = asyncio.create_task(slot.main.process.wait())
+            report = asyncio.create_task(self.shadow_report(slot))
+            done, _ = await asyncio.wait([main_exit, report], return_when=asyncio.FIRST_COMPLETED)
+            detected_at = time.time()
+            for task in (main_exit, report):
+                task.cancel()
+            if self.stopping:
+                return
+            reason = report.result() if report in done and not report.cancelled() else "exit"
+            if reason == "shadow-gone":
+                await self.replace_shadow(slot)
+                continue
+            await self.handover(slot, reason, detected_at)
+
+    async def shadow_report(self, slot: EngineSlot) -> str:
+        """ "exit" or "hang" when the shadow reports its main failed; "shadow-gone" if it died."""
+        while slot.shadow is None:  # a new shadow is starting: only the main's exit is watched
+            slot.shadow_started.clear()
+            await slot.shadow_started.wait()
+        shadow = slot.shadow
+        while True:
+            line = await shadow.lines.get()
+            if line == "exited":
+                return "shadow-gone"
+            if line.startswith("main-failed"):
+                return line.split()[1]
+
+    async def replace_shadow(self, slot: EngineSlot) -> None:
+        old = slot.shadow
+        slot.shadow = None
+        if old is not None:
+            await old.kill_confirmed(self.config.death_timeout_s)
+            await self.announce(
+                ProcessEvent(name=f"worker-{slot.engine_id}-shadow", pid=old.pid, state="exited")
+            )
+        try:
+            slot.shadow = await self.start_worker(slot, "shadow", watch=slot.main)
+            slot.shadow_started.set()
+            self.write_state()
+        except (StartFailed, TimeoutError) as exc:
+            log.error("engine %s: no shadow: %s", slot.engine_id, exc)
+
+    # ------------------------------------------------------------ handover
+
+    async def handover(self, slot: EngineSlot, reason: str, detected_at: float) -> None:
+        assert slot.main is not None
+        old, shadow = slot.main, slot.shadow
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = round(1000 * (now - t), 3)
+            t = now
+
+        cold: list[str] = []
+        if not await old.kill_confirmed(self.config.death_timeout_s):
+            cold.append(f"old main pid {old.pid} not confirmed dead")
+        phase("kill_confirmed")
+        now = time.monotonic()
+        slot.failures = [f for f in slot.failures if now - f < self.config.failure_window_s] + [now]
+        if len(slot.failures) >= 2:
+            await self.quarantine(slot)
+            return
+        cold += await self.servers_down()
+        phase("servers_checked")
+        if not cold:
+            try:
+                await bus.request(self.nc, subjects.KV_FLUSH, KvFlush(engine_id=slot.engine_id), 2.0)
+            except bus.ServiceError as exc:
+                cold.append(f"arena flush failed: {exc}")
+        phase("arena_flushed")
+        if shadow is None:
+            cold.append("no shadow")
+        new: WorkerProcess | None = None
+        if not cold and shadow is not None:
+            await shadow.tell("promote")
+            try:
+                await shadow.expect("ready", timeout_s=self.config.start_timeout_s)
+                new = shadow
+            except (StartFailed, TimeoutError) as exc:
+                cold.append(f"shadow not promoted: {exc}")
+        phase("promoted")
+        if new is None:
+            if shadow is not None:
+                await shadow.kill_confirmed(self.config.death_timeout_s)
+            slot.shadow = None
+            try:
+                new = await self.start_worker(slot, "cold")
+            except (StartFailed, TimeoutError) as exc:
+                log.error("engine %s: cold start failed: %s", slot.engine_id, exc)
+                return
+            phase("cold_started")
+        slot.main = new
+        slot.shadow = None
+        self.write_state()
+        entry, _ = await registry.read(self.kv, slot.engine_id)
+        event = Handover(
+            engine_id=slot.engine_id,
+            reason=reason,
+            path="cold" if cold else "shadow",
+            cold_reason="; ".join(cold),
+            old_pid=old.pid,
+            new_pid=new.pid,
+            epoch=entry.epoch if entry else 0,
+            detected_at=detected_at,
+            phases_ms=phases,
+        )
+        await bus.publish(self.nc, subjects.event("handover", slot.engine_id), event)
+        log.info("engine %s handover after %s (%s path): %s", slot.engine_id, reason, event.path, phases)
+        self.spawn_task(self.replace_shadow(slot), f"shadow-{slot.engine_id}")
+
+    async def servers_down(self) -> list[str]:
+        """Why the weight and KV servers cannot be trusted now; empty when both answer."""
+        down = []
+        for name, subject in (("weight server", subjects.WEIGHTS_PING), ("KV server", subjects.KV_PING)):
+            try:
+                await self.nc.request(subject, protocol.encode(ServerPing()), timeout=SERVER_PING_TIMEOUT_S)
+            except Exception as exc:  # no responders, timeout, a closed connection: all mean "down"
+                down.append(f"{name} not answering ({type(exc).__name__})")
+        return down
+
+    async def quarantine(self, slot: EngineSlot) -> None:
+        slot.quarantined = True
+        if slot.shadow is not None:
+            await slot.shadow.kill_confirmed(self.config.death_timeout_s)
+            slot.shadow = None
+        await registry.quarantine(self.kv, slot.engine_id)
+        self.write_state()
+        alert = EngineQuarantined(
+            engine_id=slot.engine_id, failures=len(slot.failures), window_s=self.config.failure_window_s
+        )
+        await bus.publish(self.nc, subjects.event("engine_quarantined", slot.engine_id), alert)
+        log.error("engine %s quarantined after %d failures", slot.engine_id, len(slot.failures))
+
+    # ------------------------------------------------------------ events, state file and shutdown
+
+    def write_state(self) -> None:
+        """`<state-dir>/engines.json`: each engine's main and shadow pid, for status and tests."""
+        state = {
+            slot.engine_id: {
+                "main": slot.main.pid if slot.main else 0,
+                "shadow": slot.shadow.pid if slot.shadow else 0,
+                "quarantined": slot.quarantined,
+            }
+            for slot in self.slots.values()
+        }
+        path = self.config.state_dir / "engines.json"
+        path.with_suffix(".tmp").write_text(json.dumps(state))
+        path.with_suffix(".tmp").replace(path)
+
+    async def announce(self, event: ProcessEvent) -> None:
+        with contextlib.suppress(Exception):
+            await bus.publish(self.nc, subjects.event("process", event.name), event)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for task in list(self.tasks):
+            task.cancel()
+        for task in list(self.tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for slot in self.slots.values():
+            for worker in (slot.shadow, slot.main):
+                if worker is not None and worker.process.returncode is None:
+                    worker.process.terminate()
+                    try:
+                        await asyncio.wait_for(worker.process.wait(), 5)
+                    except TimeoutError:
+                        await worker.kill_confirmed(self.config.death_timeout_s)
+                if worker is not None and worker.reader is not None:
+                    worker.reader.cancel()

@@ -1,0 +1,256 @@
+"""Instant rollout-worker restart: the shadow takes over a failed main, reusing weights and arena.
+
+Real processes throughout: nats-server, router, weight server, KV server, shadow supervisor, main
+and shadow workers; failures are real SIGKILL and SIGSTOP at seeded random points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from belayer_rl.services.worker.shadow import INJECT_DEVICE_FAULT_ENV
+from belayer_rl.shared.protocol import EngineQuarantined, Handover, RequestResumed
+from tests.rollout.test_worker_faults import make_job, run
+from tests.support import Cluster, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
+
+
+def engines(cluster: Cluster) -> dict[str, dict[str, int]]:
+    path = cluster.supervisor.config.state_dir / "workers" / "engines.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+async def shadow_ready(cluster: Cluster, engine_id: str, not_pids: set[int]) -> dict[str, int] | None:
+    """The engine's pids once a shadow other than `not_pids` stands by."""
+    entry = engines(cluster).get(engine_id)
+    if entry and entry["shadow"] and entry["shadow"] not in not_pids and entry["main"] not in not_pids:
+        return entry
+    return None
+
+
+def shadowed(nats, tmp_path: Path, **options: object):  # type: ignore[no-untyped-def]
+    options.setdefault("engines", 1)
+    options.setdefault("hang_timeout_s", 3.0)  # a loaded test machine must not look like a hang
+    return running_cluster(nats, tmp_path, shadows=True, **options)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+async def test_sigkill_main_at_30_points_shadow_takes_over(nats_server, tmp_path, seed) -> None:
+    kills_wanted = 30
+    rng = random.Random(seed)
+    async with shadowed(nats_server, tmp_path, failure_window_s=0.01) as cluster:
+        handovers = await EventLog.start(cluster.client, "handover")
+        jobs, results, stop = [], {}, asyncio.Event()
+
+        async def producer(slot: int) -> None:
+            local = random.Random(seed * 10 + slot)
+            n = 0
+            while not stop.is_set():
+                job = make_job(local, f"h{slot}-{n}", max_tokens=400)
+                jobs.append(job)
+                results[job.request_id] = await run(cluster.client, job)
+                n += 1
+
+        producers = [asyncio.create_task(producer(slot)) for slot in range(4)]
+        killed: set[int] = set()
+        for _ in range(kills_wanted):
+            before = await poll(lambda: shadow_ready(cluster, "e0", killed), timeout_s=120)
+            await poll(lambda: busy_requests(cluster.client, 0, 300))
+            await asyncio.sleep(rng.uniform(0.0, 0.2))
+            kill(before["main"])
+            killed.add(before["main"])
+            event = await handovers.wait_for(
+                lambda e, p=before["main"]: isinstance(e, Handover) and e.old_pid == p
+            )
+            assert isinstance(event, Handover)
+            assert event.path == "shadow", event.cold_reason
+            assert event.new_pid == before["shadow"]  # the shadow recorded before the kill serves now
+            assert (await cluster.engine_pid("e0")) == before["shadow"] or not alive(before["shadow"])
+        stop.set()
+        await asyncio.gather(*producers)
+        after = await poll(lambda: shadow_ready(cluster, "e0", killed), timeout_s=120)
+
+    assert after["shadow"] and after["shadow"] not in killed  # protected again
+    expected = reference_tokens(jobs)
+    wrong = [j.request_id for j in jobs if results[j.request_id].tokens != expected[j.request_id]]
+    assert not wrong, wrong[:5]
+    assert sum(r.resumes for r in results.values()) >= 1
+
+
+def shm_mappings(pid: int) -> dict[str, dict[str, int | str]]:
+    """/dev/shm mappings of a process: path -> perms and sizes (kB) from /proc/PID/smaps."""
+    found: dict[str, dict[str, int | str]] = {}
+    current = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if "-" in parts[0] and len(parts) >= 6 and parts[5].startswith("/dev/shm/"):
+            current = found.setdefault(
+                parts[5], {"perms": parts[1], "Size": 0, "Private_Dirty": 0, "Shared": 0}
+            )
+        elif "-" in parts[0] and len(parts) >= 5:
+            current = None
+        elif current is not None and parts[0] in (
+            "Size:",
+            "Private_Dirty:",
+            "Shared_Clean:",
+            "Shared_Dirty:",
+        ):
+            key = "Shared" if parts[0].startswith("Shared") else parts[0][:-1]
+            current[key] = int(current[key]) + int(parts[1])
+    return found
+
+
+async def test_weights_and_arena_are_shared_mappings_not_copies(nats_server, tmp_path) -> None:
+    async with shadowed(nats_server, tmp_path, preset="small") as cluster:
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        await run(cluster.client, make_job(random.Random(1), "warm", max_tokens=32))
+        main, shadow = shm_mappings(pids["main"]), shm_mappings(pids["shadow"])
+
+    for who, maps in (("main", main), ("shadow", shadow)):
+        weights = [m for path, m in maps.items() if ".w." in path]
+        arenas = [m for path, m in maps.items() if ".kv." in path]
+        assert weights and arenas, f"{who}: no shared weight/arena mapping: {list(maps)}"
+        size_kb = sum(int(m["Size"]) for m in weights)
+        assert size_kb > 20_000  # the small preset's weights, about 26 MB
+        assert all(str(m["perms"]).endswith("s") for m in weights + arenas), maps  # MAP_SHARED
+        assert all(str(m["perms"]).startswith("r-") for m in weights), "weights must be read-only"
+        assert sum(int(m["Private_Dirty"]) for m in weights) < size_kb // 100
+    assert set(p for p in main if ".w." in p) == set(p for p in shadow if ".w." in p)  # the same segment
+
+
+async def test_sigstop_main_is_a_hang_killed_before_the_arena_is_reused(nats_server, tmp_path, seed) -> None:
+    rng = random.Random(seed)
+    async with shadowed(nats_server, tmp_path, hang_timeout_s=1.0, failure_window_s=0.01) as cluster:
+        handovers = await EventLog.start(cluster.client, "handover")
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        jobs = [make_job(rng, f"stop-{i}", max_tokens=400) for i in range(4)]
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        await poll(lambda: busy_requests(cluster.client, 0, 300))
+        kill(pids["main"], signal.SIGSTOP)
+        event = await handovers.wait_for(lambda e: isinstance(e, Handover) and e.old_pid == pids["main"])
+        main_gone = not alive(pids["main"])
+        results = await asyncio.gather(*running)
+
+    assert isinstance(event, Handover)
+    assert event.reason == "hang" and event.path == "shadow"
+    assert main_gone  # SIGKILLed and reaped, not merely resumed
+    assert list(event.phases_ms)[:3] == ["kill_confirmed", "servers_checked", "arena_flushed"]
+    expected = reference_tokens(jobs)
+    for job, result in zip(jobs, results, strict=True):
+        assert result.tokens == expected[job.request_id]
+
+
+@pytest.mark.parametrize("server", ["weight-server", "kv-server"])
+async def test_owner_server_killed_takes_the_cold_path(nats_server, tmp_path, seed, server) -> None:
+    rng = random.Random(seed)
+    async with shadowed(nats_server, tmp_path, failure_window_s=0.01) as cluster:
+        handovers = await EventLog.start(cluster.client, "handover")
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        job = make_job(rng, "cold", max_tokens=300)
+        running = asyncio.create_task(run(cluster.client, job))
+        await poll(lambda: busy_requests(cluster.client, 0, 250))
+        server_pid = cluster.pid_of(server)
+        kill(server_pid)
+        kill(pids["main"])
+        event = await handovers.wait_for(lambda e: isinstance(e, Handover) and e.old_pid == pids["main"])
+        result = await running
+        await poll(lambda: restarted_server(cluster, server, server_pid), timeout_s=60)
+        prefix = cluster.supervisor.shm_prefix
+    leftovers = [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
+
+    assert isinstance(event, Handover)
+    assert event.path == "cold"
+    assert ("weight server" if server == "weight-server" else "KV server") in event.cold_reason
+    assert event.new_pid != pids["shadow"]  # not reused
+    assert result.tokens == reference_tokens([job])[job.request_id]
+    assert leftovers == []
+
+
+async def restarted_server(cluster: Cluster, name: str, old_pid: int) -> bool | None:
+    child = cluster.supervisor.children[name]
+    return True if child.pid != old_pid and child.state == "running" else None
+
+
+async def test_failing_device_check_takes_the_cold_path(nats_server, tmp_path, monkeypatch) -> None:
+    fault = tmp_path / "device-fault"
+    monkeypatch.setenv(INJECT_DEVICE_FAULT_ENV, str(fault))
+    async with shadowed(nats_server, tmp_path, failure_window_s=0.01) as cluster:
+        handovers = await EventLog.start(cluster.client, "handover")
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        fault.touch()
+        kill(pids["main"])
+        event = await handovers.wait_for(lambda e: isinstance(e, Handover) and e.old_pid == pids["main"])
+        job = make_job(random.Random(3), "after-cold", max_tokens=64)
+        result = await run(cluster.client, job)
+
+    assert isinstance(event, Handover)
+    assert event.path == "cold" and "injected device fault" in event.cold_reason
+    assert event.new_pid != pids["shadow"]
+    assert result.tokens == reference_tokens([job])[job.request_id]
+
+
+async def test_two_failures_in_window_quarantine_and_spread(nats_server, tmp_path, seed) -> None:
+    rng = random.Random(seed)
+    async with shadowed(nats_server, tmp_path, engines=3, failure_window_s=120) as cluster:
+        handovers = await EventLog.start(cluster.client, "handover")
+        alerts = await EventLog.start(cluster.client, "engine_quarantined")
+        resumed = await EventLog.start(cluster.client, "request_resumed")
+        first = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        kill(first["main"])
+        await handovers.wait_for(lambda e: isinstance(e, Handover) and e.old_pid == first["main"])
+        jobs = [make_job(rng, f"q-{i}", max_tokens=400) for i in range(9)]
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        on_e0 = await poll(lambda: requests_on(cluster, "e0", 2))
+        second = engines(cluster)["e0"]
+        kill(second["main"])
+        await alerts.wait_for(lambda e: isinstance(e, EngineQuarantined) and e.engine_id == "e0")
+        results = await asyncio.gather(*running)
+        state = engines(cluster)["e0"]
+
+    moved = [
+        e
+        for e in resumed.events
+        if isinstance(e, RequestResumed) and e.request_id in on_e0 and e.engine_id != "e0"
+    ]
+    targets = [e.engine_id for e in moved]
+    assert set(on_e0) <= {e.request_id for e in moved}
+    assert abs(targets.count("e1") - targets.count("e2")) <= 1  # spread evenly
+    assert state["quarantined"]
+    expected = reference_tokens(jobs)
+    for job, result in zip(jobs, results, strict=True):
+        assert result.tokens == expected[job.request_id]
+
+
+async def requests_on(cluster: Cluster, engine_id: str, at_least: int) -> set[str] | None:
+    status = await cluster.client.status()
+    found = {r.request_id for r in status.requests if r.engine_id == engine_id and r.num_tokens > 0}
+    return found if len(found) >= at_least else None
+
+
+async def test_idle_shadow_killed_is_replaced_main_unaffected(nats_server, tmp_path) -> None:
+    async with shadowed(nats_server, tmp_path) as cluster:
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        kill(pids["shadow"])
+        after = await poll(lambda: shadow_ready(cluster, "e0", {pids["shadow"]}), timeout_s=120)
+        job = make_job(random.Random(5), "still-serving", max_tokens=64)
+        result = await run(cluster.client, job)
+        serving = await cluster.engine_pid("e0")
+
+    assert after["main"] == pids["main"] == serving
+    assert after["shadow"] != pids["shadow"]
+    assert result.tokens == reference_tokens([job])[job.request_id]
+    assert os.getpid() not in (after["main"], after["shadow"])
