@@ -358,7 +358,10 @@ class Checkpointer:
                 bytes_written=result.bytes_written, freeze_s=result.freeze_s, total_s=result.total_s,
             ),
         )  # fmt: skip
-        await asyncio.to_thread(self.collect_garbage)
+        try:
+            await asyncio.to_thread(self.collect_garbage)
+        except Exception:  # the checkpoint is ready; a GC failure must not say otherwise
+            log.exception("garbage collection after %s failed", result.checkpoint_id)
         return result
 
     async def _checkpoint_phases(

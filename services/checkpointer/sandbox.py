@@ -354,15 +354,28 @@ def read_oom_kills(files: list[Path]) -> int:
     return 0
 
 
+PF_EXITING = 0x4
+SIGKILL_BIT = 1 << 8
+
+
 def process_alive(pid: int) -> bool:
-    """Whether `pid` runs (not gone, not a zombie)."""
+    """Whether `pid` runs and is not on its way out: gone, a zombie, exiting (PF_EXITING, set
+    before a dying init tears its pid namespace down) or with a SIGKILL pending all count as dead."""
     if pid <= 0:
         return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    fields = stat.rsplit(")", 1)[-1].split()  # fields[0] is the state, fields[6] the flags
+    if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING:
+        return False
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigPnd", "ShdPnd") and int(value.strip(), 16) & SIGKILL_BIT:
+            return False
+    return True
 
 
 def dump_in_flight(container_id: str) -> bool:

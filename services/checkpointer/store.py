@@ -14,6 +14,7 @@ Knows nothing about Docker or NATS.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -246,7 +247,14 @@ class Store:
         return removed
 
     def usage(self) -> int:
-        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and not p.is_symlink())
+        """Bytes held by published checkpoints; folders being written or removed meanwhile are skipped."""
+        total = 0
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not d.startswith(TMP_PREFIX)]
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(folder, name)).st_size
+        return total
 
     def enforce_budget(self, budget_bytes: int, keep: set[Path]) -> list[Path]:
         """Delete the oldest checkpoints that are not in `keep` (each trajectory's latest) until the
