@@ -16,18 +16,18 @@ import os
 import resource
 import sys
 
+from belayer_rl.services.kv_server.client import KvClient
+from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.services.worker import shm
-from belayer_rl.shared import bus, subjects
-from belayer_rl.shared.protocol import ArenaHandle, KvArenaRequest, WeightHandles, WeightsPin
+from belayer_rl.shared import bus
+from belayer_rl.shared.protocol import ArenaHandle, WeightHandles
 
 
 async def fetch(url: str, engine_id: str, preset: str, num_blocks: int) -> tuple[WeightHandles, ArenaHandle]:
     nc = await bus.connect(url, f"mapper-{os.getpid()}")
     try:
-        pin = WeightsPin(holder=f"mapper-{os.getpid()}", pid=os.getpid())
-        weights = await bus.request_struct(nc, subjects.WEIGHTS_PIN, pin, WeightHandles, 10)
-        request = KvArenaRequest(engine_id=engine_id, preset=preset, num_blocks=num_blocks, block_size=16)
-        arena = await bus.request_struct(nc, subjects.KV_ARENA, request, ArenaHandle, 10)
+        weights = await WeightClient(nc).pin(f"mapper-{os.getpid()}", os.getpid())
+        arena = await KvClient(nc).arena(engine_id, preset, num_blocks, block_size=16)
     finally:
         await nc.close()
     return weights, arena

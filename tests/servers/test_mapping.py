@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -13,6 +14,8 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from belayer_rl.services.kv_server.client import KvClient
+from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
 from belayer_rl.services.worker.model import PRESETS, init_params
@@ -132,13 +135,8 @@ async def test_an_engine_on_mapped_weights_and_arena_matches_one_that_owns_them(
         running("weight_server", url, shm_prefix, tmp_path, "--preset", "tiny"),
         running("kv_server", url, shm_prefix, tmp_path),
     ):
-        weights = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
-        arena = await call(
-            nc,
-            subjects.KV_ARENA,
-            KvArenaRequest(engine_id="e0", preset="tiny", num_blocks=64, block_size=16),
-            ArenaHandle,
-        )
+        weights = await WeightClient(nc).pin("engine-e0", os.getpid())
+        arena = await KvClient(nc).arena("e0", "tiny", num_blocks=64, block_size=16)
         mapped = Engine(
             config, shm.map_weights(weights), shm.map_arena(arena), weight_version=weights.version
         )

@@ -1,0 +1,46 @@
+"""A typed client of the kv-server. Each call is one request on `belayer.kv.<verb>`; failures
+arrive as ServiceError with the server's code ("unknown-engine", "shape-mismatch",
+"unknown-preset", "too-large", "no-space") or the bus's ("timeout", "no-responders")."""
+
+from __future__ import annotations
+
+from nats.aio.client import Client as NATS
+
+from belayer_rl.shared import bus, subjects
+from belayer_rl.shared.protocol import (
+    Ack,
+    ArenaHandle,
+    KvArenaRequest,
+    KvFlush,
+    KvRelease,
+    KvServerAlive,
+    ServerPing,
+)
+
+
+class KvClient:
+    def __init__(self, nc: NATS, timeout_s: float = 5.0) -> None:
+        self.nc = nc
+        self.timeout_s = timeout_s
+
+    async def ping(self, timeout_s: float | None = None) -> KvServerAlive:
+        return await bus.request_struct(
+            self.nc, subjects.KV_PING, ServerPing(), KvServerAlive, timeout_s or self.timeout_s
+        )
+
+    async def arena(
+        self, engine_id: str, preset: str, num_blocks: int, block_size: int, timeout_s: float = 60.0
+    ) -> ArenaHandle:
+        """The engine's arena handle: created zeroed on the first call (which may take a while for a
+        big arena: every page is allocated), the same one after."""
+        request = KvArenaRequest(
+            engine_id=engine_id, preset=preset, num_blocks=num_blocks, block_size=block_size
+        )
+        return await bus.request_struct(self.nc, subjects.KV_ARENA, request, ArenaHandle, timeout_s)
+
+    async def flush(self, engine_id: str, timeout_s: float = 30.0) -> Ack:
+        """Zero the engine's arena; returns once every byte is written."""
+        return await bus.request(self.nc, subjects.KV_FLUSH, KvFlush(engine_id=engine_id), timeout_s)
+
+    async def release(self, engine_id: str) -> Ack:
+        return await bus.request(self.nc, subjects.KV_RELEASE, KvRelease(engine_id=engine_id), self.timeout_s)
