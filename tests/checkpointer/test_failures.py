@@ -102,3 +102,30 @@ async def test_sixteen_sandboxes_at_once(client: SandboxClient, image: str) -> N
     restored = await client.restore("traj-m3")
     assert (restored.source, restored.k) == ("latest", 1)
     assert (await client.exec("m3", "cat /who", expect_step=1)).stdout == "m3\n"
+
+
+async def test_gc_budget_keeps_latest_and_end_deletes_all(service: Service, image: str) -> None:
+    from belayer_rl.shared import bus
+
+    service.stop()
+    service.start("--disk-budget-gb", "0.000001")  # about 1 KiB: only each trajectory's latest fits
+    nc = await bus.connect(service.nats_url, "test-client")
+    client = SandboxClient(nc, service.host_id)
+    try:
+        await service.ready(client)
+        await client.create(SandboxSpec(image=image), sandbox="gc")
+        ids = []
+        for k in (1, 2, 3):
+            await client.exec("gc", f"echo {k} > /k")
+            ids.append((await client.checkpoint("gc", "traj-gc", k=k)).checkpoint_id)
+        folder = service.state_dir / "checkpoints" / "traj-gc"
+        assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [ids[-1]]
+        restored = await client.restore("traj-gc")
+        assert (restored.source, restored.k) == ("latest", 3)
+        await client.end("traj-gc")
+        assert not folder.exists()
+        with pytest.raises(ServiceError) as gone:
+            await client.restore("traj-gc")
+        assert gone.value.code == "no-checkpoint"
+    finally:
+        await nc.close()
