@@ -12,6 +12,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     from belayer_rl.shared import bench_rollout
 
     bench_rollout.add_parser(kinds)
+    from belayer_rl.shared import bench_handover
+
+    bench_handover.add_parser(kinds)
     from belayer_rl.services.checkpointer import bench as checkpoint_bench
 
     checkpoint_bench.add_parser(kinds)

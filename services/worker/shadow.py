@@ -25,7 +25,7 @@ import torch
 from belayer_rl.services.worker.engine import Engine
 from belayer_rl.shared.config import WorkerConfig
 
-POLL_S = 0.005  # how often the heartbeat file's mtime is read
+POLL_S = 0.01  # how often the heartbeat file's mtime is read
 INJECT_DEVICE_FAULT_ENV = "BELAYER_INJECT_DEVICE_FAULT"  # a path; while it exists the check fails
 
 
