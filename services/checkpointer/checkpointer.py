@@ -577,7 +577,7 @@ class Checkpointer:
             upper = Path((await self.engine.inspect(container_id))["GraphDriver"]["Data"]["UpperDir"])
             await asyncio.to_thread(layer.install, path / LAYER, entries, upper)
             target = self.engine.container_dir(container_id) / "checkpoints" / CRIU_NAME
-            await asyncio.to_thread(shutil.copytree, path / CRIU, target, symlinks=True)
+            await asyncio.to_thread(shutil.copytree, path / CRIU, target, copy_function=link_or_copy)
             await self.engine.start(container_id, checkpoint=CRIU_NAME)
             state = (await self.engine.inspect(container_id))["State"]
             if state.get("Paused"):
@@ -598,3 +598,11 @@ class Checkpointer:
         for task in list(self.tasks):
             with contextlib.suppress(BaseException):
                 await task
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """CRIU images are only read by the engine: a hardlink saves copying them (same filesystem)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -83,6 +83,10 @@ async def test_round_trip_restores_processes_files_and_context(client: SandboxCl
     again = await client.exec("rt", SNAPSHOT)
     assert again.stdout == snapshot.stdout  # same files, modes, owners, times, links, pids, open fd
     assert (await client.exec("rt", "ls /work/after.txt")).exit_code != 0
+    # restoring used the artifact without changing it: it verifies and restores again
+    await kill_container(restored.container_id)
+    twice = await client.restore("traj-rt")
+    assert (twice.source, twice.k, twice.rejected) == ("latest", 4, [])
 
 
 async def test_checkpoint_refused_unless_last_action_is_k(client: SandboxClient, image: str) -> None:
