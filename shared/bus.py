@@ -65,8 +65,11 @@ async def connect(
     options: BusOptions = BusOptions(),
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
+    nc = NATS()
+
     async def disconnected() -> None:
-        log.warning("%s: disconnected from NATS", name)
+        if not nc.is_closed:  # closing on purpose is not news
+            log.warning("%s: disconnected from NATS", name)
 
     async def reconnected() -> None:
         log.warning("%s: reconnected to NATS", name)
@@ -76,7 +79,7 @@ async def connect(
     async def error(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
 
-    return await nats.connect(
+    await nc.connect(
         url,
         name=name,
         ping_interval=options.ping_interval_s,
@@ -90,6 +93,7 @@ async def connect(
         reconnected_cb=reconnected,
         error_cb=error,
     )
+    return nc
 
 
 # ---------------------------------------------------------------- request / reply

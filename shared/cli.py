@@ -122,8 +122,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         url = resolve_nats_url(args.nats, args.state_dir)
         status = uvloop.run(router_status(url))
+        shadows = read_shadows(args.state_dir)
         engines = [
-            {"id": e.engine_id, "worker_pid": e.pid, "epoch": e.epoch, "alive": e.alive}
+            {
+                "id": e.engine_id,
+                "worker_pid": e.pid,
+                "epoch": e.epoch,
+                "alive": e.alive,
+                "shadow_pid": shadows.get(e.engine_id, 0),
+            }
             for e in status.engines
         ]
         requests = len(status.requests)
@@ -138,9 +145,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in processes:
         print(f"process {p['name']:<14} pid {p['pid']:<8} {p['state']}")
     for e in engines:
-        print(f"engine  {e['id']:<14} pid {e['worker_pid']:<8} epoch {e['epoch']}  alive={e['alive']}")
+        print(
+            f"engine  {e['id']:<14} pid {e['worker_pid']:<8} epoch {e['epoch']}  alive={e['alive']}"
+            f"  shadow pid {e['shadow_pid'] or '-'}"
+        )
     print(f"requests in flight: {requests}" + (f"  (router: {router_error})" if router_error else ""))
     return 0
+
+
+def read_shadows(state_dir: Path) -> dict[str, int]:
+    """Engine id -> its idle shadow's pid, from the shadow supervisor's state file."""
+    path = state_dir / "workers" / "engines.json"
+    if not path.exists():
+        return {}
+    return {engine: int(pids["shadow"]) for engine, pids in json.loads(path.read_text()).items()}
 
 
 async def router_status(url: str) -> protocol.RouterStatus:

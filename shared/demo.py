@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvloop
 
-from belayer_rl.shared import bus, tokenizer
+from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.cluster import local_cluster
 from belayer_rl.shared.config import ClusterConfig
@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
         return uvloop.run(demo(config, args))
 
 
+def printable(tokens: list[int]) -> str:
+    """Random weights emit arbitrary bytes: show the printable ones, a dot for the rest."""
+    return "".join(chr(t) if 32 <= t < 127 else "·" for t in tokens)
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 
@@ -63,7 +68,7 @@ async def demo(config: ClusterConfig, args: argparse.Namespace) -> int:
                     end = item
                     break
                 tokens.extend(item.tokens)
-                sys.stdout.write(tokenizer.decode_bytes(item.tokens).decode("latin-1"))
+                sys.stdout.write(printable(item.tokens))
                 sys.stdout.flush()
                 if not killed_pid and len(tokens) >= args.kill_at:
                     killed_pid = await kill_serving_worker(client, item.request_id)
