@@ -136,8 +136,12 @@ async def serve(config: CheckpointerConfig) -> None:
             "checkpointer %s up: %d sandboxes, docker root %s, state %s",
             config.host_id, len(c.sandboxes), engine.data_root, config.state_dir,
         )  # fmt: skip
+        watcher = asyncio.create_task(c.watch(), name="watch-engine")
         await stopping.wait()
         await subscription.unsubscribe()  # stop intake, then let in-flight work end
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         if tasks:
             _, late = await asyncio.wait(set(tasks), timeout=SHUTDOWN_GRACE_S)
             for task in late:

@@ -72,6 +72,8 @@ log = logging.getLogger("belayer.checkpointer")
 
 PHASES = ("freeze", "archive", "dump", "unfreeze", "seal", "publish", "advance")
 CRIU_NAME = "criu"  # the checkpoint name under which the engine dumps and restores
+WATCH_BACKOFF_S = 0.5
+MAX_WATCH_BACKOFF_S = 10.0
 ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash is waited for
 
 
@@ -187,6 +189,35 @@ class Checkpointer:
                 if current is None or stored.manifest.order > pointer.order(current):
                     log.info("removing checkpoint %s: never pointed at", stored.path.name)
                     self.store.remove(stored.path)
+
+    async def watch(self) -> None:
+        """Report sandboxes that die or hit OOM between actions as soon as the engine says so;
+        after each (re)connection to the engine, check every idle sandbox for what was missed."""
+        backoff = WATCH_BACKOFF_S
+        while True:
+            try:
+                for sb in list(self.sandboxes.values()):
+                    await self.check_idle(sb)
+                async for container_id, action in self.engine.deaths(self.config.host_id):
+                    backoff = WATCH_BACKOFF_S
+                    for sb in list(self.sandboxes.values()):
+                        if sb.record.container_id == container_id:
+                            log.info("sandbox %s: engine reports %s", sb.record.sandbox, action)
+                            await self.check_idle(sb)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("engine event stream: %s; reconnecting in %.1fs", exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_WATCH_BACKOFF_S)
+
+    async def check_idle(self, sb: Sandbox) -> None:
+        """Judge an idle running sandbox's health; busy ones are judged by what keeps them busy."""
+        if sb.record.state != "running" or sb.fifo.locked() or not sb.record.container_id:
+            return
+        failure, sb.record.oom_seen = await self.engine.health(sb.record.container_id, sb.record.oom_seen)
+        if failure is not None and not sb.fifo.locked() and sb.record.state == "running":
+            await self.env_failure(sb, failure)
 
     # ------------------------------------------------------------ events
 

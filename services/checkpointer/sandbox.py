@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import shutil
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,20 @@ class Engine:
                 "filters": msgspec.json.encode({"label": [f"{LABEL_HOST}={host_id}"]}).decode(),
             },
         )
+
+    async def deaths(self, host_id: str) -> AsyncIterator[tuple[str, str]]:
+        """(container id, "die" or "oom") for the host's sandbox containers, as the engine reports
+        them, until the stream breaks (a daemon restart)."""
+        filters = {"type": ["container"], "event": ["die", "oom"], "label": [f"{LABEL_HOST}={host_id}"]}
+        async with self.docker._query(
+            "events",
+            params={"filters": msgspec.json.encode(filters).decode()},
+            timeout=aiohttp.ClientTimeout(),
+        ) as response:
+            async for line in response.content:
+                with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError):
+                    event = msgspec.json.decode(line)
+                    yield event["Actor"]["ID"], event["Action"]
 
     def container_dir(self, container_id: str) -> Path:
         return self.data_root / "containers" / container_id

@@ -129,3 +129,19 @@ async def test_gc_budget_keeps_latest_and_end_deletes_all(service: Service, imag
         assert gone.value.code == "no-checkpoint"
     finally:
         await nc.close()
+
+
+async def test_idle_sandbox_death_is_reported_without_an_action(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    info = await client.create(SandboxSpec(image=image), sandbox="idle")
+    async with events(service.nats_url) as seen:
+        await kill_container(info.container_id)
+        for _ in range(50):
+            if any(isinstance(e, EnvFailure) and e.sandbox == "idle" for e in seen):
+                break
+            await asyncio.sleep(0.1)
+    failures = [e for e in seen if isinstance(e, EnvFailure) and e.sandbox == "idle"]
+    assert len(failures) == 1 and failures[0].reason == "dead"
+    listing = await client.list()
+    assert [s.state for s in listing.sandboxes if s.sandbox == "idle"] == ["failed"]
