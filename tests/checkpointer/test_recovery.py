@@ -216,3 +216,28 @@ async def test_disk_full_keeps_previous(
         await nc.close()
         svc.stop()
         await remove_host_containers(svc.host_id)
+
+
+async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_ends(
+    client: SandboxClient, image: str
+) -> None:
+    from belayer_rl.services.checkpointer.sandbox import dump_in_flight
+
+    info = await client.create(SandboxSpec(image=image, memory_mb=3072), sandbox="slow")
+    await client.exec("slow", f"echo one > /one; {COUNTER}")
+    first = await client.checkpoint("slow", "traj-slow", k=1)
+    await client.exec("slow", "(exec memhold 2500) >/dev/null 2>&1 </dev/null & sleep 4")
+    with pytest.raises(ServiceError) as late:
+        await client.checkpoint("slow", "traj-slow", k=2, timeout_s=0.3)
+    assert late.value.code == "timeout"
+    dumping = False
+    for _ in range(40):  # the dump of 2.5 GiB runs on after the caller's timeout
+        if dumping := dump_in_flight(info.container_id):
+            break
+        await asyncio.sleep(0.05)
+    after = await client.exec("slow", "echo after")  # queued behind the dump
+    assert after.stdout == "after\n" and not dump_in_flight(info.container_id)
+    assert dumping  # the caller got its error while CRIU was still writing
+    await kill_container(info.container_id)
+    restored = await client.restore("traj-slow")
+    assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)  # discarded
