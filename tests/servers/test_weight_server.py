@@ -15,6 +15,7 @@ import torch
 from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.model import PRESETS, init_params, save_params, seed_version
 from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared.cluster import free_port
 from belayer_rl.shared.protocol import (
     Ack,
     ServerPing,
@@ -28,7 +29,7 @@ from belayer_rl.shared.protocol import (
     WeightsUnpin,
     WeightVersions,
 )
-from tests.servers.helpers import call, encode_json, error_code, error_of, running, shm_names, start
+from tests.servers.helpers import REPO, call, encode_json, error_code, error_of, running, shm_names, start
 from tests.support import poll
 
 V0 = seed_version(0, "tiny")
@@ -251,3 +252,25 @@ async def test_a_second_server_on_a_live_prefix_is_refused(nats_server, nc, shm_
         assert shm_names(shm_prefix) == before
         alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
         assert alive.pid == server.pid
+
+
+@pytest.mark.parametrize("kind", ["weight_server", "kv_server"])
+async def test_sigterm_without_a_reachable_nats_leaves_nothing(kind, shm_prefix, tmp_path) -> None:
+    log = tmp_path / f"{kind}.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", f"belayer_rl.services.{kind}",
+            "--nats", f"nats://127.0.0.1:{free_port()}", "--shm-prefix", shm_prefix,
+            stdout=out, stderr=out, cwd=REPO,
+        )  # fmt: skip
+    try:
+        await poll(lambda: asyncio.sleep(0, shm_names(shm_prefix) or None), timeout_s=60)
+        await asyncio.sleep(0.5)  # inside the connect retries by now
+        process.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(process.wait(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert code == 0, log.read_text()
+    assert shm_names(shm_prefix) == []
