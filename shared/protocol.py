@@ -662,6 +662,7 @@ class WeightServerAlive(Message, tag="weight_server_alive", kw_only=True):
     newest: WeightVersion
     versions: list[WeightVersion]
     device: Literal["cpu", "cuda"] = "cpu"
+    segments: dict[WeightVersion, SegmentName] = {}  # each held version's current segment
 
 
 class WeightsPublished(Message, tag="weights_published", kw_only=True):
@@ -700,3 +701,4 @@ class KvServerAlive(Message, tag="kv_server_alive", kw_only=True):
     instance: InstanceId
     engines: list[EngineId]
     device: Literal["cpu", "cuda"] = "cpu"
+    segments: dict[EngineId, SegmentName] = {}  # each engine's current arena segment

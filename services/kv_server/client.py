@@ -44,3 +44,17 @@ class KvClient:
 
     async def release(self, engine_id: str) -> Ack:
         return await bus.request(self.nc, subjects.KV_RELEASE, KvRelease(engine_id=engine_id), self.timeout_s)
+
+    async def why_not_owned(self, handle: ArenaHandle, timeout_s: float | None = None) -> str | None:
+        """None if the server that made `handle` still answers and still owns that arena; else why
+        not. A restarted kv-server answers pings too, but the arena mapped from its predecessor is
+        an orphan (unlinked): reuse must check the instance."""
+        try:
+            alive = await self.ping(timeout_s)
+        except bus.ServiceError as exc:
+            return f"kv-server not answering ({exc.code})"
+        if alive.instance != handle.manifest.instance:
+            return f"kv-server restarted (instance {handle.manifest.instance} -> {alive.instance})"
+        if alive.segments.get(handle.engine_id) != handle.segment:
+            return f"the arena of {handle.engine_id} was released ({handle.segment} is gone)"
+        return None

@@ -89,15 +89,17 @@ class KvServer:
                 self.lock.removed,
             )
         self.arenas: dict[str, Arena] = {}
+        self._serial = 0
         self._busy = asyncio.Lock()  # arena creation, flush and release never overlap
 
-    def build(self, request: KvArenaRequest) -> Arena:
+    def build(self, request: KvArenaRequest, serial: int) -> Arena:
         """A zeroed arena for `request`; runs in a thread, touches no state."""
         shape = arena_shape(PRESETS[request.preset], request.num_blocks, request.block_size)
         on_gpu = self.config.device == "cuda"
         manifest = shm.plan("kv", request.engine_id, self.instance, [("arena", shape, torch.float32)])
-        # The segment name carries the instance: a handle of a dead instance never maps a new arena.
-        name = f"{self.config.shm_prefix}.kv.{self.instance}.{request.engine_id}"
+        # The name carries the instance and a serial: a handle of a dead instance, or of a released
+        # arena, never maps the arena that replaced it.
+        name = f"{self.config.shm_prefix}.kv.{self.instance}.{serial}.{request.engine_id}"
         segment = shm.Segment(name, manifest, reserve=not on_gpu)
         try:
             gpu, cuda = None, None
@@ -165,7 +167,8 @@ class KvServer:
                     "too-large", f"an arena of {nbytes} bytes exceeds {self.config.max_arena_bytes}"
                 )
             try:
-                arena = await asyncio.to_thread(self.build, request)
+                self._serial += 1
+                arena = await asyncio.to_thread(self.build, request, self._serial)
             except OSError as exc:  # /dev/shm (or the GPU) is full
                 raise ServiceError("no-space", f"cannot hold {nbytes} bytes: {exc}") from None
             self.arenas[request.engine_id] = arena
@@ -186,5 +189,9 @@ class KvServer:
 
     async def on_ping(self, _: ServerPing) -> KvServerAlive:
         return KvServerAlive(
-            pid=os.getpid(), instance=self.instance, engines=sorted(self.arenas), device=self.config.device
+            pid=os.getpid(),
+            instance=self.instance,
+            engines=sorted(self.arenas),
+            device=self.config.device,
+            segments={engine_id: arena.segment.name for engine_id, arena in sorted(self.arenas.items())},
         )

@@ -61,3 +61,17 @@ class WeightClient:
         """Load the weights file at `path` (absolute, on the server's host) as the newest version."""
         request = WeightsPublish(path=str(path))
         return await bus.request_struct(self.nc, subjects.WEIGHTS_PUBLISH, request, WeightHandles, timeout_s)
+
+    async def why_not_owned(self, handles: WeightHandles, timeout_s: float | None = None) -> str | None:
+        """None if the server that made `handles` still answers and still holds that version; else
+        why not. A restarted server answers pings too, but the segments a worker mapped from its
+        predecessor are orphans (unlinked) and its pins are gone: reuse must check the instance."""
+        try:
+            alive = await self.ping(timeout_s)
+        except bus.ServiceError as exc:
+            return f"weight server not answering ({exc.code})"
+        if alive.instance != handles.manifest.instance:
+            return f"weight server restarted (instance {handles.manifest.instance} -> {alive.instance})"
+        if alive.segments.get(handles.version) != handles.segment:
+            return f"weight version {handles.version} was freed ({handles.segment} is gone)"
+        return None

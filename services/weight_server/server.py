@@ -277,4 +277,5 @@ class WeightServer:
             newest=self.newest,
             versions=list(self.versions),
             device=self.config.device,
+            segments={version: entry.segment.name for version, entry in self.versions.items()},
         )

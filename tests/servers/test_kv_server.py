@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 
+from belayer_rl.services.kv_server.client import KvClient
 from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.kv_cache import arena_shape
 from belayer_rl.services.worker.model import PRESETS
@@ -63,8 +64,14 @@ async def test_arena_is_created_once_flushed_for_real_and_released(
         assert other.segment not in shm_names(shm_prefix)
         with pytest.raises(shm.MappingError):
             shm.map_arena(other)
-        renewed = await arena(nc, engine_id="e1", preset="medium", num_blocks=4)
-        assert renewed.preset == "medium"
+        renewed = await arena(nc, engine_id="e1", preset="tiny", num_blocks=8)
+        assert renewed.segment != other.segment  # same engine and shape, yet a new arena
+        with pytest.raises(shm.MappingError):
+            shm.map_arena(other)
+        client = KvClient(nc)
+        assert "was released" in (await client.why_not_owned(other) or "")
+        assert await client.why_not_owned(renewed) is None
+        assert await client.why_not_owned(first) is None
 
 
 async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
@@ -158,5 +165,7 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
             shm.map_arena(old)
         mapped.fill_(2.0)  # the orphaned mapping is still memory, but no longer the engine's arena
         assert shm.map_arena(new).abs().sum().item() == 0.0
+        assert "restarted" in (await KvClient(nc).why_not_owned(old) or "")
     assert second.process.returncode == 0
+    assert "not answering" in (await KvClient(nc, timeout_s=0.5).why_not_owned(new) or "")
     assert shm_names(shm_prefix) == []

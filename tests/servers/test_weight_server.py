@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.model import PRESETS, init_params, save_params, seed_version
 from belayer_rl.shared import protocol, subjects
@@ -103,6 +104,9 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         )
         with pytest.raises(shm.MappingError):
             shm.map_weights(old)
+        client = WeightClient(nc)
+        assert "was freed" in (await client.why_not_owned(old) or "")
+        assert await client.why_not_owned(new) is None
 
         not_pinned = await call(
             nc, subjects.WEIGHTS_UNPIN, WeightsUnpin(version=new_version, holder="worker-a"), Ack
@@ -240,7 +244,9 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
         assert len(now) == 2
         with pytest.raises(shm.MappingError):
             shm.map_weights(old)  # the dead instance's handle maps nothing of the new one
+        assert "restarted" in (await WeightClient(nc).why_not_owned(old) or "")
     assert second.process.returncode == 0
+    assert "not answering" in (await WeightClient(nc, timeout_s=0.5).why_not_owned(old) or "")
     assert shm_names(shm_prefix) == []
 
 
