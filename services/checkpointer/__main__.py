@@ -23,7 +23,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from belayer_rl.services.checkpointer import pointer
-from belayer_rl.services.checkpointer.checkpointer import PHASES, Checkpointer, CheckpointerConfig
+from belayer_rl.services.checkpointer.checkpointer import Checkpointer, CheckpointerConfig
+from belayer_rl.services.checkpointer.phases import PHASES
 from belayer_rl.services.checkpointer.sandbox import Engine
 from belayer_rl.shared import bus, protocol, subjects
 from belayer_rl.shared.bus import ServiceError

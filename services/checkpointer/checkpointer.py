@@ -1,4 +1,4 @@
-"""The checkpointer: the sandboxes of one Docker host, their FIFO, full_checkpoint and full_restore.
+"""The checkpointer: the sandboxes of one Docker host, their records, their FIFO, their health.
 
 Owns: every sandbox container labelled with its host id, their records under `<state>/sandboxes`,
 and the checkpoint store under `<state>/checkpoints`. Prefix pointers live in JetStream KV.
@@ -6,11 +6,8 @@ Each sandbox has one strict FIFO (an asyncio.Lock, which serves waiters in arriv
 which its actions, checkpoints and restores pass, so a checkpoint labelled k sees exactly the
 state right after action k (invariant 3). Environment failures are judged from the container's
 state and raised as ServiceError("env-failure") with an EnvFailure event (invariant 4).
-
-Checkpoint phases: freeze (docker pause) -> archive the writable layer -> CRIU dump, leaving the
-processes running -> unfreeze -> seal (checksums, manifest, fsync) -> publish (rename) -> advance
-(pointer compare-and-set) -> checkpoint-ready event. A failure or crash before "advance" leaves
-the previous pointer in effect; a folder published but never pointed at is deleted at start-up.
+full_checkpoint and full_restore themselves are in phases.py; this module queues them, bounds
+them in time and reconciles what a crash in the middle left behind.
 """
 
 from __future__ import annotations
@@ -18,11 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
-import shutil
-import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -32,29 +25,20 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from belayer_rl.services.checkpointer import layer, pointer
+from belayer_rl.services.checkpointer import phases, pointer
 from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, dump_in_flight
 from belayer_rl.services.checkpointer.store import (
-    CONTEXT,
-    CRIU,
-    LAYER,
-    Context,
-    CorruptCheckpoint,
-    Manifest,
     Store,
 )
-from belayer_rl.services.checkpointer.store import digest_context as digest
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import (
     Ack,
-    CheckpointReady,
     CheckpointResult,
     EnvFailure,
     ExecResult,
     PrefixPointer,
     RestoreResult,
-    RestoreSource,
     SandboxCheckpoint,
     SandboxCreate,
     SandboxDestroy,
@@ -63,15 +47,12 @@ from belayer_rl.shared.protocol import (
     SandboxList,
     SandboxListing,
     SandboxRestore,
-    SandboxRestored,
     SandboxSpec,
     TrajectoryEnd,
 )
 
 log = logging.getLogger("belayer.checkpointer")
 
-PHASES = ("freeze", "archive", "dump", "unfreeze", "seal", "publish", "advance")
-CRIU_NAME = "criu"  # the checkpoint name under which the engine dumps and restores
 WATCH_BACKOFF_S = 0.5
 MAX_WATCH_BACKOFF_S = 10.0
 ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash is waited for
@@ -94,8 +75,8 @@ class CheckpointerConfig:
             raise ConfigError(f"--host-id must be 1-64 of [A-Za-z0-9_-], got {self.host_id!r}")
         if self.disk_budget_gb < 0:
             raise ConfigError(f"--disk-budget-gb must be >= 0, got {self.disk_budget_gb}")
-        if self.crash_at and self.crash_at not in PHASES:
-            raise ConfigError(f"--crash-at must be one of {', '.join(PHASES)}, got {self.crash_at!r}")
+        if self.crash_at and self.crash_at not in phases.PHASES:
+            raise ConfigError(f"--crash-at must be one of {', '.join(phases.PHASES)}, got {self.crash_at!r}")
 
 
 class SandboxRecord(msgspec.Struct, kw_only=True):
@@ -330,7 +311,7 @@ class Checkpointer:
         sb = self.get(req.sandbox)
         abandoned = asyncio.Event()
         await sb.fifo.acquire()  # in arrival order; full_checkpoint releases it when really done
-        task = asyncio.create_task(self.full_checkpoint(sb, req, abandoned))
+        task = asyncio.create_task(phases.full_checkpoint(self, sb, req, abandoned))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
@@ -338,155 +319,6 @@ class Checkpointer:
         except TimeoutError:
             abandoned.set()
             raise ServiceError("timeout", f"checkpoint of {req.sandbox} exceeded {req.timeout_s}s") from None
-
-    async def phase(self, name: str) -> None:
-        if self.config.crash_at == name:
-            log.warning("chaos: killing the checkpointer at phase %s", name)
-            os.kill(os.getpid(), signal.SIGKILL)
-            await asyncio.sleep(10)
-
-    async def full_checkpoint(
-        self, sb: Sandbox, req: SandboxCheckpoint, abandoned: asyncio.Event
-    ) -> CheckpointResult:
-        """Called with the sandbox's FIFO held; releases it."""
-        try:
-            r = sb.record
-            if r.state != "running":
-                raise ServiceError("env-failure", f"sandbox {r.sandbox} is {r.state}")
-            if req.k != r.step:
-                raise ServiceError(
-                    "wrong-step", f"checkpoint k={req.k} refused: the last completed action is {r.step}"
-                )
-            if r.trajectory and r.trajectory != req.trajectory:
-                raise ServiceError(
-                    "wrong-trajectory", f"sandbox {r.sandbox} belongs to trajectory {r.trajectory}"
-                )
-            current, _ = await pointer.read(self.kv, req.trajectory)
-            incarnation = r.incarnation if r.trajectory else (current.incarnation + 1 if current else 0)
-            if current is not None and (incarnation, req.k) <= pointer.order(current):
-                raise ServiceError(
-                    "stale", f"pointer is at {pointer.order(current)}, not behind ({incarnation}, {req.k})"
-                )
-            started = time.monotonic()
-            checkpoint_id = f"i{incarnation}-k{req.k}-{secrets.token_hex(4)}"
-            staging = self.store.staging(req.trajectory, checkpoint_id)
-            try:
-                result = await self._checkpoint_phases(
-                    sb, req, incarnation, checkpoint_id, staging, abandoned, started
-                )
-            except BaseException:
-                await asyncio.to_thread(shutil.rmtree, staging, True)
-                raise
-            r.trajectory, r.incarnation = req.trajectory, incarnation
-            self.save(sb)
-        finally:
-            sb.fifo.release()
-        await self.publish(
-            subjects.event("checkpoint_ready", req.trajectory),
-            CheckpointReady(
-                trajectory=req.trajectory, sandbox=r.sandbox, host_id=self.config.host_id, checkpoint_id=checkpoint_id,
-                incarnation=incarnation, k=req.k, context_digest=result.context_digest,
-                bytes_written=result.bytes_written, freeze_s=result.freeze_s, total_s=result.total_s,
-            ),
-        )  # fmt: skip
-        try:
-            await asyncio.to_thread(self.collect_garbage)
-        except Exception:  # the checkpoint is ready; a GC failure must not say otherwise
-            log.exception("garbage collection after %s failed", result.checkpoint_id)
-        return result
-
-    async def _checkpoint_phases(
-        self, sb: Sandbox, req: SandboxCheckpoint, incarnation: int, checkpoint_id: str,
-        staging: Path, abandoned: asyncio.Event, started: float,
-    ) -> CheckpointResult:  # fmt: skip
-        r = sb.record
-        context = Context(tokens=list(req.context_tokens), ref=req.context_ref)
-        (staging / CONTEXT).write_bytes(msgspec.json.encode(context))
-        self.write_trajectory_spec(req.trajectory, r)
-        try:
-            upper = Path((await self.engine.inspect(r.container_id))["GraphDriver"]["Data"]["UpperDir"])
-        except (aiodocker.DockerError, KeyError) as exc:
-            raise await self.env_failure(
-                sb, EnvironmentFailure("daemon-error", f"inspect failed: {exc}")
-            ) from None
-        await self.phase("freeze")
-        frozen_at = time.monotonic()
-        try:
-            await self.engine.pause(r.container_id)
-        except aiodocker.DockerError as exc:
-            failure, _ = await self.engine.health(r.container_id, r.oom_seen)
-            if failure is not None:
-                raise await self.env_failure(sb, failure) from None
-            raise ServiceError("checkpoint-failed", f"freeze: {exc.message}") from None
-        dump_s = 0.0
-        try:
-            await self.phase("archive")
-            await asyncio.to_thread(layer.archive, upper, staging / LAYER)
-            await self.phase("dump")
-            dump_started = time.monotonic()
-            await self.engine.checkpoint(r.container_id, staging / CRIU)
-            dump_s = time.monotonic() - dump_started
-        except (OSError, aiodocker.DockerError) as exc:
-            raise ServiceError("checkpoint-failed", f"{type(exc).__name__}: {exc}") from None
-        finally:
-            await self.phase("unfreeze")
-            try:
-                await self.engine.unpause(r.container_id)
-            except aiodocker.DockerError as exc:
-                failure, _ = await self.engine.health(r.container_id, r.oom_seen)
-                raise await self.env_failure(
-                    sb, failure or EnvironmentFailure("daemon-error", exc.message)
-                ) from None
-        freeze_s = time.monotonic() - frozen_at
-        await self.phase("seal")
-        fields = dict(
-            checkpoint_id=checkpoint_id, trajectory=req.trajectory, sandbox=r.sandbox, host_id=self.config.host_id,
-            incarnation=incarnation, k=req.k, spec=r.spec, image_id=r.image_id, criu_name=CRIU_NAME,
-            context_digest=digest(context), context_len=len(context.tokens), freeze_s=freeze_s, dump_s=dump_s,
-        )  # fmt: skip
-        try:
-            manifest: Manifest = await asyncio.to_thread(self.store.seal, staging, fields)
-        except OSError as exc:
-            raise ServiceError("checkpoint-failed", f"seal: {exc}") from None
-        if abandoned.is_set():
-            raise ServiceError("timeout", "the caller gave up on this checkpoint; discarded")
-        await self.phase("publish")
-        path = await asyncio.to_thread(self.store.publish, staging, manifest)
-        await self.phase("advance")
-        new = PrefixPointer(
-            trajectory=req.trajectory, host_id=self.config.host_id, sandbox=r.sandbox, checkpoint_id=checkpoint_id,
-            incarnation=incarnation, k=req.k, context_digest=manifest.context_digest, context_len=manifest.context_len,
-        )  # fmt: skip
-        try:
-            moved, now = await pointer.advance(self.kv, new)
-        except Exception as exc:
-            await asyncio.to_thread(self.store.remove, path)
-            raise ServiceError("checkpoint-failed", f"pointer not advanced: {exc}") from None
-        if not moved:
-            await asyncio.to_thread(self.store.remove, path)
-            raise ServiceError("stale", f"pointer moved to {now and pointer.order(now)} meanwhile")
-        return CheckpointResult(
-            trajectory=req.trajectory, sandbox=r.sandbox, checkpoint_id=checkpoint_id, incarnation=incarnation,
-            k=req.k, context_digest=manifest.context_digest, bytes_written=manifest.bytes, freeze_s=freeze_s,
-            total_s=time.monotonic() - started,
-        )  # fmt: skip
-
-    def write_trajectory_spec(self, trajectory: str, record: SandboxRecord) -> None:
-        """What a restore from the base image needs even when every checkpoint is unusable."""
-        folder = self.store.trajectory_dir(trajectory)
-        folder.mkdir(parents=True, exist_ok=True)
-        base = SandboxRecord(
-            sandbox=record.sandbox, spec=record.spec, container_id="", image_id=record.image_id
-        )
-        tmp = folder / "trajectory.json.part"
-        tmp.write_bytes(msgspec.json.encode(base))
-        tmp.replace(folder / "trajectory.json")
-
-    def collect_garbage(self) -> None:
-        budget = int(self.config.disk_budget_gb * (1 << 30))
-        keep = {s[0].path for t in self.store.trajectories() if (s := self.store.ready(t))}
-        for path in self.store.enforce_budget(budget, keep):
-            log.info("disk budget: removed checkpoint %s", path.name)
 
     # ------------------------------------------------------------ full_restore
 
@@ -502,7 +334,7 @@ class Checkpointer:
         if sb is None or sb.record.state == "destroyed":
             sb = Sandbox(self.base_record(req.trajectory, current))
             self.sandboxes[current.sandbox] = sb
-        task = asyncio.create_task(self.full_restore(sb, current))
+        task = asyncio.create_task(phases.full_restore(self, sb, current))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
@@ -521,119 +353,9 @@ class Checkpointer:
         base.sandbox = current.sandbox
         return base
 
-    async def full_restore(self, sb: Sandbox, current: PrefixPointer) -> RestoreResult:
-        started = time.monotonic()
-        async with sb.fifo:
-            rejected: list[str] = []
-            chosen: tuple[Manifest, Context] | None = None
-            for stored in self.candidates(current):
-                try:
-                    chosen = await self.restore_from(sb, stored)
-                    break
-                except (
-                    CorruptCheckpoint,
-                    layer.HostileLayer,
-                    EnvironmentFailure,
-                    aiodocker.DockerError,
-                    OSError,
-                ) as exc:
-                    reason = f"{stored.name}: {type(exc).__name__}: {exc}"
-                    log.warning("restore of %s: rejected %s", current.trajectory, reason)
-                    rejected.append(reason)
-                    await asyncio.to_thread(self.store.remove, stored)
-            if chosen is None:  # the base image, from the start
-                sb.record.container_id = await self.fresh_container(sb, sb.record.image_id)
-                await self.engine.start(sb.record.container_id)
-                manifest, context = None, Context()
-            else:
-                manifest, context = chosen
-            source: RestoreSource = (
-                "base"
-                if manifest is None
-                else "latest"
-                if manifest.checkpoint_id == current.checkpoint_id
-                else "previous"
-            )
-            incarnation = current.incarnation if source == "latest" else current.incarnation + 1
-            k = manifest.k if manifest is not None else 0
-            checkpoint_id = manifest.checkpoint_id if manifest is not None else ""
-            if source != "latest":
-                new = msgspec.structs.replace(
-                    current, incarnation=incarnation, k=k, checkpoint_id=checkpoint_id,
-                    context_digest=digest(context), context_len=len(context.tokens),
-                )  # fmt: skip
-                moved, now = await pointer.advance(self.kv, new)
-                if not moved:
-                    raise ServiceError(
-                        "stale", f"pointer moved to {now and pointer.order(now)} during the restore"
-                    )
-            r = sb.record
-            r.state, r.step, r.trajectory, r.incarnation = "running", k, current.trajectory, incarnation
-            self.save(sb)
-        elapsed = time.monotonic() - started
-        await self.publish(
-            subjects.event("sandbox_restored", current.trajectory),
-            SandboxRestored(
-                trajectory=current.trajectory, sandbox=r.sandbox, host_id=self.config.host_id, source=source,
-                checkpoint_id=checkpoint_id, incarnation=incarnation, k=k, rejected=rejected, restore_s=elapsed,
-            ),
-        )  # fmt: skip
-        return RestoreResult(
-            trajectory=current.trajectory, sandbox=r.sandbox, container_id=r.container_id, source=source,
-            checkpoint_id=checkpoint_id, incarnation=incarnation, k=k, context_tokens=context.tokens,
-            context_ref=context.ref, context_digest=digest(context), rejected=rejected, restore_s=elapsed,
-        )  # fmt: skip
-
-    def candidates(self, current: PrefixPointer) -> list[Path]:
-        """The pointed-at checkpoint first, then older ready ones, newest first."""
-        ready = self.store.ready(current.trajectory)
-        head = [s.path for s in ready if s.path.name == current.checkpoint_id]
-        older = [
-            s.path
-            for s in ready
-            if s.path.name != current.checkpoint_id and s.manifest.order < pointer.order(current)
-        ]
-        return head + older
-
-    async def restore_from(self, sb: Sandbox, path: Path) -> tuple[Manifest, Context]:
-        """Verify, recreate, install the layer and the CRIU images, start from the checkpoint."""
-        manifest = await asyncio.to_thread(self.store.verify, path)
-        context = self.store.context(path)
-        entries = await asyncio.to_thread(
-            layer.check, path / LAYER, int(self.config.max_layer_gb * (1 << 30))
-        )
-        sb.record.spec = manifest.spec
-        container_id = await self.fresh_container(sb, manifest.image_id)
-        try:
-            upper = Path((await self.engine.inspect(container_id))["GraphDriver"]["Data"]["UpperDir"])
-            await asyncio.to_thread(layer.install, path / LAYER, entries, upper)
-            target = self.engine.container_dir(container_id) / "checkpoints" / CRIU_NAME
-            await asyncio.to_thread(shutil.copytree, path / CRIU, target, copy_function=link_or_copy)
-            await self.engine.start(container_id, checkpoint=CRIU_NAME)
-            state = (await self.engine.inspect(container_id))["State"]
-            if state.get("Paused"):
-                await self.engine.unpause(container_id)
-            failure, sb.record.oom_seen = await self.engine.health(container_id, 0)
-            if failure is not None:
-                raise failure
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.engine.remove(container_id)
-            sb.record.container_id = ""
-            raise
-        return manifest, context
-
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
         for task in list(self.tasks):
             with contextlib.suppress(BaseException):
                 await task
-
-
-def link_or_copy(src: str, dst: str) -> None:
-    """CRIU images are only read by the engine: a hardlink saves copying them (same filesystem)."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -23,6 +23,7 @@ from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import SandboxSpec
 
 from .conftest import Service, remove_host_containers
+from .test_recovery import SEEN
 
 
 class OwnDockerd:
@@ -121,9 +122,7 @@ async def test_dockerd_restart_between_checkpoint_and_restore(
             first.checkpoint_id,
             [3, 1, 4],
         )
-        state = await client.exec(
-            "r", "cat /one; ls /two 2>&1; a=$(cat /tmp/seen); sleep 0.5; echo $a $(cat /tmp/seen)"
-        )
+        state = await client.exec("r", f"cat /one; ls /two 2>&1; a=$({SEEN}); sleep 0.5; echo $a $({SEEN})")
         lines = state.stdout.splitlines()
         assert lines[0] == "one" and "No such file" in lines[1]
         before, after = map(int, lines[2].split())

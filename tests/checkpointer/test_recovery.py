@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from belayer_rl.services.checkpointer.checkpointer import PHASES
 from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.services.checkpointer.phases import PHASES
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
 
@@ -21,6 +21,7 @@ from .helpers import checkpoint_dir, events, kill_container, replace_layer
 from .test_layer import entry, hostile_members
 
 COUNTER = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/seen; sleep 0.1; done) >/dev/null 2>&1 </dev/null &"
+SEEN = 'v=; while [ -z "$v" ]; do v=$(cat /tmp/seen); done; echo $v'  # the writer truncates first
 
 
 async def two_checkpoints(
@@ -36,13 +37,11 @@ async def two_checkpoints(
 
 
 async def assert_restored_at_one(client: SandboxClient, sandbox: str) -> None:
-    files = await client.exec(
-        sandbox, "cat /one; ls /two 2>/dev/null; sleep 0.3; cat /tmp/seen", expect_step=1
-    )
+    files = await client.exec(sandbox, f"cat /one; ls /two 2>/dev/null; sleep 0.3; {SEEN}", expect_step=1)
     lines = files.stdout.split()
     assert lines[0] == "one" and "/two" not in lines and int(lines[-1]) > 0
     # the counter process came back from the checkpoint: it keeps writing
-    later = await client.exec(sandbox, "sleep 0.5; cat /tmp/seen")
+    later = await client.exec(sandbox, f"sleep 0.5; {SEEN}")
     assert int(later.stdout) > int(lines[-1])
 
 
