@@ -326,9 +326,12 @@ class Checkpointer:
         current, _ = await pointer.read(self.kv, req.trajectory)
         if current is None:
             raise ServiceError("no-checkpoint", f"trajectory {req.trajectory} has no prefix pointer")
-        if current.host_id != self.config.host_id:
+        moved_here = (self.store.trajectory_dir(req.trajectory) / current.checkpoint_id).is_dir()
+        if current.host_id != self.config.host_id and not moved_here:
             raise ServiceError(
-                "wrong-host", f"trajectory {req.trajectory} is checkpointed on host {current.host_id}"
+                "wrong-host",
+                f"trajectory {req.trajectory} is checkpointed on host {current.host_id}; to restore it"
+                f" here, copy the folder checkpoints/{req.trajectory} of its store into this host's",
             )
         sb = self.sandboxes.get(current.sandbox)
         if sb is None or sb.record.state == "destroyed":

@@ -245,9 +245,9 @@ async def full_restore(cp: Checkpointer, sb: Sandbox, current: PrefixPointer) ->
         incarnation = current.incarnation if source == "latest" else current.incarnation + 1
         k = manifest.k if manifest is not None else 0
         checkpoint_id = manifest.checkpoint_id if manifest is not None else ""
-        if source != "latest":
+        if source != "latest" or current.host_id != cp.config.host_id:  # fell back, or moved here
             new = msgspec.structs.replace(
-                current, incarnation=incarnation, k=k, checkpoint_id=checkpoint_id,
+                current, incarnation=incarnation, k=k, checkpoint_id=checkpoint_id, host_id=cp.config.host_id,
                 context_digest=digest(context), context_len=len(context.tokens),
             )  # fmt: skip
             moved, now = await pointer.advance(cp.kv, new)
@@ -290,6 +290,13 @@ async def restore_from(cp: Checkpointer, sb: Sandbox, path: Path) -> tuple[Manif
     manifest = await asyncio.to_thread(cp.store.verify, path)
     context = cp.store.context(path)
     entries = await asyncio.to_thread(layer.check, path / LAYER, int(cp.config.max_layer_gb * (1 << 30)))
+    try:
+        await cp.engine.docker.images.inspect(manifest.image_id)
+    except aiodocker.DockerError as exc:  # not the artifact's fault: stop, keep it, say what is missing
+        raise ServiceError(
+            "no-image",
+            f"image {manifest.spec.image} ({manifest.image_id[:19]}) is not on this host: {exc.message}",
+        ) from None
     sb.record.spec = manifest.spec
     container_id = await cp.fresh_container(sb, manifest.image_id)
     try:

@@ -45,11 +45,14 @@ async def read(kv: KeyValue, trajectory: str) -> tuple[PrefixPointer | None, int
 
 
 async def advance(kv: KeyValue, new: PrefixPointer) -> tuple[bool, PrefixPointer | None]:
-    """Move the pointer to `new` if that is strictly ahead; (moved, the pointer now in effect)."""
+    """Move the pointer to `new` if that is strictly ahead, or the same checkpoint moved to another
+    host; (moved, the pointer now in effect)."""
     for _ in range(MAX_CAS_TRIES):
         current, revision = await read(kv, new.trajectory)
-        if current is not None and order(current) >= order(new):
-            return False, current
+        if current is not None and (
+            order(current) > order(new) or (order(current) == order(new) and current.host_id == new.host_id)
+        ):
+            return False, current  # behind, or already there (the same order may only move hosts)
         value = protocol.encode(new)
         try:
             if revision == 0:

@@ -240,3 +240,43 @@ async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_en
     await kill_container(info.container_id)
     restored = await client.restore("traj-slow")
     assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)  # discarded
+
+
+async def test_artifact_moves_to_another_host(
+    client: SandboxClient, service: Service, image: str, tmp_path: Path
+) -> None:
+    import shutil
+
+    from belayer_rl.shared import bus
+
+    from .conftest import remove_host_containers
+
+    info = await client.create(SandboxSpec(image=image), sandbox="mv")
+    await client.exec("mv", f"echo one > /one; {COUNTER}")
+    first = await client.checkpoint("mv", "traj-mv", k=1, context_tokens=[7])
+    await kill_container(info.container_id)  # the first host's sandbox is lost
+    other = Service(service.nats_url, "tother", tmp_path / "other-state", tmp_path / "other.log")
+    other.start()
+    nc = await bus.connect(service.nats_url, "test-other")
+    there = SandboxClient(nc, other.host_id)
+    try:
+        await other.ready(there)
+        with pytest.raises(ServiceError) as wrong:
+            await there.restore("traj-mv")
+        assert wrong.value.code == "wrong-host"
+        shutil.copytree(
+            service.state_dir / "checkpoints" / "traj-mv", other.state_dir / "checkpoints" / "traj-mv"
+        )
+        restored = await there.restore("traj-mv")
+        assert (restored.source, restored.checkpoint_id, restored.context_tokens) == (
+            "latest",
+            first.checkpoint_id,
+            [7],
+        )
+        await assert_restored_at_one(there, "mv")
+        listing = await there.list()
+        assert [(s.sandbox, s.state, s.step) for s in listing.sandboxes] == [("mv", "running", 3)]
+    finally:
+        await nc.close()
+        other.stop()
+        await remove_host_containers(other.host_id)
