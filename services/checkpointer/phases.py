@@ -90,8 +90,10 @@ async def full_checkpoint(
             result = await _checkpoint_phases(
                 cp, sb, req, incarnation, checkpoint_id, staging, abandoned, started
             )
-        except BaseException:
+        except BaseException as exc:
             await asyncio.to_thread(shutil.rmtree, staging, True)
+            if isinstance(exc, OSError):  # a full disk, say, while writing the checkpoint
+                raise ServiceError("checkpoint-failed", f"{type(exc).__name__}: {exc}") from None
             raise
         r.trajectory, r.incarnation = req.trajectory, incarnation
         cp.save(sb)
@@ -174,9 +176,14 @@ async def _checkpoint_phases(
     )  # fmt: skip
     try:
         moved, now = await pointer.advance(cp.kv, new)
-    except Exception as exc:
-        await asyncio.to_thread(cp.store.remove, path)
-        raise ServiceError("checkpoint-failed", f"pointer not advanced: {exc}") from None
+    except Exception as exc:  # the update may have landed even though its answer was lost: look
+        now = None
+        with contextlib.suppress(Exception):
+            now, _ = await pointer.read(cp.kv, req.trajectory)
+        if now is None or now.checkpoint_id != checkpoint_id:
+            await asyncio.to_thread(cp.store.remove, path)
+            raise ServiceError("checkpoint-failed", f"pointer not advanced: {exc}") from None
+        moved = True
     if not moved:
         await asyncio.to_thread(cp.store.remove, path)
         raise ServiceError("stale", f"pointer moved to {now and pointer.order(now)} meanwhile")
