@@ -227,15 +227,20 @@ class Checkpointer:
         name = req.sandbox or f"sb-{secrets.token_hex(6)}"
         if name in self.sandboxes and self.sandboxes[name].record.state != "destroyed":
             raise ServiceError("exists", f"sandbox {name!r} exists")
-        try:
-            image_id = (await self.engine.docker.images.inspect(req.spec.image))["Id"]
-        except aiodocker.DockerError as exc:
-            raise ServiceError("no-image", f"image {req.spec.image!r}: {exc.message}") from None
-        sb = Sandbox(SandboxRecord(sandbox=name, spec=req.spec, container_id="", image_id=image_id))
-        self.sandboxes[name] = sb
+        sb = Sandbox(SandboxRecord(sandbox=name, spec=req.spec, container_id="", image_id=""))
+        self.sandboxes[name] = sb  # the name is taken before the first wait
         async with sb.fifo:
-            sb.record.container_id = await self.fresh_container(sb, image_id)
-            await self.engine.start(sb.record.container_id)
+            try:
+                sb.record.image_id = (await self.engine.docker.images.inspect(req.spec.image))["Id"]
+                sb.record.container_id = await self.fresh_container(sb, sb.record.image_id)
+                await self.engine.start(sb.record.container_id)
+            except aiodocker.DockerError as exc:
+                self.sandboxes.pop(name, None)
+                if sb.record.container_id:
+                    with contextlib.suppress(aiodocker.DockerError):
+                        await self.engine.remove(sb.record.container_id)
+                code = "no-image" if not sb.record.image_id else "create-failed"
+                raise ServiceError(code, f"sandbox {name} from {req.spec.image!r}: {exc.message}") from None
             self.save(sb)
         return self.info(sb)
 

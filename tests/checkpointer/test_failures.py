@@ -145,3 +145,29 @@ async def test_idle_sandbox_death_is_reported_without_an_action(
     assert len(failures) == 1 and failures[0].reason == "dead"
     listing = await client.list()
     assert [s.state for s in listing.sandboxes if s.sandbox == "idle"] == ["failed"]
+
+
+async def test_create_errors_are_typed_and_leave_nothing(client: SandboxClient, image: str) -> None:
+    with pytest.raises(ServiceError) as missing:
+        await client.create(SandboxSpec(image="belayer-no-such-image:nope"), sandbox="x")
+    assert missing.value.code == "no-image"
+    with pytest.raises(ServiceError) as bad:
+        await client.create(SandboxSpec(image=image, cap_add=["NOT_A_CAP"]), sandbox="x")
+    assert bad.value.code == "create-failed"
+    assert (await client.list()).sandboxes == []
+    info = await client.create(
+        SandboxSpec(image=image, memory_mb=96, pids_limit=40), sandbox="x"
+    )  # free again
+    assert info.state == "running"
+    with pytest.raises(ServiceError) as taken:
+        await client.create(SandboxSpec(image=image), sandbox="x")
+    assert taken.value.code == "exists"
+    spec = await client.exec("x", "cat /proc/1/status | grep -E '^(CapEff|NoNewPrivs)'; ls /sys/class/net")
+    assert "CapEff:\t0000000000000000" in spec.stdout and "NoNewPrivs:\t1" in spec.stdout
+    assert spec.stdout.split()[-1] == "lo"  # no network but loopback
+    limits = await client.exec(
+        "x",
+        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null;"
+        " cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null",
+    )
+    assert limits.stdout.split() == [str(96 << 20), "40"]
