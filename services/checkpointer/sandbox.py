@@ -249,15 +249,15 @@ class Engine:
             return EnvironmentFailure("daemon-error", f"inspect failed: {exc}"), oom_seen
         if state.get("OOMKilled"):
             return EnvironmentFailure("oom-killed", "the container was OOM-killed"), oom_seen
+        pid = int(state.get("Pid") or 0)
+        if container_id not in self.oom_files and pid > 0:  # found while the init lives, kept after
+            self.oom_files[container_id] = oom_counter_files(pid)
+        kills = read_oom_kills(self.oom_files.get(container_id, []))
+        if kills > oom_seen:  # the more specific verdict first: an OOM kill may also end the init
+            return EnvironmentFailure("oom-killed", f"{kills - oom_seen} process(es) OOM-killed"), kills
         if not state.get("Running"):
             detail = f"container is {state.get('Status')}, exit code {state.get('ExitCode')}"
-            return EnvironmentFailure("dead", detail), oom_seen
-        pid = int(state.get("Pid") or 0)
-        if container_id not in self.oom_files:  # found while the init process lives, kept after
-            self.oom_files[container_id] = oom_counter_files(pid)
-        kills = read_oom_kills(self.oom_files[container_id])
-        if kills > oom_seen:
-            return EnvironmentFailure("oom-killed", f"{kills - oom_seen} process(es) OOM-killed"), kills
+            return EnvironmentFailure("dead", detail), kills
         if not process_alive(pid):  # the kernel knows before the daemon has processed the exit
             return EnvironmentFailure("dead", f"the container's init process {pid} is gone"), kills
         return None, kills

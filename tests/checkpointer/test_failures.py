@@ -171,3 +171,20 @@ async def test_create_errors_are_typed_and_leave_nothing(client: SandboxClient, 
         " cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null",
     )
     assert limits.stdout.split() == [str(96 << 20), "40"]
+
+
+async def test_oom_killed_init_is_an_oom_environment_failure(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    spec = SandboxSpec(image=image, memory_mb=48, cmd=["/bin/sh", "-c", "sleep 1; exec memhold 200"])
+    async with events(service.nats_url) as seen:
+        await client.create(spec, sandbox="oominit")
+        for _ in range(60):
+            if any(isinstance(e, EnvFailure) and e.sandbox == "oominit" for e in seen):
+                break
+            await asyncio.sleep(0.1)
+    failures = [e for e in seen if isinstance(e, EnvFailure) and e.sandbox == "oominit"]
+    assert [f.reason for f in failures] == ["oom-killed"]
+    with pytest.raises(ServiceError) as failed:
+        await client.exec("oominit", "echo hi")
+    assert failed.value.code == "env-failure"
