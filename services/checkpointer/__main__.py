@@ -33,6 +33,15 @@ from belayer_rl.shared.protocol import ErrorReply, Message, SandboxRequest
 
 log = logging.getLogger("belayer.checkpointer")
 SHUTDOWN_GRACE_S = 30.0
+VERBS: dict[type[Message], str] = {
+    protocol.SandboxCreate: "create",
+    protocol.SandboxExec: "exec",
+    protocol.SandboxCheckpoint: "checkpoint",
+    protocol.SandboxRestore: "restore",
+    protocol.SandboxDestroy: "destroy",
+    protocol.SandboxList: "list",
+    protocol.TrajectoryEnd: "end",
+}
 
 
 def default_host_id() -> str:
@@ -81,7 +90,10 @@ async def serve_ordered(
     async def answer(msg: Msg) -> None:
         try:
             request = protocol.decode(decoder, msg.data)
-            reply: Message = await handlers[type(request)](request)
+            verb, kind = msg.subject.rsplit(".", 1)[-1], type(request)
+            if VERBS.get(kind) != verb:
+                raise protocol.BadMessage(f"a {kind.__name__} does not belong on {msg.subject}")
+            reply: Message = await handlers[kind](request)
         except protocol.BadMessage as exc:
             log.warning("dropped bad message on %s: %s", msg.subject, exc)
             reply = ErrorReply(code="bad-request", message=str(exc))

@@ -188,3 +188,19 @@ async def test_oom_killed_init_is_an_oom_environment_failure(
     with pytest.raises(ServiceError) as failed:
         await client.exec("oominit", "echo hi")
     assert failed.value.code == "env-failure"
+
+
+async def test_malformed_requests_get_error_replies(client: SandboxClient, service: Service) -> None:
+    from belayer_rl.shared import protocol, subjects
+    from belayer_rl.shared.protocol import ErrorReply, SandboxList
+
+    decoder = protocol.decoder_for(ErrorReply)
+    for verb, payload in [
+        ("exec", b"not json"),
+        ("exec", b'{"type":"sandbox_exec","sandbox":"../etc","command":"true"}'),
+        ("create", protocol.encode(SandboxList())),  # a valid message on the wrong verb
+        ("exec", b'{"type":"sandbox_exec","v":99,"sandbox":"a","command":"true"}'),
+    ]:
+        reply = await client.nc.request(subjects.sandbox_rpc(service.host_id, verb), payload, timeout=5)
+        assert protocol.decode(decoder, reply.data).code == "bad-request"
+    assert (await client.list()).sandboxes == []  # still serving
