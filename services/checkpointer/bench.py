@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,7 +87,9 @@ class Row:
 # ---------------------------------------------------------------- one scenario
 
 
-async def measure(client: SandboxClient, image: str, scenario: Scenario, kill: callable) -> Row:  # type: ignore[valid-type]
+async def measure(
+    client: SandboxClient, image: str, scenario: Scenario, kill: Callable[[str], Awaitable[None]]
+) -> Row:
     spec = SandboxSpec(image=image, memory_mb=scenario.memory_mb)
     name = f"b{secrets.token_hex(3)}"
     trajectory = f"bench-{name}"

@@ -18,6 +18,7 @@ from belayer_rl.shared.protocol import PrefixPointer
 _decoder = protocol.decoder_for(PrefixPointer)
 MAX_CAS_TRIES = 16
 HISTORY = 8  # kept per trajectory, for `nats kv history` when debugging
+MAX_BYTES = 1 << 30  # bounded: a full bucket fails checkpoints loudly rather than dropping pointers
 
 
 async def declare(js: JetStreamContext) -> KeyValue:
@@ -25,7 +26,12 @@ async def declare(js: JetStreamContext) -> KeyValue:
         return await js.key_value(subjects.PREFIX_POINTER_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(
-            KeyValueConfig(bucket=subjects.PREFIX_POINTER_BUCKET, history=HISTORY, storage=StorageType.FILE)
+            KeyValueConfig(
+                bucket=subjects.PREFIX_POINTER_BUCKET,
+                history=HISTORY,
+                storage=StorageType.FILE,
+                max_bytes=MAX_BYTES,
+            )
         )
 
 
