@@ -30,9 +30,17 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from belayer_rl.shared import bus, protocol, registry, subjects
+from belayer_rl.shared import bus, registry, subjects
 from belayer_rl.shared.config import ShadowSupervisorConfig
-from belayer_rl.shared.protocol import EngineQuarantined, Handover, KvFlush, ProcessEvent, ServerPing
+from belayer_rl.shared.protocol import (
+    EngineQuarantined,
+    Handover,
+    KvFlush,
+    KvServerAlive,
+    ProcessEvent,
+    ServerPing,
+    WeightServerAlive,
+)
 
 log = logging.getLogger("belayer.shadow_supervisor")
 
@@ -52,6 +60,7 @@ class WorkerProcess:
     process: asyncio.subprocess.Process
     heartbeat_file: Path
     lines: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    owners: dict[str, str] = field(default_factory=dict)  # shadow: "weights"/"kv" -> server instance
     reader: asyncio.Task[None] | None = None
 
     @property
@@ -172,9 +181,10 @@ class ShadowSupervisor:
             ProcessEvent(name=f"worker-{slot.engine_id}-{role}", pid=worker.pid, state="started")
         )
         try:
-            await worker.expect(
+            line = await worker.expect(
                 "idle" if role == "shadow" else "ready", timeout_s=self.config.start_timeout_s
             )
+            worker.owners = dict(word.split("=", 1) for word in line.split()[1:] if "=" in word)
         except (StartFailed, TimeoutError):
             await worker.kill_confirmed(self.config.death_timeout_s)
             raise
@@ -259,7 +269,7 @@ class ShadowSupervisor:
         if len(slot.failures) >= 2:
             await self.quarantine(slot)
             return
-        cold += await self.servers_down()
+        cold += await self.servers_unfit(shadow)
         phase("servers_checked")
         if not cold:
             try:
@@ -307,15 +317,22 @@ class ShadowSupervisor:
         log.info("engine %s handover after %s (%s path): %s", slot.engine_id, reason, event.path, phases)
         self.spawn_task(self.replace_shadow(slot), f"shadow-{slot.engine_id}")
 
-    async def servers_down(self) -> list[str]:
-        """Why the weight and KV servers cannot be trusted now; empty when both answer."""
-        down = []
-        for name, subject in (("weight server", subjects.WEIGHTS_PING), ("KV server", subjects.KV_PING)):
+    async def servers_unfit(self, shadow: WorkerProcess | None) -> list[str]:
+        """Why the weight and KV servers cannot be trusted now: one does not answer, or it is a
+        new instance that does not own what the shadow mapped. Empty when both are fit."""
+        unfit = []
+        for name, key, subject, kind in (
+            ("weight server", "weights", subjects.WEIGHTS_PING, WeightServerAlive),
+            ("KV server", "kv", subjects.KV_PING, KvServerAlive),
+        ):
             try:
-                await self.nc.request(subject, protocol.encode(ServerPing()), timeout=SERVER_PING_TIMEOUT_S)
-            except Exception as exc:  # no responders, timeout, a closed connection: all mean "down"
-                down.append(f"{name} not answering ({type(exc).__name__})")
-        return down
+                alive = await bus.request_struct(self.nc, subject, ServerPing(), kind, SERVER_PING_TIMEOUT_S)
+            except bus.ServiceError as exc:
+                unfit.append(f"{name} not answering ({exc.code})")
+                continue
+            if shadow is not None and shadow.owners.get(key) not in (None, alive.instance):
+                unfit.append(f"{name} restarted: instance {alive.instance} does not own the shadow's mapping")
+        return unfit
 
     async def quarantine(self, slot: EngineSlot) -> None:
         slot.quarantined = True

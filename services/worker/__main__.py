@@ -94,10 +94,11 @@ async def ask_server(nc: NATS, subject: str, message: Message, kind: type[T]) ->
             await asyncio.sleep(0.1)
 
 
-async def build_engine(config: WorkerConfig, nc: NATS) -> Engine:
-    """The engine, with its own weights and arena, or mapped from the weight and KV servers."""
+async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str]:
+    """The engine, with its own weights and arena or mapped from the weight and KV servers, and
+    the instances of the servers that own the mapped memory ("" when it owns its own)."""
     if not config.shared_memory:
-        return await asyncio.to_thread(Engine, engine_config(config))
+        return await asyncio.to_thread(Engine, engine_config(config)), ""
     holder = f"{config.engine_id}:{os.getpid()}"
     pin = WeightsPin(holder=holder, pid=os.getpid())
     weights = await ask_server(nc, subjects.WEIGHTS_PIN, pin, WeightHandles)
@@ -107,7 +108,9 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> Engine:
     arena = await ask_server(nc, subjects.KV_ARENA, ask, ArenaHandle)
     params = await asyncio.to_thread(shm.map_weights, weights)
     tensor = await asyncio.to_thread(shm.map_arena, arena)
-    return Engine(engine_config(config), params, tensor, weight_version=weights.version)
+    # Which server instances own what we mapped: a restarted server owns none of it.
+    owners = f"weights={weights.manifest.instance} kv={arena.manifest.instance}"
+    return Engine(engine_config(config), params, tensor, weight_version=weights.version), owners
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -119,10 +122,10 @@ async def serve(config: WorkerConfig) -> None:
         nc = await bus.connect(config.nats_url, f"worker-{config.engine_id}")
         stack.push_async_callback(nc.close)
         kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
-        engine = await build_engine(config, nc)
+        engine, owners = await build_engine(config, nc)
         if config.role == "shadow":
             # Everything needed to serve is built; now idle until the supervisor hands over.
-            if not await shadow.stand_by(config, stopping):
+            if not await shadow.stand_by(config, stopping, owners):
                 return
             healthy, why = await asyncio.to_thread(shadow.device_check, engine)
             if not healthy:

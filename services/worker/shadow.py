@@ -7,7 +7,8 @@ The shadow reports what it sees on stdout, one line each, and the shadow supervi
 alone kills the main, checks the servers, flushes the arena and then writes `promote` on the
 shadow's stdin. The shadow checks its device with a small real operation and starts serving.
 
-Lines on stdout: `idle`, `main-failed exit`, `main-failed hang <age_s>`, `ready <epoch>`,
+Lines on stdout: `idle weights=<instance> kv=<instance>` (the server instances that own what it
+mapped), `main-failed exit`, `main-failed hang <age_s>`, `ready <epoch>`,
 `unhealthy <why>`.
 """
 
@@ -41,7 +42,7 @@ def heartbeat_age(path: Path) -> float:
         return 0.0  # the main has not written it yet
 
 
-async def stand_by(config: WorkerConfig, stopping: asyncio.Event) -> bool:
+async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -> bool:
     """Idle until `promote` arrives on stdin (True), or until stop or stdin closes (False)."""
     assert config.watch_file is not None
     loop = asyncio.get_running_loop()
@@ -54,7 +55,7 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event) -> bool:
         loop.add_reader(pidfd, main_exited.set)
     except ProcessLookupError:
         main_exited.set()
-    report("idle")
+    report(f"idle {owners}")
     command = asyncio.create_task(reader.readline())
     stop = asyncio.create_task(stopping.wait())
     reported = False
