@@ -14,30 +14,30 @@ from belayer_rl.shared.protocol import SandboxSpec
 # Files of every kind in the writable layer; a counter that lives only in a shell's memory and
 # answers SIGUSR1 by writing its value to /tmp/probe; a process holding a file open; a background job.
 SETUP = r"""
-mkdir -p /work/sub && cd /work
+mkdir -p /data/sub && cd /data
 echo original > keep.txt && echo doomed > gone.txt && echo old > modify.txt
-chmod 640 keep.txt && ln -s keep.txt link && ln -s /work/sub abslink && ln keep.txt hard.txt
+chmod 640 keep.txt && ln -s keep.txt link && ln -s /data/sub abslink && ln keep.txt hard.txt
 (i=0; trap 'echo $i > /tmp/probe' USR1; while :; do i=$((i+1)); sleep 0.05; done) >/dev/null 2>&1 </dev/null &
-echo $! > /work/counter.pid
-(exec 3</work/keep.txt; exec sleep 100000) >/dev/null 2>&1 </dev/null &
-echo $! > /work/reader.pid
+echo $! > /data/counter.pid
+(exec 3</data/keep.txt; exec sleep 100000) >/dev/null 2>&1 </dev/null &
+echo $! > /data/reader.pid
 sleep 100000 >/dev/null 2>&1 </dev/null &
-echo $! > /work/job.pid
+echo $! > /data/job.pid
 """
 CHANGE = r"""
-cd /work && rm gone.txt && echo changed >> modify.txt && mkdir newdir && echo new > newdir/f
+cd /data && rm gone.txt && echo changed >> modify.txt && mkdir newdir && echo new > newdir/f
 chmod 600 newdir/f && rm /bin/vi && rm -rf /home && mkdir /var/fresh && rm -rf /var && mkdir /var && echo y > /var/y
 """
-PROBE = "kill -USR1 $(cat /work/counter.pid); sleep 0.3; cat /tmp/probe"
+PROBE = "kill -USR1 $(cat /data/counter.pid); sleep 0.3; cat /tmp/probe"
 SNAPSHOT = r"""
-find /work /var | sort | while read f; do
+find /data /var | sort | while read f; do
   stat -c '%n %F %a %s %u %g %Y' "$f"
   [ -f "$f" ] && [ ! -L "$f" ] && md5sum "$f"
   [ -L "$f" ] && readlink "$f"
 done
 ls /bin/vi /home 2>&1
-for p in $(cat /work/counter.pid /work/reader.pid /work/job.pid); do echo "pid $p $(cat /proc/$p/cmdline | tr '\0' ' ')"; done
-readlink /proc/$(cat /work/reader.pid)/fd/3
+for p in $(cat /data/counter.pid /data/reader.pid /data/job.pid); do echo "pid $p $(cat /proc/$p/cmdline | tr '\0' ' ')"; done
+readlink /proc/$(cat /data/reader.pid)/fd/3
 """
 
 
@@ -57,13 +57,13 @@ async def test_round_trip_restores_processes_files_and_context(client: SandboxCl
     at_checkpoint = int((await client.exec("rt", PROBE)).stdout)
     snapshot = await client.exec("rt", SNAPSHOT)
     assert snapshot.exit_code != 0 or "No such file" in snapshot.stdout  # ls of the deleted paths fails
-    assert "/work/gone.txt" not in snapshot.stdout and "/var/y" in snapshot.stdout
+    assert "/data/gone.txt" not in snapshot.stdout and "/var/y" in snapshot.stdout
     tokens = [5, 6, 7, 8]
     result = await client.checkpoint("rt", "traj-rt", k=4, context_tokens=tokens)
     assert (result.k, result.incarnation) == (4, 0)
 
     changed = await client.exec(
-        "rt", "echo after > /work/after.txt; echo more >> /work/modify.txt; rm /work/link"
+        "rt", "echo after > /data/after.txt; echo more >> /data/modify.txt; rm /data/link"
     )
     assert changed.exit_code == 0 and changed.step == 5
     await asyncio.sleep(2.0)
@@ -82,7 +82,7 @@ async def test_round_trip_restores_processes_files_and_context(client: SandboxCl
     assert at_checkpoint <= after < at_kill
     again = await client.exec("rt", SNAPSHOT)
     assert again.stdout == snapshot.stdout  # same files, modes, owners, times, links, pids, open fd
-    assert (await client.exec("rt", "ls /work/after.txt")).exit_code != 0
+    assert (await client.exec("rt", "ls /data/after.txt")).exit_code != 0
     # restoring used the artifact without changing it: it verifies and restores again
     await kill_container(restored.container_id)
     twice = await client.restore("traj-rt")
