@@ -78,3 +78,6 @@ KV_PING = f"{KV_PREFIX}.ping"
 
 def weights_published(version: str) -> str:
     return event("weights_published", version)
+
+
+CHECKPOINT_OBJECT_BUCKET = "belayer_checkpoints"  # checkpoint folders, for a restore on another host

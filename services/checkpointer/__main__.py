@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from belayer_rl.services.checkpointer import pointer
+from belayer_rl.services.checkpointer import objects, pointer
 from belayer_rl.services.checkpointer.checkpointer import Checkpointer, CheckpointerConfig
 from belayer_rl.services.checkpointer.phases import PHASES
 from belayer_rl.services.checkpointer.sandbox import Engine
@@ -63,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> CheckpointerConfig:
     parser.add_argument("--docker", help="Docker Engine URL (default: $DOCKER_HOST or the local socket)")
     parser.add_argument("--disk-budget-gb", type=float, default=50.0, help="checkpoint store bound; 0: none")
     parser.add_argument(
+        "--object-store",
+        action="store_true",
+        help="upload checkpoints to JetStream for restores on other hosts",
+    )
+    parser.add_argument(
         "--crash-at", default="", choices=("", *PHASES), help="chaos: SIGKILL self at this phase"
     )
     args = parser.parse_args(argv)
@@ -74,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> CheckpointerConfig:
         docker_url=args.docker,
         disk_budget_gb=args.disk_budget_gb,
         crash_at=args.crash_at,
+        object_store=args.object_store,
     )
 
 
@@ -130,6 +136,10 @@ async def serve(config: CheckpointerConfig) -> None:
         engine = await Engine.connect(config.docker_url)
         stack.push_async_callback(engine.close)
         checkpointer = Checkpointer(config, engine, nc, kv)
+        if config.object_store:
+            checkpointer.objects = await bus.with_retries(
+                "declare checkpoint object store", lambda: objects.declare(nc.jetstream())
+            )
         stack.push_async_callback(checkpointer.close)
         await checkpointer.reconcile()
 

@@ -16,20 +16,21 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import aiodocker
 import msgspec
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
-from belayer_rl.services.checkpointer import phases, pointer
+from belayer_rl.services.checkpointer import layer, objects, phases, pointer
 from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, dump_in_flight
-from belayer_rl.services.checkpointer.store import (
-    Store,
-)
+from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import (
@@ -67,6 +68,7 @@ class CheckpointerConfig:
     disk_budget_gb: float = 50.0  # oldest non-latest checkpoints go first past it; 0: unbounded
     max_layer_gb: float = 16.0  # a layer archive holding more is refused at restore
     crash_at: str = ""  # chaos testing: SIGKILL this process when a checkpoint reaches this phase
+    object_store: bool = False  # also upload ready checkpoints to JetStream, for restores elsewhere
 
     def __post_init__(self) -> None:
         from belayer_rl.shared.config import ConfigError
@@ -110,6 +112,22 @@ class Checkpointer:
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.sandboxes: dict[str, Sandbox] = {}
         self.tasks: set[asyncio.Task[object]] = set()
+        self.objects: ObjectStore | None = None  # set when config.object_store
+
+    def spawn(self, what: str, coro: Coroutine[object, object, object]) -> None:
+        """Background work owned by the checkpointer: tracked, its failure logged."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s failed", what)
+
+        task = asyncio.create_task(guarded(), name=what)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     # ------------------------------------------------------------ records
 
@@ -305,6 +323,8 @@ class Checkpointer:
     async def on_end(self, req: TrajectoryEnd) -> Ack:
         """GC: the trajectory is over, its checkpoints and pointer go."""
         await asyncio.to_thread(self.store.remove_trajectory, req.trajectory)
+        if self.objects is not None:
+            await objects.delete_trajectory(self.objects, req.trajectory)
         await pointer.delete(self.kv, req.trajectory)
         return Ack(detail=f"trajectory {req.trajectory} ended")
 
@@ -331,13 +351,18 @@ class Checkpointer:
         current, _ = await pointer.read(self.kv, req.trajectory)
         if current is None:
             raise ServiceError("no-checkpoint", f"trajectory {req.trajectory} has no prefix pointer")
-        moved_here = (self.store.trajectory_dir(req.trajectory) / current.checkpoint_id).is_dir()
-        if current.host_id != self.config.host_id and not moved_here:
-            raise ServiceError(
-                "wrong-host",
-                f"trajectory {req.trajectory} is checkpointed on host {current.host_id}; to restore it"
-                f" here, copy the folder checkpoints/{req.trajectory} of its store into this host's",
-            )
+        here = self.store.trajectory_dir(req.trajectory) / current.checkpoint_id
+        if current.host_id != self.config.host_id and not here.is_dir():
+            why = f"trajectory {req.trajectory} is checkpointed on host {current.host_id}"
+            if self.objects is None:
+                raise ServiceError(
+                    "wrong-host", f"{why}; start this checkpointer with --object-store, or copy the"
+                    f" folder checkpoints/{req.trajectory} of that host's store into this one's",
+                )  # fmt: skip
+            try:
+                await objects.download(self.objects, self.store, req.trajectory, current.checkpoint_id)
+            except (nats.js.errors.Error, CorruptCheckpoint, layer.HostileLayer, OSError) as exc:
+                raise ServiceError("wrong-host", f"{why}, and fetching it failed: {exc}") from None
         sb = self.sandboxes.get(current.sandbox)
         if sb is None or sb.record.state == "destroyed":
             sb = Sandbox(self.base_record(req.trajectory, current))
@@ -351,13 +376,21 @@ class Checkpointer:
             raise ServiceError("timeout", f"restore of {req.trajectory} exceeded {req.timeout_s}s") from None
 
     def base_record(self, trajectory: str, current: PrefixPointer) -> SandboxRecord:
+        """The sandbox's settings for a restore here: from the trajectory's record, else from the
+        pointed checkpoint's manifest (a folder that came from another host)."""
         path = self.store.trajectory_dir(trajectory) / "trajectory.json"
         try:
             base = msgspec.json.decode(path.read_bytes(), type=SandboxRecord)
-        except (OSError, msgspec.DecodeError) as exc:
-            raise ServiceError(
-                "no-checkpoint", f"trajectory {trajectory}: no sandbox settings: {exc}"
-            ) from None
+        except (OSError, msgspec.DecodeError):
+            try:
+                manifest = self.store.load(self.store.trajectory_dir(trajectory) / current.checkpoint_id)
+            except CorruptCheckpoint as exc:
+                raise ServiceError(
+                    "no-checkpoint", f"trajectory {trajectory}: no sandbox settings: {exc}"
+                ) from None
+            base = SandboxRecord(
+                sandbox=current.sandbox, spec=manifest.spec, container_id="", image_id=manifest.image_id
+            )
         base.sandbox = current.sandbox
         return base
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import aiodocker
 import msgspec
 
-from belayer_rl.services.checkpointer import layer, pointer
+from belayer_rl.services.checkpointer import layer, objects, pointer
 from belayer_rl.services.checkpointer.sandbox import EnvironmentFailure
 from belayer_rl.services.checkpointer.store import CONTEXT, CRIU, LAYER, Context, CorruptCheckpoint, Manifest
 from belayer_rl.services.checkpointer.store import digest_context as digest
@@ -107,6 +107,9 @@ async def full_checkpoint(
             bytes_written=result.bytes_written, freeze_s=result.freeze_s, total_s=result.total_s,
         ),
     )  # fmt: skip
+    if cp.objects is not None:
+        folder = cp.store.trajectory_dir(req.trajectory) / checkpoint_id
+        cp.spawn(f"upload {checkpoint_id}", objects.upload(cp.objects, folder, req.trajectory))
     try:
         await asyncio.to_thread(collect_garbage, cp)
     except Exception:  # the checkpoint is ready; a GC failure must not say otherwise

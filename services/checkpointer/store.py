@@ -242,7 +242,10 @@ class Store:
                 continue
             for path in folder.iterdir():
                 if path.name.startswith(TMP_PREFIX):
-                    shutil.rmtree(path, ignore_errors=True)
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
                     removed.append(path)
         return removed
 

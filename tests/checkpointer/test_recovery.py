@@ -280,3 +280,45 @@ async def test_artifact_moves_to_another_host(
         await nc.close()
         other.stop()
         await remove_host_containers(other.host_id)
+
+
+async def test_checkpoint_travels_through_the_object_store(
+    service: Service, image: str, tmp_path: Path
+) -> None:
+    from belayer_rl.shared import bus
+
+    from .conftest import remove_host_containers
+
+    service.stop()
+    service.start("--object-store")
+    other = Service(
+        service.nats_url, "tfar", tmp_path / "far-state", tmp_path / "far.log", extra=["--object-store"]
+    )
+    other.start()
+    nc = await bus.connect(service.nats_url, "test-objects")
+    here, there = SandboxClient(nc, service.host_id), SandboxClient(nc, other.host_id)
+    try:
+        await service.ready(here)
+        await other.ready(there)
+        info = await here.create(SandboxSpec(image=image), sandbox="far")
+        await here.exec("far", f"echo one > /one; {COUNTER}")
+        first = await here.checkpoint("far", "traj-far", k=1, context_tokens=[4, 2])
+        await kill_container(info.container_id)  # the first host's sandbox is lost
+        for _ in range(100):  # the upload runs in the background
+            try:
+                restored = await there.restore("traj-far")
+                break
+            except ServiceError as exc:
+                assert exc.code == "wrong-host"
+                await asyncio.sleep(0.1)
+        assert (restored.source, restored.checkpoint_id, restored.context_tokens) == (
+            "latest",
+            first.checkpoint_id,
+            [4, 2],
+        )
+        await assert_restored_at_one(there, "far")
+        await there.end("traj-far")
+    finally:
+        await nc.close()
+        other.stop()
+        await remove_host_containers(other.host_id)

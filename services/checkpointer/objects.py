@@ -1,0 +1,97 @@
+"""Checkpoint folders in a JetStream object store, so that another host can restore them.
+
+A ready folder is packed as a plain tar of its files and uploaded under `<trajectory>/<id>` in the
+background after the checkpoint is ready. A host asked to restore a trajectory whose pointer names
+another host downloads the pointed folder, unpacks it (regular files and directories only, created
+without following links) and verifies it against its manifest before it is published in the local
+store. Nothing else changes: the folder is the same format whether copied by hand or fetched here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tarfile
+from pathlib import Path
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.object_store import ObjectStore
+
+from belayer_rl.services.checkpointer import layer
+from belayer_rl.services.checkpointer.store import TMP_PREFIX, CorruptCheckpoint, Store
+from belayer_rl.shared import subjects
+
+MAX_BYTES = 4 << 30  # bounded: an upload into a full bucket fails and is logged
+
+
+async def declare(js: JetStreamContext) -> ObjectStore:
+    try:
+        return await js.object_store(subjects.CHECKPOINT_OBJECT_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_object_store(
+            subjects.CHECKPOINT_OBJECT_BUCKET,
+            config=ObjectStoreConfig(storage=StorageType.FILE, max_bytes=MAX_BYTES),
+        )
+
+
+def object_name(trajectory: str, checkpoint_id: str) -> str:
+    return f"{trajectory}/{checkpoint_id}"
+
+
+def pack(folder: Path, out: Path) -> None:
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(folder.rglob("*")):
+            if not (path.is_file() or path.is_dir()) or path.is_symlink():
+                raise CorruptCheckpoint(f"{folder.name}: {path.name} is neither a file nor a folder")
+            tar.add(path, str(path.relative_to(folder)), recursive=False)
+
+
+def unpack(archive: Path, store: Store, trajectory: str, checkpoint_id: str) -> Path:
+    """Install a downloaded folder into the store, or raise CorruptCheckpoint / HostileLayer."""
+    entries = layer.check(archive)
+    if any(not (e.member.isreg() or e.member.isdir()) for e in entries):
+        raise CorruptCheckpoint(f"{checkpoint_id}: the download holds links or devices")
+    staging = store.staging(trajectory, checkpoint_id)
+    try:
+        layer.install(archive, entries, staging)
+        manifest = store.verify(staging)
+        if manifest.checkpoint_id != checkpoint_id or manifest.trajectory != trajectory:
+            raise CorruptCheckpoint(f"{checkpoint_id}: the download is checkpoint {manifest.checkpoint_id}")
+        return store.publish(staging, manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+async def upload(obs: ObjectStore, folder: Path, trajectory: str) -> None:
+    packed = folder.parent / f"{TMP_PREFIX}up-{folder.name}.tar"
+    try:
+        await asyncio.to_thread(pack, folder, packed)
+        with packed.open("rb") as f:
+            await obs.put(object_name(trajectory, folder.name), f)
+    finally:
+        packed.unlink(missing_ok=True)
+
+
+async def download(obs: ObjectStore, store: Store, trajectory: str, checkpoint_id: str) -> Path:
+    """Fetch the folder into the local store; raise nats.js.errors.ObjectNotFoundError when absent."""
+    folder = store.trajectory_dir(trajectory)
+    folder.mkdir(parents=True, exist_ok=True)
+    packed = folder / f"{TMP_PREFIX}down-{checkpoint_id}.tar"
+    try:
+        with packed.open("wb") as f:
+            await obs.get(object_name(trajectory, checkpoint_id), writeinto=f)
+        return await asyncio.to_thread(unpack, packed, store, trajectory, checkpoint_id)
+    finally:
+        packed.unlink(missing_ok=True)
+
+
+async def delete_trajectory(obs: ObjectStore, trajectory: str) -> None:
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        for info in await obs.list():
+            if info.name.startswith(f"{trajectory}/"):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await obs.delete(info.name)
