@@ -48,6 +48,7 @@ def token_log(request_id: str) -> str:
 SANDBOX_PREFIX = f"{PREFIX}.sandbox"
 SANDBOX_VERBS = ("create", "exec", "checkpoint", "restore", "destroy", "list", "end")
 PREFIX_POINTER_BUCKET = "belayer_prefix"
+CHECKPOINT_OBJECT_BUCKET = "belayer_checkpoints"  # checkpoint folders, for a restore on another host
 
 
 def sandbox_rpc(host_id: str, verb: str) -> str:
@@ -78,6 +79,3 @@ KV_PING = f"{KV_PREFIX}.ping"
 
 def weights_published(version: str) -> str:
     return event("weights_published", version)
-
-
-CHECKPOINT_OBJECT_BUCKET = "belayer_checkpoints"  # checkpoint folders, for a restore on another host
