@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_parser(commands)
     bench.add_parser(commands)
+    from belayer_rl.services.checkpointer import cli as sandbox_cli
+
+    sandbox_cli.add_parser(commands)
     return parser
 
 
