@@ -4,6 +4,8 @@ run, as JSON (--json) or a readable table."""
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -18,3 +20,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     from belayer_rl.services.checkpointer import bench as checkpoint_bench
 
     checkpoint_bench.add_parser(kinds)
+
+
+def emit(report: dict[str, object], as_json: bool, table: Callable[[dict[str, object]], None]) -> int:
+    """Print a benchmark's report as JSON or as its readable table."""
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        table(report)
+    return 0

@@ -27,6 +27,7 @@ import uvloop
 
 from belayer_rl.services.worker.model import PRESETS, init_params, save_params
 from belayer_rl.shared import bus, subjects
+from belayer_rl.shared.bench import emit
 from belayer_rl.shared.bench_rollout import PROMPT, through_router
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.cluster import local_cluster
@@ -50,12 +51,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def run(args: argparse.Namespace) -> int:
-    report = uvloop.run(bench(args))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_table(report)
-    return 0
+    return emit(uvloop.run(bench(args)), args.json, print_table)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

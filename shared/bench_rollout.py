@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -28,6 +27,7 @@ from nats.aio.msg import Msg
 
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
+from belayer_rl.shared.bench import emit
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.cluster import Supervisor, local_cluster
 from belayer_rl.shared.config import ClusterConfig
@@ -48,12 +48,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def run(args: argparse.Namespace) -> int:
-    report = uvloop.run(bench(args))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_table(report)
-    return 0
+    return emit(uvloop.run(bench(args)), args.json, print_table)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, object]:

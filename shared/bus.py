@@ -8,6 +8,7 @@ second, declares the server dead after three missed pongs and reconnects forever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -239,3 +240,18 @@ async def with_retries(
 
 def decode_entry(kind: type[T], value: bytes) -> T:
     return msgspec.json.decode(value, type=kind)
+
+
+async def unless_stopped(stopping: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if `stopping` is set first (nats-py retries an unreachable server
+    forever, and a service told to stop must still clean up)."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None

@@ -12,8 +12,6 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable
-from typing import TypeVar
 
 import torch
 import uvloop
@@ -24,7 +22,6 @@ from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.config import resolve_nats_url
 from belayer_rl.shared.protocol import KvArenaRequest, KvFlush, KvRelease, ServerPing
 
-T = TypeVar("T")
 log = logging.getLogger("belayer.kv_server")
 
 
@@ -53,21 +50,6 @@ def parse_args(argv: list[str] | None = None) -> KvServerConfig:
     )
 
 
-async def unless_stopped(stopping: asyncio.Event, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if a stop signal comes first (nats-py retries an unreachable server
-    forever, and a stop must still remove the segments)."""
-    task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    stop.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
-
-
 async def serve(config: KvServerConfig) -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -77,7 +59,7 @@ async def serve(config: KvServerConfig) -> None:
     async with contextlib.AsyncExitStack() as stack:
         server = KvServer(config)
         stack.callback(server.close)  # runs last: nothing stays in /dev/shm
-        nc = await unless_stopped(stopping, bus.connect(config.nats_url, "kv-server"))
+        nc = await bus.unless_stopped(stopping, bus.connect(config.nats_url, "kv-server"))
         if nc is None:
             return
         stack.push_async_callback(nc.close)

@@ -12,9 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import uvloop
@@ -32,7 +30,6 @@ from belayer_rl.shared.protocol import (
     WeightsUnpin,
 )
 
-T = TypeVar("T")
 log = logging.getLogger("belayer.weight_server")
 
 
@@ -78,21 +75,6 @@ async def sweep_forever(server: WeightServer) -> None:
             log.exception("sweep failed")
 
 
-async def unless_stopped(stopping: asyncio.Event, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if a stop signal comes first (nats-py retries an unreachable server
-    forever, and a stop must still remove the segments)."""
-    task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    stop.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
-
-
 async def serve(config: WeightServerConfig) -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -103,7 +85,7 @@ async def serve(config: WeightServerConfig) -> None:
         server = WeightServer(config)
         stack.callback(server.close)  # runs last: nothing stays in /dev/shm
         await server.load_initial()
-        nc = await unless_stopped(stopping, bus.connect(config.nats_url, "weight-server"))
+        nc = await bus.unless_stopped(stopping, bus.connect(config.nats_url, "weight-server"))
         if nc is None:
             return
         stack.push_async_callback(nc.close)
