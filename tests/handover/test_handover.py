@@ -95,7 +95,9 @@ async def test_sigkill_main_at_30_points_shadow_takes_over(nats_server, tmp_path
 
 async def router_sees(cluster: Cluster, engine_id: str, pid: int) -> bool | None:
     status = await cluster.client.status()
-    return True if any(e.engine_id == engine_id and e.pid == pid and e.alive for e in status.engines) else None
+    return (
+        True if any(e.engine_id == engine_id and e.pid == pid and e.alive for e in status.engines) else None
+    )
 
 
 def shm_mappings(pid: int) -> dict[str, dict[str, int | str]]:
@@ -167,14 +169,14 @@ async def test_owner_server_killed_takes_the_cold_path(nats_server, tmp_path, se
     async with shadowed(nats_server, tmp_path, failure_window_s=0.01) as cluster:
         handovers = await EventLog.start(cluster.client, "handover")
         pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
-        job = make_job(rng, "cold", max_tokens=300)
-        running = asyncio.create_task(run(cluster.client, job))
+        jobs = [make_job(rng, f"cold-{i}", max_tokens=300) for i in range(4)]  # one may end early
+        running = asyncio.gather(*(run(cluster.client, job) for job in jobs))
         await poll(lambda: busy_requests(cluster.client, 0, 250))
         server_pid = cluster.pid_of(server)
         kill(server_pid)
         kill(pids["main"])
         event = await handovers.wait_for(lambda e: isinstance(e, Handover) and e.old_pid == pids["main"])
-        result = await running
+        results = await running
         await poll(lambda: restarted_server(cluster, server, server_pid), timeout_s=60)
         prefix = cluster.supervisor.shm_prefix
     leftovers = [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
@@ -183,7 +185,8 @@ async def test_owner_server_killed_takes_the_cold_path(nats_server, tmp_path, se
     assert event.path == "cold"
     assert ("weight server" if server == "weight-server" else "KV server") in event.cold_reason
     assert event.new_pid != pids["shadow"]  # not reused
-    assert result.tokens == reference_tokens([job])[job.request_id]
+    expected = reference_tokens(jobs)
+    assert [r.tokens for r in results] == [expected[j.request_id] for j in jobs]
     assert leftovers == []
 
 

@@ -30,9 +30,9 @@ async def test_all_workers_dead_typed_error_after_deadline(nats_server, tmp_path
         nats_server, tmp_path, engines=1, heartbeat_timeout_s=0.5, no_worker_deadline_s=deadline_s
     ) as cluster:
         failures = await EventLog.start(cluster.client, "worker_failed")
-        job = make_job(rng, "orphan", max_tokens=400)
-        running = asyncio.create_task(run(cluster.client, job))
-        await poll(lambda: busy_requests(cluster.client, 0, 300))
+        jobs = [make_job(rng, f"orphan-{i}", max_tokens=400) for i in range(3)]  # one may end early
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        busy = await poll(lambda: busy_requests(cluster.client, 0, 300))
         pid = await cluster.engine_pid("e0")
         kill(pid, signal.SIGSTOP)  # hung, so the supervisor does not restart it: no engine at all
         try:
@@ -40,11 +40,12 @@ async def test_all_workers_dead_typed_error_after_deadline(nats_server, tmp_path
             loop = asyncio.get_running_loop()
             failed_at = loop.time()
             with pytest.raises(GenerationError) as raised:
-                await running
+                await running[[j.request_id for j in jobs].index(busy[0].request_id)]
             waited = loop.time() - failed_at
-            end = await poll(lambda: log_end(cluster.client, "orphan"), timeout_s=10)
+            end = await poll(lambda: log_end(cluster.client, busy[0].request_id), timeout_s=10)
         finally:
             kill(pid, signal.SIGCONT)
+        await asyncio.gather(*running, return_exceptions=True)
 
     assert raised.value.error.code == "no-workers"
     assert waited >= deadline_s * 0.9
