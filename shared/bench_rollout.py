@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import statistics
@@ -55,8 +56,14 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     report: dict[str, object] = {"host_cpus": os.cpu_count(), "presets": {}}
     for preset in args.presets.split(","):
         with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
+            # Workers started directly (no shadows): this measures the router's own recovery.
             config = ClusterConfig(
-                state_dir=Path(state), engines=2, preset=preset, chunk_tokens=args.chunk_tokens
+                state_dir=Path(state),
+                engines=2,
+                preset=preset,
+                chunk_tokens=args.chunk_tokens,
+                shadows=False,
+                sandboxes=False,
             )
             async with local_cluster(config) as supervisor:
                 client = Client(await bus.connect(supervisor.nats_url, "bench"))
@@ -191,7 +198,10 @@ async def recovery(
     # Fail over once requests are well into their decode (random weights may end some early).
     while True:
         progress.clear()
-        await progress.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(progress.wait(), 1.0)
+        if all(task.done() for task in running):
+            raise RuntimeError("every request ended before the failover point; raise --max-tokens")
         status = await client.status()
         busy = [r for r in status.requests if r.engine_id and r.num_tokens >= args.max_tokens]
         if busy:
