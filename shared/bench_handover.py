@@ -160,12 +160,12 @@ async def resumed_token(
     client: Client, engines_file: Path, prompt_tokens: int, killed: set[int]
 ) -> dict[str, float]:
     """Kill the main mid-decode of a request with a prompt of `prompt_tokens`; time to its next token."""
-    pids = await engine_pids(engines_file, killed)
-    await asyncio.sleep(0.3)
     prompt = (PROMPT * (prompt_tokens // len(PROMPT) + 1))[:prompt_tokens]
-    arrivals: list[float] = []
-    killed_at = 0.0
-    for seed in range(100):  # random weights end some generations early: kill one that runs
+    for seed in range(100):  # random weights end some generations early: retry until one runs on
+        pids = await engine_pids(engines_file, killed)
+        await asyncio.sleep(0.3)
+        arrivals: list[float] = []
+        killed_at = 0.0
         async for item in client.generate(prompt, max_tokens=128, seed=seed, temperature=0.8):
             if not isinstance(item, TokenChunk):
                 break
@@ -174,10 +174,13 @@ async def resumed_token(
                 killed_at = time.time()
                 os.kill(pids["main"], signal.SIGKILL)
                 killed.add(pids["main"])
-        if killed_at:
-            break
-    after = [t for t in arrivals if t > killed_at]
-    return {"prompt_tokens": prompt_tokens, "kill_to_next_token_ms": round(1000 * (after[0] - killed_at), 1)}
+        after = [t for t in arrivals if t > killed_at]
+        if killed_at and after:
+            return {
+                "prompt_tokens": prompt_tokens,
+                "kill_to_next_token_ms": round(1000 * (after[0] - killed_at), 1),
+            }
+    raise RuntimeError("no generation ran past the kill")
 
 
 async def cold_restarts(client: Client, nats_url: str, preset: str, n: int) -> dict[str, object]:

@@ -100,7 +100,6 @@ class LoggedRequest:
 async def read_all(js: JetStreamContext) -> dict[str, LoggedRequest]:
     """Every request in the stream, rebuilt from its records (bad records are logged and skipped)."""
     info = await js.stream_info(subjects.TOKEN_LOG_STREAM)
-    last = info.state.last_seq
     requests: dict[str, LoggedRequest] = {}
     if info.state.messages == 0:
         return requests
@@ -120,7 +119,7 @@ async def read_all(js: JetStreamContext) -> dict[str, LoggedRequest]:
                     requests[record.request_id].place(record)
                 case LogEnd() if record.request_id in requests:
                     requests[record.request_id].end = record
-            if msg.metadata.sequence.stream >= last:
+            if msg.metadata.num_pending == 0:  # (the last sequence may have been purged)
                 break
     finally:
         await sub.unsubscribe()
