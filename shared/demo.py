@@ -39,7 +39,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="belayer-demo-") as state:
-        config = ClusterConfig(state_dir=Path(state), engines=2, preset=args.model, chunk_tokens=32)
+        config = ClusterConfig(
+            state_dir=Path(state), engines=2, preset=args.model, chunk_tokens=32, sandboxes=False
+        )
         return uvloop.run(demo(config, args))
 
 
