@@ -26,14 +26,13 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageT
 from nats.js.kv import KeyValue
 
 from belayer_rl.shared import protocol, subjects
-from belayer_rl.shared.protocol import Ack, ErrorReply, Message, Reply
+from belayer_rl.shared.protocol import Ack, ErrorReply, Message
 
 log = logging.getLogger("belayer.bus")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
 
-_reply_decoder = protocol.decoder_for(Reply)
 
 # Bounded retention: the token log of a request lives a day at most, and the stream is capped.
 TOKEN_LOG_MAX_AGE_S = 24 * 3600
@@ -103,20 +102,11 @@ async def connect(
 async def request(nc: NATS, subject: str, message: Message, timeout_s: float) -> Ack:
     """Send a typed request; return its Ack or raise ServiceError (with code "timeout" or
     "no-responders" when nobody answered)."""
-    try:
-        reply = await nc.request(subject, protocol.encode(message), timeout=timeout_s)
-    except nats.errors.NoRespondersError:
-        raise ServiceError("no-responders", f"nobody serves {subject}") from None
-    except (TimeoutError, nats.errors.TimeoutError):
-        raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
-    answer = protocol.decode(_reply_decoder, reply.data)
-    if isinstance(answer, ErrorReply):
-        raise ServiceError(answer.code, answer.message)
-    return answer
+    return await request_struct(nc, subject, message, Ack, timeout_s)
 
 
 async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T], timeout_s: float) -> T:
-    """A request whose success reply is a `kind` rather than an Ack."""
+    """A typed request whose success reply is a `kind`; errors as in `request`."""
     try:
         reply = await nc.request(subject, protocol.encode(message), timeout=timeout_s)
     except nats.errors.NoRespondersError:
