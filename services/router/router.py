@@ -242,9 +242,12 @@ class Router:
             await bus.publish(self.nc, inbox, relay)
         self.log_full_chunks(request)
 
-    def log_full_chunks(self, request: Request) -> None:
+    def log_full_chunks(self, request: Request, *, with_tail: bool = False) -> None:
+        """Queue every whole chunk not yet logged; `with_tail` (at the end) also the partial last one."""
         k = request.start.chunk_tokens
-        while len(request.tokens) >= (request.logged_chunks + 1) * k:
+        while len(request.tokens) >= (request.logged_chunks + 1) * k or (
+            with_tail and len(request.tokens) > request.logged_chunks * k
+        ):
             index = request.logged_chunks
             self.writer.put(
                 LogChunk(
@@ -295,19 +298,7 @@ class Router:
         request.end = end
         request.ended_at = time.monotonic()
         request.waiting_since = None
-        self.log_full_chunks(request)
-        k = request.start.chunk_tokens
-        tail = request.tokens[request.logged_chunks * k :]
-        if tail:
-            self.writer.put(
-                LogChunk(
-                    request_id=request.request_id,
-                    index=request.logged_chunks,
-                    position=request.logged_chunks * k,
-                    tokens=tail,
-                    attempt=request.attempt,
-                )
-            )
+        self.log_full_chunks(request, with_tail=True)
         self.writer.put(record)
         for inbox in request.watchers:
             await bus.publish(self.nc, inbox, end)
