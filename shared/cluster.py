@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -21,7 +22,7 @@ import socket
 import sys
 import sysconfig
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,22 @@ def nats_server_binary() -> str:
     return found
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def dies_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn: the kernel sends the child `sig` when this process ends, however it ends
+    (PR_SET_PDEATHSIG), so a supervisor that is SIGKILLed leaves no orphans running."""
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
+
+    def preexec() -> None:
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0 or os.getppid() != parent:
+            os._exit(1)  # the parent is already gone: nobody would ever stop this child
+
+    return preexec
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,7 +97,7 @@ async def start_nats_server(store_dir: Path, port: int, log_file: Path) -> async
         process = await asyncio.create_subprocess_exec(
             nats_server_binary(),
             "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir),
-            stdout=out, stderr=out, start_new_session=True,
+            stdout=out, stderr=out, start_new_session=True, preexec_fn=dies_with_parent(),
         )  # fmt: skip
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -231,7 +248,11 @@ class Supervisor:
         log_path = self.config.state_dir / "logs" / f"{child.name}.log"
         with log_path.open("ab") as out:
             child.process = await asyncio.create_subprocess_exec(
-                *child.argv, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL
+                *child.argv,
+                stdout=out,
+                stderr=out,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=dies_with_parent(),
             )
         child.started_at = time.monotonic()
         child.state = "running"

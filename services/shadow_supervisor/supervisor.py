@@ -31,6 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from belayer_rl.shared import bus, registry, subjects
+from belayer_rl.shared.cluster import dies_with_parent
 from belayer_rl.shared.config import ShadowSupervisorConfig
 from belayer_rl.shared.protocol import (
     EngineQuarantined,
@@ -54,7 +55,7 @@ class StartFailed(RuntimeError):
 # ---------------------------------------------------------------- worker processes
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the supervisor keeps a set of them
 class WorkerProcess:
     role: str  # "main", "shadow" or "cold"
     process: asyncio.subprocess.Process
@@ -128,6 +129,7 @@ class ShadowSupervisor:
         self.nc = nc
         self.kv = kv
         self.slots = {engine_id: EngineSlot(engine_id) for engine_id in config.engines}
+        self.workers: set[WorkerProcess] = set()  # every worker process not yet reaped, starting ones too
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
         config.state_dir.mkdir(parents=True, exist_ok=True)
@@ -174,9 +176,12 @@ class ShadowSupervisor:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,
+                preexec_fn=dies_with_parent(),
             )
         worker = WorkerProcess(role, process, heartbeat_file)
+        self.workers.add(worker)
         worker.reader = asyncio.create_task(worker.read_lines())
+        worker.reader.add_done_callback(lambda _: self.workers.discard(worker))
         await self.announce(
             ProcessEvent(name=f"worker-{slot.engine_id}-{role}", pid=worker.pid, state="started")
         )
@@ -240,11 +245,16 @@ class ShadowSupervisor:
                 ProcessEvent(name=f"worker-{slot.engine_id}-shadow", pid=old.pid, state="exited")
             )
         try:
-            slot.shadow = await self.start_worker(slot, "shadow", watch=slot.main)
-            slot.shadow_started.set()
-            self.write_state()
+            shadow = await self.start_worker(slot, "shadow", watch=slot.main)
         except (StartFailed, TimeoutError) as exc:
             log.error("engine %s: no shadow: %s", slot.engine_id, exc)
+            return
+        if slot.quarantined:  # quarantined while this shadow started: it has nothing to stand by for
+            await shadow.kill_confirmed(self.config.death_timeout_s)
+            return
+        slot.shadow = shadow
+        slot.shadow_started.set()
+        self.write_state()
 
     # ------------------------------------------------------------ handover
 
@@ -374,13 +384,12 @@ class ShadowSupervisor:
         for task in list(self.tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for slot in self.slots.values():
-            for worker in (slot.shadow, slot.main):
-                if worker is not None and worker.process.returncode is None:
-                    worker.process.terminate()
-                    try:
-                        await asyncio.wait_for(worker.process.wait(), 5)
-                    except TimeoutError:
-                        await worker.kill_confirmed(self.config.death_timeout_s)
-                if worker is not None and worker.reader is not None:
-                    worker.reader.cancel()
+        for worker in list(self.workers):  # mains, shadows, and any still starting
+            if worker.process.returncode is None:
+                worker.process.terminate()
+                try:
+                    await asyncio.wait_for(worker.process.wait(), 5)
+                except TimeoutError:
+                    await worker.kill_confirmed(self.config.death_timeout_s)
+            if worker.reader is not None:
+                worker.reader.cancel()

@@ -31,14 +31,23 @@ async def restarted(client: Client, engine_id: str, old_pid: int) -> bool | None
     return None
 
 
-async def run(client: Client, job: Job) -> Generation:
-    return await client.generate_all(
-        job.prompt,
-        max_tokens=job.max_tokens,
-        seed=job.seed,
-        temperature=job.temperature,
-        request_id=job.request_id,
-    )
+async def run(client: Client, job: Job, timeout_s: float = 180.0) -> Generation:
+    """Run the job to its end; one that never ends fails the test with what the router knows of it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await client.generate_all(
+                job.prompt,
+                max_tokens=job.max_tokens,
+                seed=job.seed,
+                temperature=job.temperature,
+                request_id=job.request_id,
+            )
+    except TimeoutError:
+        status = await client.status()
+        mine = [r for r in status.requests if r.request_id == job.request_id]
+        raise AssertionError(
+            f"{job.request_id} did not end within {timeout_s:.0f}s: {mine}; engines {status.engines}"
+        ) from None
 
 
 @pytest.mark.slow
