@@ -241,6 +241,7 @@ async def generate(url: str, args: argparse.Namespace) -> dict[str, object]:
             seed=args.seed,
             temperature=args.temperature,
             stop=args.stop or None,
+            weight_version=args.weight_version,
         )
     return {
         "request_id": result.request_id,
@@ -249,6 +250,46 @@ async def generate(url: str, args: argparse.Namespace) -> dict[str, object]:
         "resumes": result.resumes,
         "finish_reason": result.finish_reason,
     }
+
+
+# ---------------------------------------------------------------- weights
+
+
+def cmd_weights(args: argparse.Namespace) -> int:
+    if args.action == "publish" and args.file is None:
+        print("belayer weights publish: give the weights file", file=sys.stderr)
+        return 2
+    url = resolve_nats_url(args.nats, args.state_dir)
+    try:
+        result = uvloop.run(weights(url, args))
+    except bus.ServiceError as exc:
+        print(f"belayer weights {args.action}: {exc}", file=sys.stderr)
+        return 2
+    print(result)
+    return 0
+
+
+async def weights(url: str, args: argparse.Namespace) -> str:
+    from belayer_rl.services.weight_server.client import WeightClient
+
+    nc = await bus.connect(url, "belayer-weights")
+    try:
+        client = WeightClient(nc)
+        if args.action == "publish":
+            handles = await client.publish(args.file.resolve())
+            if args.json:
+                return protocol.encode(handles).decode()
+            return f"published {handles.version} ({handles.manifest.size} bytes)"
+        listing = await client.versions()
+        if args.json:
+            return protocol.encode(listing).decode()
+        return "\n".join(
+            f"{v.version}{' (newest)' if v.version == listing.newest else ''}  {v.size} bytes  "
+            f"pinned by {', '.join(v.holders) or 'nobody'}"
+            for v in listing.versions
+        )
+    finally:
+        await nc.close()
 
 
 # ---------------------------------------------------------------- parser
@@ -294,7 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--weight-version", help="weights to generate with (default: the newest)")
     gen.set_defaults(run=cmd_generate)
+
+    weights_cmd = commands.add_parser("weights", help="list or publish weight versions (weight server)")
+    weights_cmd.add_argument("action", choices=["ls", "publish"])
+    weights_cmd.add_argument("file", nargs="?", type=Path, help="publish: a weights file on this host")
+    weights_cmd.add_argument("--json", action="store_true")
+    weights_cmd.set_defaults(run=cmd_weights)
 
     from belayer_rl.shared import bench, demo
 

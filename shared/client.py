@@ -148,9 +148,11 @@ class Client:
         temperature: float = 1.0,
         stop: list[str] | None = None,
         request_id: str | None = None,
+        weight_version: str | None = None,
         patience_s: float = 30.0,
     ) -> AsyncIterator[TokenChunk | GenerateEnd]:
-        """Stream a new generation; ends with its GenerateEnd, raises GenerationError on an error end."""
+        """Stream a new generation; ends with its GenerateEnd, raises GenerationError on an error end.
+        `weight_version` names the weights (None: the newest the router knows of)."""
         request_id = request_id or uuid.uuid4().hex
         inbox = self.nc.new_inbox()
         request = GenerateRequest(
@@ -160,6 +162,7 @@ class Client:
             seed=seed,
             temperature=temperature,
             stop=stop or [],
+            weight_version=weight_version,
             reply_to=inbox,
         )
         async with self._subscription(inbox) as queue:

@@ -28,6 +28,7 @@ Seed = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=10.0)]
 StopStrings = Annotated[list[Annotated[str, Meta(min_length=1, max_length=64)]], Meta(max_length=8)]
 Subject = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\s*>]+$")]
+WeightVersion = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_:-]+$")]
 
 FinishReason = Literal["eos", "stop", "length", "cancelled", "error"]
 
@@ -46,6 +47,9 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     seed: Seed = 0
     temperature: Temperature = 1.0
     stop: StopStrings = []
+    # The weights every token is generated with, across resumes. None: the newest version the
+    # router knows of when it accepts the request.
+    weight_version: WeightVersion | None = None
     reply_to: Subject  # the client's inbox; the stream of chunks goes there
 
 
@@ -113,7 +117,7 @@ class Dispatch(Message, tag="dispatch", kw_only=True):
     seed: Seed
     temperature: Temperature
     stop: StopStrings = []
-    weight_version: str | None = None
+    weight_version: WeightVersion | None = None  # None: whatever the engine serves now
     reply_to: Subject  # where the worker publishes WorkerChunk / WorkerDone
 
 
@@ -162,6 +166,7 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     running: int
     waiting: int
     outstanding_tokens: int
+    weight_version: WeightVersion | None = None  # what a request naming no version runs on here
 
 
 class WorkerFailed(Message, tag="worker_failed", kw_only=True):
@@ -226,6 +231,15 @@ class EngineQuarantined(Message, tag="engine_quarantined", kw_only=True):
     window_s: float
 
 
+class WeightsPublished(Message, tag="weights_published", kw_only=True):
+    """Event `belayer.evt.weights_published.<version>`: a new newest version is mapped and ready."""
+
+    version: WeightVersion
+    segment: SegmentName
+    size: ByteCount
+    previous: str  # the version that was newest before
+
+
 Event = (
     Heartbeat
     | WorkerFailed
@@ -235,6 +249,7 @@ Event = (
     | RouterStarted
     | Handover
     | EngineQuarantined
+    | WeightsPublished
 )
 
 # ---------------------------------------------------------------- JetStream records
@@ -249,6 +264,7 @@ class LogStart(Message, tag="log_start", kw_only=True):
     seed: Seed
     temperature: Temperature
     stop: StopStrings = []
+    weight_version: WeightVersion | None = None  # as resolved at acceptance; a resume uses it too
     chunk_tokens: int  # k: chunk i of this log covers positions [i*k, (i+1)*k)
 
 
@@ -554,7 +570,6 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
 # handle when the data lives on a GPU. `instance` changes whenever a server restarts, so a handle
 # from a dead instance is recognisable (its segments were removed by the restarted server).
 
-WeightVersion = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_:-]+$")]
 HolderId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_:-]{1,128}$")]
 SegmentName = Annotated[str, Meta(max_length=200, pattern=r"^[A-Za-z0-9_.-]*$")]
 InstanceId = Annotated[str, Meta(pattern=r"^[0-9a-f]{1,32}$")]
@@ -663,15 +678,6 @@ class WeightServerAlive(Message, tag="weight_server_alive", kw_only=True):
     versions: list[WeightVersion]
     device: Literal["cpu", "cuda"] = "cpu"
     segments: dict[WeightVersion, SegmentName] = {}  # each held version's current segment
-
-
-class WeightsPublished(Message, tag="weights_published", kw_only=True):
-    """Event `belayer.evt.weights_published.<version>`: a new newest version is mapped and ready."""
-
-    version: WeightVersion
-    segment: SegmentName
-    size: ByteCount
-    previous: str  # the version that was newest before
 
 
 class KvArenaRequest(Message, tag="kv_arena", kw_only=True):

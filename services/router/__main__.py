@@ -20,6 +20,7 @@ from belayer_rl.shared.protocol import (
     GenerateRequest,
     Heartbeat,
     StatusRequest,
+    WeightsPublished,
     WorkerFailed,
     WorkerRegistration,
     WorkerStream,
@@ -84,6 +85,9 @@ async def serve(config: RouterConfig) -> None:
             await bus.listen(nc, subjects.event("worker_failed", "*"), WorkerFailed, router.on_worker_failed),
             await bus.listen(
                 nc, subjects.event("engine_quarantined", "*"), EngineQuarantined, router.on_quarantined
+            ),
+            await bus.listen(
+                nc, subjects.weights_published("*"), WeightsPublished, router.on_weights_published
             ),
         ]
         started = await router.rebuild()

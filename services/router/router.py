@@ -54,6 +54,7 @@ from belayer_rl.shared.protocol import (
     RouterStatus,
     StatusRequest,
     TokenChunk,
+    WeightsPublished,
     WorkerChunk,
     WorkerDone,
     WorkerFailed,
@@ -122,6 +123,10 @@ class Router:
         self.next_attempt = time.time_ns() // 1_000_000 * 1000
         self.tasks: set[asyncio.Task[None]] = set()
         self.dropped_chunks = 0
+        # The weights a request naming no version gets: the last one published, or before any
+        # publication was seen, what the workers report serving.
+        self.newest_weights: str | None = None
+        self.newest_from_publication = False
 
     def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -140,6 +145,7 @@ class Router:
             seed=message.seed,
             temperature=message.temperature,
             stop=message.stop,
+            weight_version=message.weight_version or self.newest_weights,
             chunk_tokens=self.config.chunk_tokens,
         )
         request = Request(start=start, watchers={message.reply_to})
@@ -362,6 +368,7 @@ class Router:
                     seed=request.start.seed,
                     temperature=request.start.temperature,
                     stop=request.start.stop,
+                    weight_version=request.start.weight_version,
                     reply_to=subjects.ROUTER_WORKER_STREAM,
                 )
                 # Claim before the round trip: chunks can arrive before the ack does.
@@ -386,6 +393,9 @@ class Router:
                         request.attempt = 0
                     if exc.code == "stale-epoch":
                         await self.engine_failed(engine, "exit", "the registry moved to a new epoch")
+                    elif exc.code in ("unknown-version", "weight-version"):  # no engine will do better
+                        await self.fail(request, "unknown-weight-version", exc.message)
+                        return
                     else:  # a worker that does not answer is left to the heartbeat timeout
                         await asyncio.sleep(DISPATCH_RETRY_S)
                     continue
@@ -416,10 +426,20 @@ class Router:
     # ------------------------------------------------------------ engines
 
     async def on_heartbeat(self, beat: Heartbeat) -> None:
+        self.see_weights(beat.weight_version, published=False)
         await self.see_worker(beat.engine_id, beat.epoch, beat.pid)
 
     async def on_registration(self, registration: WorkerRegistration) -> None:
+        self.see_weights(registration.weight_version, published=False)
         await self.see_worker(registration.engine_id, registration.epoch, registration.pid)
+
+    async def on_weights_published(self, published: WeightsPublished) -> None:
+        self.see_weights(published.version, published=True)
+
+    def see_weights(self, version: str | None, *, published: bool) -> None:
+        if version is None or (self.newest_from_publication and not published):
+            return
+        self.newest_weights, self.newest_from_publication = version, published
 
     async def see_worker(self, engine_id: str, epoch: int, pid: int) -> None:
         engine = self.engines.get(engine_id)
@@ -442,8 +462,11 @@ class Router:
         if entry is None or entry.epoch != epoch or entry.pid != pid or entry.health == "quarantined":
             log.warning("ignored worker %s epoch %d pid %d: not in the registry", engine_id, epoch, pid)
             return
-        if engine is not None and engine.epoch == epoch:
-            return  # another message of the same worker won the race
+        # Read again: while the registry answered, another message of this worker (a heartbeat
+        # and its registration arrive together) may have installed it and requests placed on it.
+        engine = self.engines.get(engine_id)
+        if engine is not None and engine.epoch >= epoch:
+            return
         if engine is not None:
             await self.engine_failed(engine, "exit", f"replaced by epoch {epoch}")
         log.info("engine %s: worker pid %d at epoch %d", engine_id, pid, epoch)
@@ -504,7 +527,8 @@ class Router:
                 self.enqueue(request)
 
     async def watchdog(self) -> None:
-        """Heartbeat timeouts, the no-engine deadline and eviction of old finished requests."""
+        """Heartbeat timeouts, orphaned requests, the no-engine deadline and eviction of old finished
+        requests."""
         period = self.config.heartbeat_timeout_s / 4
         while True:
             await asyncio.sleep(period)
@@ -517,6 +541,19 @@ class Router:
                 if request.end is not None:
                     if now - request.ended_at > FINISHED_TTL_S:
                         del self.requests[request.request_id]
+                    continue
+                holder = self.engines.get(request.engine_id) if request.engine_id is not None else None
+                if request.engine_id is not None and (
+                    holder is None or request.request_id not in holder.requests
+                ):
+                    # Cannot happen while every claim and detach keeps both sides; if it does, the
+                    # request would wait forever for an engine that does not know it.
+                    log.error(
+                        "request %s placed on %s, which does not hold it",
+                        request.request_id,
+                        request.engine_id,
+                    )
+                    await self.resume(request, "orphaned")
                     continue
                 if request.engine_id is None and request.waiting_since is not None:
                     waited = now - request.waiting_since

@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> WeightServerConfig:
     parser.add_argument(
         "--sweep-interval", type=float, default=1.0, help="seconds between dead-holder sweeps"
     )
+    parser.add_argument(
+        "--dead-holder-grace",
+        type=float,
+        default=10.0,
+        help="seconds a dead holder's pins are kept, so its requests can be resumed on their version",
+    )
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return WeightServerConfig(
@@ -63,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> WeightServerConfig:
         weights_path=args.weights,
         device=device,
         sweep_interval_s=args.sweep_interval,
+        dead_holder_grace_s=args.dead_holder_grace,
     )
 
 

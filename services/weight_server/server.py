@@ -5,7 +5,8 @@ services/worker/shm.py for the format) and hands out handles that workers map re
 copy. Holders pin the versions they serve; a version nobody pins, other than the newest, is freed
 (its segment unlinked: mappings that still exist stay valid until dropped). Pins carry the
 holder's pid, and a periodic sweep drops the pins of processes that died, so a crashed worker
-never keeps a version alive. On a GPU each version is also uploaded once and exported as a CUDA
+never keeps a version alive for long: only for a grace period, in which the requests it was
+serving are resumed elsewhere and pin their version again. On a GPU each version is also uploaded once and exported as a CUDA
 IPC handle.
 
 Knows nothing about engines or requests: a version is a name and a set of tensors.
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,7 @@ class WeightServerConfig:
     weights_path: Path | None = None  # overrides weights_seed
     device: Literal["cpu", "cuda"] = "cpu"
     sweep_interval_s: float = 1.0
+    dead_holder_grace_s: float = 10.0  # how long a dead holder's pins outlive it
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -78,6 +81,8 @@ class WeightServerConfig:
             raise ConfigError("--device cuda: torch sees no CUDA device")
         if not self.sweep_interval_s > 0:
             raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
+        if not self.dead_holder_grace_s >= 0:
+            raise ConfigError(f"--dead-holder-grace must be >= 0, got {self.dead_holder_grace_s}")
 
 
 # ---------------------------------------------------------------------------- holders
@@ -102,11 +107,18 @@ def process_start(pid: int) -> int | None:
 
 
 @dataclass
+class Pin:
+    pid: int
+    start: int  # the process's start time: a reused pid is another process
+    dead_since: float | None = None  # monotonic time the sweep first found the process gone
+
+
+@dataclass
 class Version:
     segment: shm.Segment
     handles: WeightHandles
     gpu: torch.Tensor | None = None  # uint8 [size] on the GPU, laid out like the segment
-    holders: dict[str, tuple[int, int]] = field(default_factory=dict)  # holder -> (pid, start)
+    holders: dict[str, Pin] = field(default_factory=dict)
 
     def info(self) -> WeightVersionInfo:
         return WeightVersionInfo(
@@ -208,12 +220,17 @@ class WeightServer:
                 self.free(version)
 
     def sweep(self) -> None:
-        """Drop the pins of holders whose process is gone, then collect."""
+        """Drop the pins of holders gone for longer than the grace period, then collect."""
+        now = time.monotonic()
         for version, entry in self.versions.items():
-            for holder, (pid, start) in list(entry.holders.items()):
-                if process_start(pid) != start:
+            for holder, pin in list(entry.holders.items()):
+                if process_start(pin.pid) == pin.start:
+                    continue
+                if pin.dead_since is None:
+                    pin.dead_since = now
+                if now - pin.dead_since >= self.config.dead_holder_grace_s:
                     del entry.holders[holder]
-                    log.warning("dropped pin of %s on %s: pid %d is gone", holder, version, pid)
+                    log.warning("dropped pin of %s on %s: pid %d is gone", holder, version, pin.pid)
         self.collect()
 
     def close(self) -> None:
@@ -235,7 +252,7 @@ class WeightServer:
         start = process_start(request.pid)
         if start is None:
             raise ServiceError("dead-holder", f"pid {request.pid} is not a live process on this host")
-        entry.holders[request.holder] = (request.pid, start)
+        entry.holders[request.holder] = Pin(request.pid, start)
         return entry.handles
 
     async def on_unpin(self, request: WeightsUnpin) -> Ack:

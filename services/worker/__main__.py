@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.services.worker import shadow, shm
 from belayer_rl.services.worker.engine import Engine, EngineConfig
+from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.services.worker.worker import Worker
 from belayer_rl.shared import bus, registry, subjects
 from belayer_rl.shared.config import WorkerConfig, resolve_nats_url
@@ -28,6 +29,7 @@ from belayer_rl.shared.protocol import (
     Message,
     WeightHandles,
     WeightsPin,
+    WeightsPublished,
 )
 
 log = logging.getLogger("belayer.worker")
@@ -94,13 +96,13 @@ async def ask_server(nc: NATS, subject: str, message: Message, kind: type[T]) ->
             await asyncio.sleep(0.1)
 
 
-async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str]:
-    """The engine, with its own weights and arena or mapped from the weight and KV servers, and
-    the instances of the servers that own the mapped memory ("" when it owns its own)."""
+async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str, PinnedWeights | None]:
+    """The engine, with its own weights and arena or mapped from the weight and KV servers; the
+    instances of the servers that own the mapped memory ("" when it owns its own); its pins."""
     if not config.shared_memory:
-        return await asyncio.to_thread(Engine, engine_config(config)), ""
-    holder = f"{config.engine_id}:{os.getpid()}"
-    pin = WeightsPin(holder=holder, pid=os.getpid())
+        return await asyncio.to_thread(Engine, engine_config(config)), "", None
+    pins = PinnedWeights(nc, config.engine_id)
+    pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
     weights = await ask_server(nc, subjects.WEIGHTS_PIN, pin, WeightHandles)
     ask = KvArenaRequest(
         engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE
@@ -110,19 +112,28 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str]:
     tensor = await asyncio.to_thread(shm.map_arena, arena)
     # Which server instances own what we mapped: a restarted server owns none of it.
     owners = f"weights={weights.manifest.instance} kv={arena.manifest.instance}"
-    return Engine(engine_config(config), params, tensor, weight_version=weights.version), owners
+    engine = Engine(engine_config(config), params, tensor, weight_version=weights.version)
+    pins.attach(engine)
+    return engine, owners, pins
 
 
 async def serve(config: WorkerConfig) -> None:
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     async with contextlib.AsyncExitStack() as stack:
+        # Until the engine is built, SIGTERM keeps its default action: there is nothing to drain,
+        # and a worker stuck waiting for a server must still go when its supervisor goes.
         nc = await bus.connect(config.nats_url, f"worker-{config.engine_id}")
         stack.push_async_callback(nc.close)
         kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
-        engine, owners = await build_engine(config, nc)
+        engine, owners, pins = await build_engine(config, nc)
+        if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
+            published = subjects.weights_published("*")
+            stack.push_async_callback(
+                (await bus.listen(nc, published, WeightsPublished, pins.follow)).unsubscribe
+            )
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
         if config.role == "shadow":
             # Everything needed to serve is built; now idle until the supervisor hands over.
             if not await shadow.stand_by(config, stopping, owners):
@@ -132,7 +143,7 @@ async def serve(config: WorkerConfig) -> None:
                 shadow.report(f"unhealthy {why}")
                 return
         epoch = await registry.install_worker(kv, config.engine_id, os.getpid())
-        worker = Worker(config, nc, engine, epoch, stopping)
+        worker = Worker(config, nc, engine, epoch, stopping, pins)
 
         subscriptions = [
             await bus.serve(nc, subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),

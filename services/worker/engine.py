@@ -8,6 +8,11 @@ the router; a worker calls `submit`/`cancel` between steps and `step()` from one
 
 A sequence's blocks for prompt + full budget are reserved at admission, so a running
 sequence never needs preemption; what does not fit waits in FIFO order.
+
+An engine can hold several weight versions at once (a trainer publishes new ones while old
+requests finish): each sequence runs on the version it was submitted with, and a step runs one
+forward per version present. In deterministic mode a row's logits do not depend on its batch,
+so splitting a step by version changes no token.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class SeqSpec:
     seed: int
     temperature: float
     stop: tuple[str, ...] = ()  # matched on the bytes of all generated tokens, prefix included
+    weight_version: str | None = None  # None: the engine's current version at submit
 
 
 @dataclass
@@ -88,6 +94,7 @@ class EngineRejected(ValueError):
 @dataclass
 class _Seq:
     spec: SeqSpec
+    weight_version: str
     tokens: list[int]  # prompt + generated: everything whose K/V will be needed
     generated: list[int]
     text: bytearray  # bytes of `generated`, for stop matching
@@ -127,8 +134,8 @@ class Engine:
         else:
             version = "external"
         check_params(self.model_config, params)
-        self.params = params
-        self.weight_version: str = weight_version or version
+        self.weight_version: str = weight_version or version  # what a spec without one runs on
+        self.weights: dict[str, Params] = {self.weight_version: params}
         if arena is None:
             arena = allocate_arena(self.model_config, config.num_blocks, config.block_size)
         self.cache = PagedKVCache(self.model_config, arena)
@@ -142,6 +149,24 @@ class Engine:
         self._running: dict[Hashable, _Seq] = {}  # insertion order = admission order
         self._done_events: list[SeqEvent] = []  # finished at submit, reported by the next step
 
+    # ------------------------------------------------------------------ weight versions
+
+    def add_weights(self, version: str, params: Params) -> None:
+        """Hold `version` too. Never disturbs a step in flight: nothing running uses it yet."""
+        check_params(self.model_config, params)
+        self.weights.setdefault(version, params)
+
+    def unused_versions(self) -> list[str]:
+        """Versions held that no queued or running sequence uses, the current one excepted."""
+        used = {s.weight_version for s in (*self._waiting, *self._running.values())}
+        return [v for v in self.weights if v not in used and v != self.weight_version]
+
+    def drop_weights(self, version: str) -> None:
+        """Let go of an unused version (call between steps)."""
+        if version not in self.unused_versions():
+            raise ValueError(f"weight version {version} is current or in use")
+        del self.weights[version]
+
     # ------------------------------------------------------------------ intake
 
     def submit(self, spec: SeqSpec) -> None:
@@ -149,6 +174,7 @@ class Engine:
         self._validate(spec)
         seq = _Seq(
             spec=spec,
+            weight_version=spec.weight_version or self.weight_version,
             tokens=[*spec.prompt_tokens, *spec.prefix_tokens],
             generated=list(spec.prefix_tokens),
             text=bytearray(decode_bytes(spec.prefix_tokens)),
@@ -166,6 +192,10 @@ class Engine:
         mc = self.model_config
         if self._known(spec.key):
             raise EngineRejected(f"key {spec.key!r} is already queued or running")
+        if spec.weight_version is not None and spec.weight_version not in self.weights:
+            raise EngineRejected(
+                f"weight version {spec.weight_version} is not held; have {list(self.weights)}"
+            )
         if not spec.prompt_tokens:
             raise EngineRejected("prompt_tokens is empty")
         bad = [t for t in (*spec.prompt_tokens, *spec.prefix_tokens) if not 0 <= t < VOCAB_SIZE]
@@ -258,17 +288,21 @@ class Engine:
         events, self._done_events = self._done_events, []
         self._admit()
         plan = self._plan()
-        if not plan:
-            return events
-        batch, sampled = self._pack(plan)
-        with torch.inference_mode():
-            logits = forward(self.params, self.model_config, batch, self.cache, self.config.deterministic)
+        by_version: dict[str, list[tuple[_Seq, int]]] = {}
         for s, n in plan:
-            s.n_cached += n
-        for row, s in enumerate(sampled):
-            pos = len(s.tokens)  # absolute position of the token being sampled
-            token = sample(logits[row], s.spec.seed, pos, s.spec.temperature)
-            events.append(self._append(s, token))
+            by_version.setdefault(s.weight_version, []).append((s, n))
+        for version, part in by_version.items():
+            batch, sampled = self._pack(part)
+            with torch.inference_mode():
+                logits = forward(
+                    self.weights[version], self.model_config, batch, self.cache, self.config.deterministic
+                )
+            for s, n in part:
+                s.n_cached += n
+            for row, s in enumerate(sampled):
+                pos = len(s.tokens)  # absolute position of the token being sampled
+                token = sample(logits[row], s.spec.seed, pos, s.spec.temperature)
+                events.append(self._append(s, token))
         return events
 
     def _pack(self, plan: list[tuple[_Seq, int]]) -> tuple[ForwardBatch, list[_Seq]]:

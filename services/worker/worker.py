@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 
 from belayer_rl.services.worker.engine import Engine, EngineRejected, SeqEvent, SeqSpec
+from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import WorkerConfig
@@ -53,12 +54,19 @@ class Attempt:
 
 class Worker:
     def __init__(
-        self, config: WorkerConfig, nc: NATS, engine: Engine, epoch: int, stopping: asyncio.Event
+        self,
+        config: WorkerConfig,
+        nc: NATS,
+        engine: Engine,
+        epoch: int,
+        stopping: asyncio.Event,
+        pins: PinnedWeights | None = None,  # None: the engine owns its one weight version
     ) -> None:
         self.config = config
         self.nc = nc
         self.engine = engine
         self.epoch = epoch
+        self.pins = pins
         self.attempts: dict[str, Attempt] = {}  # request id -> the attempt this worker runs
         self.ops: list[Callable[[], None]] = []  # engine calls queued for the gap between steps
         self.rejected: list[tuple[Attempt, str]] = []  # submits the engine refused, to report
@@ -72,8 +80,11 @@ class Worker:
             raise ServiceError("wrong-engine", f"this is {self.config.engine_id}, not {dispatch.engine_id}")
         if dispatch.epoch != self.epoch:
             raise ServiceError("stale-epoch", f"epoch {dispatch.epoch} is not the current {self.epoch}")
-        if dispatch.weight_version not in (None, self.engine.weight_version):
-            raise ServiceError("weight-version", f"serving {self.engine.weight_version}")
+        version = dispatch.weight_version
+        if version is not None and version not in self.engine.weights:
+            if self.pins is None:
+                raise ServiceError("weight-version", f"serving only {self.engine.weight_version}")
+            await self.pins.ensure(version)  # "unknown-version" from the weight server goes back as is
         previous = self.attempts.get(dispatch.request_id)
         if previous is not None and previous.dispatch.attempt >= dispatch.attempt:
             raise ServiceError("stale-attempt", f"already running attempt {previous.dispatch.attempt}")
@@ -87,6 +98,7 @@ class Worker:
             seed=dispatch.seed,
             temperature=dispatch.temperature,
             stop=tuple(dispatch.stop),
+            weight_version=version,
         )
         if previous is not None:
             self.ops.append(lambda: self._cancel(previous.key))
@@ -119,12 +131,16 @@ class Worker:
         """The scheduling loop. Each turn refreshes the heartbeat file's mtime, so a stuck step
         (or a frozen process) shows as a stale file to whoever watches it."""
         idle_wait_s = self.config.heartbeat_interval_s
+        if self.pins is not None:
+            self.pins.serving = True
         while not self.stopping.is_set():
             if self.config.heartbeat_file is not None:
                 self.config.heartbeat_file.touch()
             ops, self.ops = self.ops, []
             for op in ops:
                 op()
+            if self.pins is not None:
+                await self.pins.release_unused()
             rejected, self.rejected = self.rejected, []
             for attempt, why in rejected:
                 await self._publish_done(attempt, "error", len(attempt.dispatch.prefix_tokens), why)
@@ -183,6 +199,7 @@ class Worker:
                 running=running,
                 waiting=waiting,
                 outstanding_tokens=outstanding,
+                weight_version=self.engine.weight_version,
             )
             try:
                 await bus.publish(self.nc, subject, beat)

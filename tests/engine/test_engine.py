@@ -11,7 +11,7 @@ from belayer_rl.services.worker.engine import (
     SeqSpec,
 )
 from belayer_rl.services.worker.kv_cache import allocate_arena
-from belayer_rl.services.worker.model import PRESETS
+from belayer_rl.services.worker.model import PRESETS, init_params
 from belayer_rl.shared.tokenizer import EOS_TOKEN, decode_bytes
 
 
@@ -264,3 +264,51 @@ def test_cancel_running_and_waiting(no_eos_params):
     assert set(got) == {"b"}
     assert got["b"][1] == "length"
     assert engine.blocks.num_free == engine.config.num_blocks
+
+
+# ---------------------------------------------------------------------------- weight versions
+
+
+def test_each_sequence_runs_on_its_own_weight_version(tiny_params):
+    """One engine holding two versions, sequences of both in every step, gives each sequence
+    exactly what an engine holding only its version gives it."""
+    other = init_params(PRESETS["tiny"], seed=1)
+    mixed = Engine(EngineConfig(), tiny_params, weight_version="v0")
+    mixed.add_weights("v1", other)
+    specs = [
+        SeqSpec(i, _prompt(i, 5 + 3 * i), [], 40, seed=i, temperature=0.8, weight_version=f"v{i % 2}")
+        for i in range(6)
+    ]
+    for spec in specs:
+        mixed.submit(spec)
+    together = drain(mixed)
+
+    alone = {}
+    for version, params in (("v0", tiny_params), ("v1", other)):
+        engine = Engine(EngineConfig(), params, weight_version=version)
+        for spec in specs:
+            if spec.weight_version == version:
+                engine.submit(spec)
+        alone |= drain(engine)
+    assert together == alone
+    # The version matters: the same request on the other weights is another sequence.
+    v0_engine = Engine(EngineConfig(), tiny_params, weight_version="v0")
+    v0_engine.submit(SeqSpec(1, specs[1].prompt_tokens, [], 40, seed=1, temperature=0.8))
+    assert drain(v0_engine)[1] != together[1]
+
+
+def test_weight_versions_are_held_while_used_and_refused_when_unknown(tiny_params):
+    engine = Engine(EngineConfig(), tiny_params, weight_version="v0")
+    with pytest.raises(EngineRejected, match="not held"):
+        engine.submit(SeqSpec("x", [1, 2], [], 4, seed=0, temperature=0.8, weight_version="v9"))
+    engine.add_weights("v1", init_params(PRESETS["tiny"], seed=1))
+    engine.submit(SeqSpec("a", [1, 2], [], 4, seed=0, temperature=0.8, weight_version="v1"))
+    assert engine.unused_versions() == []
+    with pytest.raises(ValueError, match="in use"):
+        engine.drop_weights("v1")
+    drain(engine)
+    assert engine.unused_versions() == ["v1"]
+    engine.drop_weights("v1")
+    assert list(engine.weights) == ["v0"]
+    with pytest.raises(ValueError, match="current"):
+        engine.drop_weights("v0")

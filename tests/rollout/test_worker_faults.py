@@ -31,7 +31,9 @@ async def restarted(client: Client, engine_id: str, old_pid: int) -> bool | None
     return None
 
 
-async def run(client: Client, job: Job, timeout_s: float = 180.0) -> Generation:
+async def run(
+    client: Client, job: Job, timeout_s: float = 180.0, weight_version: str | None = None
+) -> Generation:
     """Run the job to its end; one that never ends fails the test with what the router knows of it."""
     try:
         async with asyncio.timeout(timeout_s):
@@ -41,6 +43,7 @@ async def run(client: Client, job: Job, timeout_s: float = 180.0) -> Generation:
                 seed=job.seed,
                 temperature=job.temperature,
                 request_id=job.request_id,
+                weight_version=weight_version,
             )
     except TimeoutError:
         status = await client.status()

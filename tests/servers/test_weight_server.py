@@ -119,7 +119,16 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
 async def test_pins_of_a_dead_holder_are_swept(nats_server, nc, shm_prefix, tmp_path) -> None:
     holder = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(600)")
     try:
-        async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--sweep-interval", "0.1"):
+        async with running(
+            "weight_server",
+            nats_server.url,
+            shm_prefix,
+            tmp_path,
+            "--sweep-interval",
+            "0.1",
+            "--dead-holder-grace",
+            "2",
+        ):
             old = await pin(nc, "worker-doomed", holder.pid)
             path, _, new_version = weights_file(tmp_path, seed=3)
             await publish(nc, path)
@@ -128,6 +137,8 @@ async def test_pins_of_a_dead_holder_are_swept(nats_server, nc, shm_prefix, tmp_
 
             holder.kill()
             await holder.wait()
+            await asyncio.sleep(0.5)  # dead, but inside the grace period: still pinned
+            assert [v.version for v in (await versions(nc)).versions] == [V0, new_version]
 
             async def old_gone() -> bool | None:
                 listed = await versions(nc)

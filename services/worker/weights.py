@@ -1,0 +1,80 @@
+"""The weight versions a worker serves when it maps them from the weight server.
+
+Each version the engine holds is pinned at the weight server under this worker's holder id, so the
+server cannot free it while a request runs on it. The engine's current version (what a request
+naming none runs on) follows the newest published version; a request naming another version gets
+it mapped and pinned on demand. A version no queued or running sequence uses, other than the
+current one, is dropped and unpinned between steps, so old versions can be freed as a trainer
+moves on. Mapping is zero-copy (services/worker/shm.py); the server owns the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from nats.aio.client import Client as NATS
+
+from belayer_rl.services.weight_server.client import WeightClient
+from belayer_rl.services.worker import shm
+from belayer_rl.services.worker.engine import Engine
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.protocol import WeightHandles, WeightsPublished
+
+log = logging.getLogger("belayer.worker")
+
+PIN_TIMEOUT_S = 10.0  # a pin maps nothing, but a big version may still be loading on the server
+
+
+class PinnedWeights:
+    def __init__(self, nc: NATS, engine_id: str) -> None:
+        self.client = WeightClient(nc, PIN_TIMEOUT_S)
+        self.holder = f"{engine_id}:{os.getpid()}"
+        self.engine: Engine | None = None
+        self.mapping = asyncio.Lock()  # one map at a time: two requests for one version map it once
+        # Once the engine serves, only its scheduling loop releases versions, between steps and
+        # after the submits queued for it: a version mapped for a dispatch is in use by then.
+        self.serving = False
+
+    async def pin(self, version: str | None) -> WeightHandles:
+        """Pin `version` (None: the newest) for this worker; its handles, to map."""
+        return await self.client.pin(self.holder, os.getpid(), version)
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def ensure(self, version: str) -> None:
+        """Make the engine hold `version`: pin and map it unless it does. ServiceError with code
+        "unknown-version" when the weight server has no such version."""
+        assert self.engine is not None
+        async with self.mapping:
+            if version in self.engine.weights:
+                return
+            handles = await self.pin(version)
+            params = await asyncio.to_thread(shm.map_weights, handles)
+            self.engine.add_weights(version, params)  # a step in flight never sees a new version
+            log.info("mapped weight version %s", version)
+
+    async def follow(self, published: WeightsPublished) -> None:
+        """A new version was published: map it and make it current; let go of the old one."""
+        assert self.engine is not None
+        try:
+            await self.ensure(published.version)
+        except ServiceError as exc:  # freed again already, or the server is restarting
+            log.warning("did not follow weight version %s: %s", published.version, exc)
+            return
+        self.engine.weight_version = published.version
+        if not self.serving:
+            await self.release_unused()
+
+    async def release_unused(self) -> None:
+        """Drop and unpin every version no sequence uses (a serving engine: between steps only)."""
+        assert self.engine is not None
+        for version in self.engine.unused_versions():
+            self.engine.drop_weights(version)
+            try:
+                await self.client.unpin(version, self.holder)
+            except ServiceError as exc:  # the server's sweep drops our pin when we exit anyway
+                log.warning("unpin of %s failed: %s", version, exc)
+            log.info("released weight version %s", version)

@@ -1,0 +1,32 @@
+"""The router's view of engines against a real nats-server and registry, driven in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from belayer_rl.services.router.router import Router
+from belayer_rl.shared import bus, registry
+from belayer_rl.shared.config import RouterConfig
+
+
+async def test_heartbeat_and_registration_together_install_the_engine_once(nats_server) -> None:
+    """A new worker's heartbeat and registration arrive together; both look the engine up, both
+    wait for the registry. The second must not replace the engine the first installed: requests
+    already placed on it would be forgotten and never resumed when it fails."""
+    nc = await bus.connect(nats_server.url, "test-router")
+    try:
+        js = nc.jetstream()
+        kv = await bus.declare_jetstream(js)
+        router = Router(RouterConfig(nats_url=nats_server.url), nc, js, kv)
+        epoch = await registry.install_worker(kv, "e0", os.getpid())
+        installed = []
+        router.dispatch_waiting = lambda: installed.append(router.engines["e0"])  # type: ignore[method-assign]
+
+        await asyncio.gather(*(router.see_worker("e0", epoch, os.getpid()) for _ in range(3)))
+
+        assert len(installed) == 1
+        assert router.engines["e0"] is installed[0]
+        assert router.engines["e0"].epoch == epoch and router.engines["e0"].alive
+    finally:
+        await nc.close()
