@@ -26,7 +26,10 @@ import torch
 from belayer_rl.services.worker.engine import Engine
 from belayer_rl.shared.config import WorkerConfig
 
-POLL_S = 0.01  # how often the heartbeat file's mtime is read
+# How often the heartbeat file's mtime is read. A hang is declared only after seconds of
+# staleness, so 50 ms adds little to its detection and keeps an idle shadow near 0% CPU; an exit
+# wakes the shadow at once through the pidfd.
+HANG_POLL_S = 0.05
 INJECT_DEVICE_FAULT_ENV = "BELAYER_INJECT_DEVICE_FAULT"  # a path; while it exists the check fails
 
 
@@ -58,6 +61,7 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -
     report(f"idle {owners}")
     command = asyncio.create_task(reader.readline())
     stop = asyncio.create_task(stopping.wait())
+    exited = asyncio.create_task(main_exited.wait())
     reported = False
     try:
         while True:
@@ -77,9 +81,10 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -
                 elif (age := heartbeat_age(config.watch_file)) > config.hang_timeout_s:
                     report(f"main-failed hang {age:.3f}")
                     reported = True
-            await asyncio.wait([command, stop], timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            wake_on = [command, stop] if reported else [command, stop, exited]
+            await asyncio.wait(wake_on, timeout=HANG_POLL_S, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (command, stop):
+        for task in (command, stop, exited):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
