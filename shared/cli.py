@@ -249,6 +249,7 @@ async def generate(url: str, args: argparse.Namespace) -> dict[str, object]:
         "text": result.text,
         "resumes": result.resumes,
         "finish_reason": result.finish_reason,
+        "weight_version": result.weight_version,
     }
 
 

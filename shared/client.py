@@ -54,6 +54,7 @@ class Generation:
     tokens: list[int]
     finish_reason: str
     resumes: int
+    weight_version: str | None
 
     @property
     def text(self) -> str:
@@ -193,7 +194,7 @@ class Client:
             if isinstance(item, TokenChunk):
                 tokens.extend(item.tokens)
             else:
-                return Generation(request_id, tokens, item.finish_reason, item.resumes)
+                return Generation(request_id, tokens, item.finish_reason, item.resumes, item.weight_version)
         raise AssertionError(f"stream of {request_id} ended without an end message")
 
     @contextlib.asynccontextmanager

@@ -78,6 +78,7 @@ class GenerateEnd(Message, tag="end", kw_only=True):
     finish_reason: FinishReason
     num_tokens: Position
     resumes: Position = 0
+    weight_version: WeightVersion | None = None  # the weights of every token; None: none was known
 
 
 class GenerateError(Message, tag="error", kw_only=True):

@@ -28,6 +28,7 @@ from belayer_rl.shared.protocol import (
 
 log = logging.getLogger("belayer.router")
 SHUTDOWN_FLUSH_S = 5.0
+WEIGHTS_LIST_TIMEOUT_S = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -91,6 +92,7 @@ async def serve(config: RouterConfig) -> None:
             ),
         ]
         started = await router.rebuild()
+        await router.learn_newest_weights(WEIGHTS_LIST_TIMEOUT_S)
         subscriptions += [
             await bus.serve(nc, subjects.ROUTER_GENERATE, GenerateRequest, router.on_generate),
             await bus.serve(nc, subjects.ROUTER_ATTACH, AttachRequest, router.on_attach),

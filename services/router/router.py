@@ -54,7 +54,9 @@ from belayer_rl.shared.protocol import (
     RouterStatus,
     StatusRequest,
     TokenChunk,
+    WeightsList,
     WeightsPublished,
+    WeightVersions,
     WorkerChunk,
     WorkerDone,
     WorkerFailed,
@@ -274,6 +276,7 @@ class Router:
             finish_reason=reason,
             num_tokens=len(request.tokens),
             resumes=request.resumes,
+            weight_version=request.start.weight_version,
         )
         record = LogEnd(
             request_id=request.request_id,
@@ -436,6 +439,18 @@ class Router:
     async def on_weights_published(self, published: WeightsPublished) -> None:
         self.see_weights(published.version, published=True)
 
+    async def learn_newest_weights(self, timeout_s: float) -> None:
+        """Ask the weight server, if there is one, which version is newest (a new router has not
+        seen the publications before it started)."""
+        try:
+            versions = await bus.request_struct(
+                self.nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions, timeout_s
+            )
+        except ServiceError as exc:
+            log.info("no weight server answered (%s): versions come from the workers", exc.code)
+            return
+        self.see_weights(versions.newest, published=True)
+
     def see_weights(self, version: str | None, *, published: bool) -> None:
         if version is None or (self.newest_from_publication and not published):
             return
@@ -578,7 +593,7 @@ class Router:
                 resumed += 1
             else:
                 request.resumes = entry.end.resumes
-                request.end = _end_message(entry.end)
+                request.end = _end_message(entry.start, entry.end)
                 request.ended_at = time.monotonic()
         return RouterStarted(router_pid=os.getpid(), rebuilt_requests=len(logged), resumed_requests=resumed)
 
@@ -589,7 +604,7 @@ class Router:
                 await self.resume(request, "bus reconnected")
 
 
-def _end_message(record: LogEnd) -> GenerateEnd | GenerateError:
+def _end_message(start: LogStart, record: LogEnd) -> GenerateEnd | GenerateError:
     if record.finish_reason == "error":
         return GenerateError(
             request_id=record.request_id,
@@ -602,4 +617,5 @@ def _end_message(record: LogEnd) -> GenerateEnd | GenerateError:
         finish_reason=record.finish_reason,
         num_tokens=record.num_tokens,
         resumes=record.resumes,
+        weight_version=start.weight_version,
     )

@@ -69,5 +69,7 @@ async def test_requests_keep_their_weight_version_across_a_publish_and_a_kill(
     assert [r.tokens for r in old_results] == [expected_old[j.request_id] for j in old_jobs]
     assert [r.tokens for r in new_results] == [expected_new[j.request_id] for j in new_jobs]
     assert expected_new != reference_tokens(new_jobs)  # the versions really differ
+    assert {r.weight_version for r in old_results} == {first}
+    assert {r.weight_version for r in new_results} == {newer}
     assert unknown.value.error.code == "unknown-weight-version"
     assert after.finish_reason in ("length", "eos", "stop")
