@@ -61,6 +61,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--chunk-tokens", str(args.chunk_tokens),
         "--heartbeat-timeout", str(args.heartbeat_timeout),
         "--no-worker-deadline", str(args.no_worker_deadline),
+        "--client-timeout", str(args.client_timeout),
     ]  # fmt: skip
     if args.nats:
         argv += ["--nats", args.nats]
@@ -311,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--chunk-tokens", type=int, default=256, help="token-log chunk size k")
     up.add_argument("--heartbeat-timeout", type=float, default=1.0, help="worker silence before failover (s)")
     up.add_argument("--no-worker-deadline", type=float, default=30.0, help="wait for a healthy engine (s)")
+    up.add_argument(
+        "--client-timeout", type=float, default=60.0, help="cancel a request nobody follows this long (s)"
+    )
     up.add_argument(
         "--no-shadows", action="store_true", help="start workers directly: no shadows, weight or KV servers"
     )

@@ -28,6 +28,7 @@ from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelRequest,
+    ClientKeepAlive,
     ClientStream,
     GenerateEnd,
     GenerateError,
@@ -62,10 +63,15 @@ class Generation:
 
 
 class Client:
-    def __init__(self, nc: NATS, *, rpc_timeout_s: float = 5.0, stall_s: float = 1.0) -> None:
+    def __init__(
+        self, nc: NATS, *, rpc_timeout_s: float = 5.0, stall_s: float = 1.0, keepalive_s: float = 5.0
+    ) -> None:
         self.nc = nc
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_s = stall_s  # silence after which the stream re-attaches
+        # How often a followed request is declared alive; the router cancels a request nobody
+        # follows for its --client-timeout (60 s by default).
+        self.keepalive_s = keepalive_s
         self.reconnects = 0
         self.streams: set[asyncio.Queue[Msg | None]] = set()  # None in a queue: re-attach now
         self.watching_router = False
@@ -224,11 +230,21 @@ class Client:
         """Yield chunks in position order, each token once; re-attach on silence, gap, reconnect
         or router restart."""
         reconnects = self.reconnects
+        heard_at = kept_alive_at = time.monotonic()
         while True:
+            if time.monotonic() - kept_alive_at >= self.keepalive_s:
+                kept_alive_at = time.monotonic()
+                with contextlib.suppress(Exception):  # reconnecting: the next one goes out
+                    await bus.publish(
+                        self.nc, subjects.ROUTER_KEEPALIVE, ClientKeepAlive(request_ids=[request_id])
+                    )
             try:
-                msg = await asyncio.wait_for(queue.get(), self.stall_s)
+                msg = await asyncio.wait_for(queue.get(), min(self.stall_s, self.keepalive_s))
             except TimeoutError:
+                if time.monotonic() - heard_at < self.stall_s:
+                    continue  # quiet, not yet stalled: time for a keepalive
                 msg = None
+            heard_at = time.monotonic()
             if msg is None:
                 await self._attach(request_id, position, inbox, patience_s)
                 continue

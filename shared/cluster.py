@@ -158,6 +158,7 @@ class Supervisor:
                 "--chunk-tokens", str(c.chunk_tokens),
                 "--heartbeat-timeout", str(c.heartbeat_timeout_s),
                 "--no-worker-deadline", str(c.no_worker_deadline_s),
+                "--client-timeout", str(c.client_timeout_s),
                 "--handover-grace", str(HANDOVER_GRACE_S if c.shadows else 0.0),
             ),
         )  # fmt: skip
@@ -357,6 +358,7 @@ def parse_args(argv: list[str] | None = None) -> ClusterConfig:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--no-worker-deadline", type=float, default=30.0)
+    parser.add_argument("--client-timeout", type=float, default=60.0)
     parser.add_argument("--no-shadows", action="store_true")
     args = parser.parse_args(argv)
     return ClusterConfig(
@@ -369,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> ClusterConfig:
         chunk_tokens=args.chunk_tokens,
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_deadline_s=args.no_worker_deadline,
+        client_timeout_s=args.client_timeout,
         shadows=not args.no_shadows,
     )
 

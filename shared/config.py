@@ -50,6 +50,7 @@ class RouterConfig:
     dispatch_timeout_s: float = 2.0
     max_dispatch_attempts: int = 1000  # bound on resumes of one request
     handover_grace_s: float = 0.0  # how long a failed engine's requests wait for its shadow
+    client_timeout_s: float = 60.0  # a request nobody follows this long is cancelled
 
     def __post_init__(self) -> None:
         _positive("--chunk-tokens", self.chunk_tokens)
@@ -57,6 +58,7 @@ class RouterConfig:
         _positive("--no-worker-deadline", self.no_worker_deadline_s)
         _positive("--dispatch-timeout", self.dispatch_timeout_s)
         _positive("--max-dispatch-attempts", self.max_dispatch_attempts)
+        _positive("--client-timeout", self.client_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class ClusterConfig:
     chunk_tokens: int = 256
     heartbeat_timeout_s: float = 1.0
     no_worker_deadline_s: float = 30.0
+    client_timeout_s: float = 60.0  # the router cancels a request nobody has followed this long
     restart_backoff_s: float = 0.2
     max_restart_backoff_s: float = 5.0
     shadows: bool = True  # workers under the shadow supervisor, with weight and KV servers
@@ -113,6 +116,7 @@ class ClusterConfig:
         _positive("--heartbeat-timeout", self.heartbeat_timeout_s)
         _positive("--no-worker-deadline", self.no_worker_deadline_s)
         _positive("--restart-backoff", self.restart_backoff_s)
+        _positive("--client-timeout", self.client_timeout_s)
 
 
 @dataclass(frozen=True)

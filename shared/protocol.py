@@ -48,7 +48,7 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     temperature: Temperature = 1.0
     stop: StopStrings = []
     # The weights every token is generated with, across resumes. None: the newest version the
-    # router knows of when it accepts the request.
+    # weight server holds when the router accepts the request.
     weight_version: WeightVersion | None = None
     reply_to: Subject  # the client's inbox; the stream of chunks goes there
 
@@ -59,6 +59,13 @@ class AttachRequest(Message, tag="attach", kw_only=True):
     request_id: RequestId
     from_position: Position = 0
     reply_to: Subject
+
+
+class ClientKeepAlive(Message, tag="keepalive", kw_only=True):
+    """A client still follows these requests (published while it streams; no reply). A request
+    nobody has followed for the router's --client-timeout is cancelled: its client is gone."""
+
+    request_ids: Annotated[list[RequestId], Meta(max_length=4096)]
 
 
 class CancelRequest(Message, tag="cancel", kw_only=True):

@@ -12,6 +12,7 @@ ROUTER_ATTACH = f"{PREFIX}.router.attach"
 ROUTER_CANCEL = f"{PREFIX}.router.cancel"
 ROUTER_REGISTER = f"{PREFIX}.router.register"
 ROUTER_STATUS = f"{PREFIX}.router.status"
+ROUTER_KEEPALIVE = f"{PREFIX}.router.keepalive"  # ClientKeepAlive: a client still follows these
 ROUTER_WORKER_STREAM = f"{PREFIX}.router.worker_stream"  # WorkerChunk / WorkerDone from workers
 
 EVENTS = f"{PREFIX}.evt"

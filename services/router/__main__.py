@@ -16,11 +16,11 @@ from belayer_rl.shared.config import RouterConfig, resolve_nats_url
 from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelRequest,
+    ClientKeepAlive,
     EngineQuarantined,
     GenerateRequest,
     Heartbeat,
     StatusRequest,
-    WeightsPublished,
     WorkerFailed,
     WorkerRegistration,
     WorkerStream,
@@ -28,7 +28,6 @@ from belayer_rl.shared.protocol import (
 
 log = logging.getLogger("belayer.router")
 SHUTDOWN_FLUSH_S = 5.0
-WEIGHTS_LIST_TIMEOUT_S = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -46,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         default=0.0,
         help="seconds a failed engine's requests wait for its shadow",
     )
+    parser.add_argument(
+        "--client-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a client following a request before it is cancelled",
+    )
     args = parser.parse_args(argv)
     return RouterConfig(
         nats_url=resolve_nats_url(args.nats),
@@ -54,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         no_worker_deadline_s=args.no_worker_deadline,
         dispatch_timeout_s=args.dispatch_timeout,
         handover_grace_s=args.handover_grace,
+        client_timeout_s=args.client_timeout,
     )
 
 
@@ -87,17 +93,14 @@ async def serve(config: RouterConfig) -> None:
             await bus.listen(
                 nc, subjects.event("engine_quarantined", "*"), EngineQuarantined, router.on_quarantined
             ),
-            await bus.listen(
-                nc, subjects.weights_published("*"), WeightsPublished, router.on_weights_published
-            ),
         ]
         started = await router.rebuild()
-        await router.learn_newest_weights(WEIGHTS_LIST_TIMEOUT_S)
         subscriptions += [
             await bus.serve(nc, subjects.ROUTER_GENERATE, GenerateRequest, router.on_generate),
             await bus.serve(nc, subjects.ROUTER_ATTACH, AttachRequest, router.on_attach),
             await bus.serve(nc, subjects.ROUTER_CANCEL, CancelRequest, router.on_cancel),
             await bus.serve(nc, subjects.ROUTER_STATUS, StatusRequest, router.on_status),
+            await bus.listen(nc, subjects.ROUTER_KEEPALIVE, ClientKeepAlive, router.on_keepalive),
         ]
         await bus.publish(nc, subjects.event("router_started", str(started.router_pid)), started)
         log.info(

@@ -3,8 +3,9 @@
 Owns: every request's state (tokens so far, current attempt, engine) and the router's view of the
 engines (epoch, pid, last heartbeat). There is one active router; a new one rebuilds the in-flight
 requests from the JetStream token log and resumes them.
-Listens: generate / attach / cancel / status RPC, the worker stream (WorkerChunk, WorkerDone),
-heartbeats, registrations and worker-failed events.
+Listens: generate / attach / cancel / status RPC, client keepalives, the worker stream
+(WorkerChunk, WorkerDone), heartbeats, registrations, worker-failed and quarantine events.
+Asks: the weight server which version is newest, for a request that names none.
 Publishes: TokenChunk / GenerateEnd / GenerateError to each client's inbox, Dispatch and
 CancelDispatch to workers, the token log, and events (worker-failed, request-resumed, ...).
 
@@ -36,6 +37,7 @@ from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelDispatch,
     CancelRequest,
+    ClientKeepAlive,
     Dispatch,
     EngineQuarantined,
     EngineStatus,
@@ -55,7 +57,6 @@ from belayer_rl.shared.protocol import (
     StatusRequest,
     TokenChunk,
     WeightsList,
-    WeightsPublished,
     WeightVersions,
     WorkerChunk,
     WorkerDone,
@@ -67,6 +68,7 @@ log = logging.getLogger("belayer.router")
 
 FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
+WEIGHTS_LIST_TIMEOUT_S = 1.0  # asking the weight server which version is newest
 
 
 # ---------------------------------------------------------------- state
@@ -89,6 +91,7 @@ class Request:
     end: GenerateEnd | GenerateError | None = None
     ended_at: float = 0.0
     watchers: set[str] = field(default_factory=set)  # client inboxes
+    followed_at: float = field(default_factory=time.monotonic)  # a client's last sign of interest
 
     @property
     def request_id(self) -> str:
@@ -125,10 +128,7 @@ class Router:
         self.next_attempt = time.time_ns() // 1_000_000 * 1000
         self.tasks: set[asyncio.Task[None]] = set()
         self.dropped_chunks = 0
-        # The weights a request naming no version gets: the last one published, or before any
-        # publication was seen, what the workers report serving.
-        self.newest_weights: str | None = None
-        self.newest_from_publication = False
+        self.reported_weights: str | None = None  # what workers last said they serve
 
     def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -138,6 +138,7 @@ class Router:
     # ------------------------------------------------------------ client RPC
 
     async def on_generate(self, message: GenerateRequest) -> Ack:
+        weight_version = message.weight_version or await self.newest_weights()
         if message.request_id in self.requests:
             raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
         start = LogStart(
@@ -147,7 +148,7 @@ class Router:
             seed=message.seed,
             temperature=message.temperature,
             stop=message.stop,
-            weight_version=message.weight_version or self.newest_weights,
+            weight_version=weight_version,
             chunk_tokens=self.config.chunk_tokens,
         )
         request = Request(start=start, watchers={message.reply_to})
@@ -164,6 +165,7 @@ class Router:
         request = self.requests.get(message.request_id)
         if request is None:
             raise ServiceError("unknown-request", f"no request {message.request_id}")
+        request.followed_at = time.monotonic()
         if message.from_position < len(request.tokens):
             chunk = TokenChunk(
                 request_id=request.request_id,
@@ -183,11 +185,20 @@ class Router:
             raise ServiceError("unknown-request", f"no request {message.request_id}")
         if request.end is not None:
             return Ack(detail=f"already ended: {type(request.end).__name__}")
+        await self.cancel(request)
+        return Ack(detail="cancelled")
+
+    async def on_keepalive(self, message: ClientKeepAlive) -> None:
+        now = time.monotonic()
+        for request_id in message.request_ids:
+            if (request := self.requests.get(request_id)) is not None:
+                request.followed_at = now
+
+    async def cancel(self, request: Request) -> None:
         if request.engine_id is not None:
             cancel = CancelDispatch(request_id=request.request_id, attempt=request.attempt)
             self.spawn(self.tell_worker(request.engine_id, cancel))
         await self.finish(request, "cancelled")
-        return Ack(detail="cancelled")
 
     async def on_status(self, _: StatusRequest) -> RouterStatus:
         engines = [
@@ -429,32 +440,24 @@ class Router:
     # ------------------------------------------------------------ engines
 
     async def on_heartbeat(self, beat: Heartbeat) -> None:
-        self.see_weights(beat.weight_version, published=False)
+        self.reported_weights = beat.weight_version or self.reported_weights
         await self.see_worker(beat.engine_id, beat.epoch, beat.pid)
 
     async def on_registration(self, registration: WorkerRegistration) -> None:
-        self.see_weights(registration.weight_version, published=False)
+        self.reported_weights = registration.weight_version
         await self.see_worker(registration.engine_id, registration.epoch, registration.pid)
 
-    async def on_weights_published(self, published: WeightsPublished) -> None:
-        self.see_weights(published.version, published=True)
-
-    async def learn_newest_weights(self, timeout_s: float) -> None:
-        """Ask the weight server, if there is one, which version is newest (a new router has not
-        seen the publications before it started)."""
+    async def newest_weights(self) -> str | None:
+        """The weights of a request that names none: the newest version as the weight server says
+        at this moment (a publication that has returned is seen), or without a weight server
+        answering, what the workers report serving."""
         try:
             versions = await bus.request_struct(
-                self.nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions, timeout_s
+                self.nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions, WEIGHTS_LIST_TIMEOUT_S
             )
-        except ServiceError as exc:
-            log.info("no weight server answered (%s): versions come from the workers", exc.code)
-            return
-        self.see_weights(versions.newest, published=True)
-
-    def see_weights(self, version: str | None, *, published: bool) -> None:
-        if version is None or (self.newest_from_publication and not published):
-            return
-        self.newest_weights, self.newest_from_publication = version, published
+        except ServiceError:
+            return self.reported_weights
+        return versions.newest
 
     async def see_worker(self, engine_id: str, epoch: int, pid: int) -> None:
         engine = self.engines.get(engine_id)
@@ -542,8 +545,8 @@ class Router:
                 self.enqueue(request)
 
     async def watchdog(self) -> None:
-        """Heartbeat timeouts, orphaned requests, the no-engine deadline and eviction of old finished
-        requests."""
+        """Heartbeat timeouts, orphaned requests, requests whose client is gone, the no-engine
+        deadline and eviction of old finished requests."""
         period = self.config.heartbeat_timeout_s / 4
         while True:
             await asyncio.sleep(period)
@@ -556,6 +559,13 @@ class Router:
                 if request.end is not None:
                     if now - request.ended_at > FINISHED_TTL_S:
                         del self.requests[request.request_id]
+                    continue
+                if now - request.followed_at > self.config.client_timeout_s:
+                    # Its client is gone (a live one sends keepalives): stop spending an engine on it.
+                    log.warning(
+                        "cancelling %s: no client for %.0fs", request.request_id, now - request.followed_at
+                    )
+                    await self.cancel(request)
                     continue
                 holder = self.engines.get(request.engine_id) if request.engine_id is not None else None
                 if request.engine_id is not None and (

@@ -44,27 +44,30 @@ class PinnedWeights:
     def attach(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def ensure(self, version: str) -> None:
-        """Make the engine hold `version`: pin and map it unless it does. ServiceError with code
-        "unknown-version" when the weight server has no such version."""
+    async def ensure(self, version: str | None) -> str:
+        """Make the engine hold `version` (None: the newest): pin and map it unless it does; the
+        version. ServiceError with code "unknown-version" when the weight server has no such one."""
         assert self.engine is not None
         async with self.mapping:
-            if version in self.engine.weights:
-                return
+            if version is not None and version in self.engine.weights:
+                return version
             handles = await self.pin(version)
-            params = await asyncio.to_thread(shm.map_weights, handles)
-            self.engine.add_weights(version, params)  # a step in flight never sees a new version
-            log.info("mapped weight version %s", version)
+            if handles.version not in self.engine.weights:
+                params = await asyncio.to_thread(shm.map_weights, handles)
+                self.engine.add_weights(handles.version, params)  # a step in flight never sees it
+                log.info("mapped weight version %s", handles.version)
+            return handles.version
 
-    async def follow(self, published: WeightsPublished) -> None:
-        """A new version was published: map it and make it current; let go of the old one."""
+    async def follow(self, _: WeightsPublished) -> None:
+        """A version was published: make the newest current, as the weight server says (the
+        event is only a hint to ask), and let go of the old one unless requests use it."""
         assert self.engine is not None
         try:
-            await self.ensure(published.version)
-        except ServiceError as exc:  # freed again already, or the server is restarting
-            log.warning("did not follow weight version %s: %s", published.version, exc)
+            newest = await self.ensure(None)
+        except ServiceError as exc:  # the server is restarting: the next publication retries
+            log.warning("did not follow the newest weight version: %s", exc)
             return
-        self.engine.weight_version = published.version
+        self.engine.weight_version = newest
         if not self.serving:
             await self.release_unused()
 

@@ -53,6 +53,7 @@ VALID = {
     subjects.event("worker_registered", "e0"): protocol.WorkerRegistration(
         engine_id="e0", epoch=99, pid=1, preset="tiny", weight_version="x"
     ),
+    subjects.ROUTER_KEEPALIVE: protocol.ClientKeepAlive(request_ids=["fz", "unknown-id"]),
 }
 RPC_TYPES: dict[str, type] = {
     subjects.ROUTER_GENERATE: protocol.GenerateRequest,
