@@ -32,7 +32,9 @@ class PinnedWeights:
         self.client = WeightClient(nc, PIN_TIMEOUT_S)
         self.holder = f"{engine_id}:{os.getpid()}"
         self.engine: Engine | None = None
-        self.mapping = asyncio.Lock()  # one map at a time: two requests for one version map it once
+        # Held while a version is pinned and mapped, or dropped and unpinned: two requests for one
+        # version map it once, and a release never unpins a version being mapped again.
+        self.mapping = asyncio.Lock()
         # Once the engine serves, only its scheduling loop releases versions, between steps and
         # after the submits queued for it: a version mapped for a dispatch is in use by then.
         self.serving = False
@@ -74,10 +76,13 @@ class PinnedWeights:
     async def release_unused(self) -> None:
         """Drop and unpin every version no sequence uses (a serving engine: between steps only)."""
         assert self.engine is not None
-        for version in self.engine.unused_versions():
-            self.engine.drop_weights(version)
-            try:
-                await self.client.unpin(version, self.holder)
-            except ServiceError as exc:  # the server's sweep drops our pin when we exit anyway
-                log.warning("unpin of %s failed: %s", version, exc)
-            log.info("released weight version %s", version)
+        if not self.engine.unused_versions():
+            return  # the usual case, without waiting for a map in progress
+        async with self.mapping:  # else an unpin could undo the pin of a version mapped again
+            for version in self.engine.unused_versions():
+                self.engine.drop_weights(version)
+                try:
+                    await self.client.unpin(version, self.holder)
+                except ServiceError as exc:  # the server's sweep drops our pin when we exit anyway
+                    log.warning("unpin of %s failed: %s", version, exc)
+                log.info("released weight version %s", version)
