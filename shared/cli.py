@@ -131,6 +131,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "epoch": e.epoch,
                 "alive": e.alive,
                 "shadow_pid": shadows.get(e.engine_id, 0),
+                "weight_version": e.weight_version,
             }
             for e in status.engines
         ]
@@ -148,7 +149,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for e in engines:
         print(
             f"engine  {e['id']:<14} pid {e['worker_pid']:<8} epoch {e['epoch']}  alive={e['alive']}"
-            f"  shadow pid {e['shadow_pid'] or '-'}"
+            f"  shadow pid {e['shadow_pid'] or '-'}  weights {e['weight_version'] or '-'}"
         )
     print(f"requests in flight: {requests}" + (f"  (router: {router_error})" if router_error else ""))
     return 0

@@ -311,6 +311,7 @@ class EngineStatus(Message, tag="engine_status", kw_only=True):
     pid: int
     alive: bool
     outstanding_tokens: int
+    weight_version: WeightVersion | None = None  # what its worker last reported serving
 
 
 class RequestStatus(Message, tag="request_status", kw_only=True):

@@ -112,6 +112,7 @@ class Engine:
     quarantined: bool = False
     failed_reason: str = ""  # why it is not alive: "exit" is final, "heartbeat-timeout" may end
     requests: set[str] = field(default_factory=set)
+    weight_version: str | None = None  # its current version, from its heartbeats
 
 
 class Router:
@@ -208,6 +209,7 @@ class Router:
                 pid=e.pid,
                 alive=e.alive,
                 outstanding_tokens=self.outstanding(e),
+                weight_version=e.weight_version,
             )
             for e in self.engines.values()
         ]
@@ -442,6 +444,9 @@ class Router:
     async def on_heartbeat(self, beat: Heartbeat) -> None:
         self.reported_weights = beat.weight_version or self.reported_weights
         await self.see_worker(beat.engine_id, beat.epoch, beat.pid)
+        engine = self.engines.get(beat.engine_id)
+        if engine is not None and engine.epoch == beat.epoch:
+            engine.weight_version = beat.weight_version
 
     async def on_registration(self, registration: WorkerRegistration) -> None:
         self.reported_weights = registration.weight_version

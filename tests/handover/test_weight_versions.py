@@ -63,6 +63,12 @@ async def test_requests_keep_their_weight_version_across_a_publish_and_a_kill(
 
         await poll(first_freed, timeout_s=30)  # the worker released it, the shadow followed
 
+        async def serving_newer() -> bool | None:
+            status = await cluster.client.status()
+            return True if [e.weight_version for e in status.engines] == [newer] else None
+
+        await poll(serving_newer, timeout_s=10)  # what `belayer status` shows
+
     assert isinstance(event, Handover) and event.path == "shadow"
     expected_old = reference_tokens(old_jobs)
     expected_new = reference_tokens(new_jobs, weights_seed=NEW_WEIGHTS_SEED)
