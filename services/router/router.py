@@ -68,7 +68,8 @@ log = logging.getLogger("belayer.router")
 
 FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
-WEIGHTS_LIST_TIMEOUT_S = 1.0  # asking the weight server which version is newest
+WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
+WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
 
 
 # ---------------------------------------------------------------- state
@@ -92,6 +93,7 @@ class Request:
     ended_at: float = 0.0
     watchers: set[str] = field(default_factory=set)  # client inboxes
     followed_at: float = field(default_factory=time.monotonic)  # a client's last sign of interest
+    refused_by: dict[tuple[str, int], str] = field(default_factory=dict)  # (engine, epoch) -> why
 
     @property
     def request_id(self) -> str:
@@ -130,6 +132,7 @@ class Router:
         self.tasks: set[asyncio.Task[None]] = set()
         self.dropped_chunks = 0
         self.reported_weights: str | None = None  # what workers last said they serve
+        self.weight_server_quiet_until = 0.0  # after a timeout, not asked again for a while
 
     def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -362,7 +365,11 @@ class Router:
         request.dispatching = True
         try:
             while request.end is None and request.engine_id is None:
-                engines = [e for e in self.engines.values() if e.alive]
+                alive = [e for e in self.engines.values() if e.alive]
+                engines = [e for e in alive if (e.engine_id, e.epoch) not in request.refused_by]
+                if alive and not engines:  # every live engine said it cannot serve these weights
+                    await self.fail(request, "unknown-weight-version", "; ".join(request.refused_by.values()))
+                    return
                 if request.prefer_engine is not None and time.monotonic() < request.prefer_until:
                     engines = [e for e in engines if e.engine_id == request.prefer_engine]
                 if not engines:
@@ -409,8 +416,13 @@ class Router:
                         request.attempt = 0
                     if exc.code == "stale-epoch":
                         await self.engine_failed(engine, "exit", "the registry moved to a new epoch")
-                    elif exc.code in ("unknown-version", "weight-version"):  # no engine will do better
-                        await self.fail(request, "unknown-weight-version", exc.message)
+                    elif exc.code == "weight-version":  # this engine owns other weights: try another
+                        request.refused_by[(engine.engine_id, engine.epoch)] = (
+                            f"{engine.engine_id}: {exc.message}"
+                        )
+                    elif exc.code == "unknown-version":  # the weight server has no such version
+                        if request.end is None:
+                            await self.fail(request, "unknown-weight-version", exc.message)
                         return
                     else:  # a worker that does not answer is left to the heartbeat timeout
                         await asyncio.sleep(DISPATCH_RETRY_S)
@@ -456,11 +468,15 @@ class Router:
         """The weights of a request that names none: the newest version as the weight server says
         at this moment (a publication that has returned is seen), or without a weight server
         answering, what the workers report serving."""
+        if time.monotonic() < self.weight_server_quiet_until:
+            return self.reported_weights
         try:
             versions = await bus.request_struct(
                 self.nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions, WEIGHTS_LIST_TIMEOUT_S
             )
-        except ServiceError:
+        except ServiceError as exc:
+            if exc.code == "timeout":  # generates are handled one by one: do not wait on every one
+                self.weight_server_quiet_until = time.monotonic() + WEIGHTS_QUIET_S
             return self.reported_weights
         return versions.newest
 

@@ -54,10 +54,10 @@ def parse_args(argv: list[str] | None = None) -> WeightServerConfig:
         "--sweep-interval", type=float, default=1.0, help="seconds between dead-holder sweeps"
     )
     parser.add_argument(
-        "--dead-holder-grace",
+        "--free-grace",
         type=float,
         default=10.0,
-        help="seconds a dead holder's pins are kept, so its requests can be resumed on their version",
+        help="seconds an unpinned version other than the newest is kept before it is freed",
     )
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> WeightServerConfig:
         weights_path=args.weights,
         device=device,
         sweep_interval_s=args.sweep_interval,
-        dead_holder_grace_s=args.dead_holder_grace,
+        free_grace_s=args.free_grace,
     )
 
 

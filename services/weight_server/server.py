@@ -5,8 +5,9 @@ services/worker/shm.py for the format) and hands out handles that workers map re
 copy. Holders pin the versions they serve; a version nobody pins, other than the newest, is freed
 (its segment unlinked: mappings that still exist stay valid until dropped). Pins carry the
 holder's pid, and a periodic sweep drops the pins of processes that died, so a crashed worker
-never keeps a version alive for long: only for a grace period, in which the requests it was
-serving are resumed elsewhere and pin their version again. On a GPU each version is also uploaded once and exported as a CUDA
+never keeps a version alive. A version is freed only after it has been unneeded (unpinned and not
+the newest) for a grace period: a request accepted on it, or resumed after its worker died, gets
+there and pins it again before it goes. On a GPU each version is also uploaded once and exported as a CUDA
 IPC handle.
 
 Knows nothing about engines or requests: a version is a name and a set of tensors.
@@ -68,7 +69,7 @@ class WeightServerConfig:
     weights_path: Path | None = None  # overrides weights_seed
     device: Literal["cpu", "cuda"] = "cpu"
     sweep_interval_s: float = 1.0
-    dead_holder_grace_s: float = 10.0  # how long a dead holder's pins outlive it
+    free_grace_s: float = 10.0  # how long an unneeded version is kept before it is freed
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -81,8 +82,8 @@ class WeightServerConfig:
             raise ConfigError("--device cuda: torch sees no CUDA device")
         if not self.sweep_interval_s > 0:
             raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
-        if not self.dead_holder_grace_s >= 0:
-            raise ConfigError(f"--dead-holder-grace must be >= 0, got {self.dead_holder_grace_s}")
+        if not self.free_grace_s >= 0:
+            raise ConfigError(f"--free-grace must be >= 0, got {self.free_grace_s}")
 
 
 # ---------------------------------------------------------------------------- holders
@@ -110,7 +111,6 @@ def process_start(pid: int) -> int | None:
 class Pin:
     pid: int
     start: int  # the process's start time: a reused pid is another process
-    dead_since: float | None = None  # monotonic time the sweep first found the process gone
 
 
 @dataclass
@@ -119,6 +119,7 @@ class Version:
     handles: WeightHandles
     gpu: torch.Tensor | None = None  # uint8 [size] on the GPU, laid out like the segment
     holders: dict[str, Pin] = field(default_factory=dict)
+    unneeded_since: float | None = None  # monotonic; set while unpinned and not the newest
 
     def info(self) -> WeightVersionInfo:
         return WeightVersionInfo(
@@ -214,21 +215,22 @@ class WeightServer:
         log.info("freed version %s (%s)", version, gone.segment.name)
 
     def collect(self) -> None:
-        """Free every version no holder pins, except the newest."""
+        """Free every version that has been unneeded (no pin, not the newest) for the grace."""
+        now = time.monotonic()
         for version, entry in list(self.versions.items()):
-            if version != self.newest and not entry.holders:
+            if version == self.newest or entry.holders:
+                entry.unneeded_since = None
+                continue
+            if entry.unneeded_since is None:
+                entry.unneeded_since = now
+            if now - entry.unneeded_since >= self.config.free_grace_s:
                 self.free(version)
 
     def sweep(self) -> None:
-        """Drop the pins of holders gone for longer than the grace period, then collect."""
-        now = time.monotonic()
+        """Drop the pins of holders whose process is gone, then collect."""
         for version, entry in self.versions.items():
             for holder, pin in list(entry.holders.items()):
-                if process_start(pin.pid) == pin.start:
-                    continue
-                if pin.dead_since is None:
-                    pin.dead_since = now
-                if now - pin.dead_since >= self.config.dead_holder_grace_s:
+                if process_start(pin.pid) != pin.start:
                     del entry.holders[holder]
                     log.warning("dropped pin of %s on %s: pid %d is gone", holder, version, pin.pid)
         self.collect()

@@ -127,9 +127,11 @@ async def serve(config: WorkerConfig) -> None:
         engine, owners, pins = await build_engine(config, nc)
         if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
             published = subjects.weights_published("*")
+            stack.push_async_callback(pins.close)
             stack.push_async_callback(
                 (await bus.listen(nc, published, WeightsPublished, pins.follow)).unsubscribe
             )
+            await pins.follow()  # a publication before the subscription would be missed
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

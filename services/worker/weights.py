@@ -11,6 +11,7 @@ moves on. Mapping is zero-copy (services/worker/shm.py); the server owns the mem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -32,12 +33,12 @@ class PinnedWeights:
         self.client = WeightClient(nc, PIN_TIMEOUT_S)
         self.holder = f"{engine_id}:{os.getpid()}"
         self.engine: Engine | None = None
-        # Held while a version is pinned and mapped, or dropped and unpinned: two requests for one
-        # version map it once, and a release never unpins a version being mapped again.
+        # Held while a version is pinned and mapped, or checked and unpinned: two requests for one
+        # version map it once, and an unpin never undoes the pin of a version mapped again.
         self.mapping = asyncio.Lock()
-        # Once the engine serves, only its scheduling loop releases versions, between steps and
-        # after the submits queued for it: a version mapped for a dispatch is in use by then.
+        # Once the engine serves, only its scheduling loop drops versions, between steps.
         self.serving = False
+        self.unpins: set[asyncio.Task[None]] = set()  # off the scheduling loop; awaited at close
 
     async def pin(self, version: str | None) -> WeightHandles:
         """Pin `version` (None: the newest) for this worker; its handles, to map."""
@@ -55,14 +56,19 @@ class PinnedWeights:
                 return version
             handles = await self.pin(version)
             if handles.version not in self.engine.weights:
-                params = await asyncio.to_thread(shm.map_weights, handles)
+                try:
+                    params = await asyncio.to_thread(shm.map_weights, handles)
+                except Exception:
+                    with contextlib.suppress(ServiceError):
+                        await self.client.unpin(handles.version, self.holder)
+                    raise
                 self.engine.add_weights(handles.version, params)  # a step in flight never sees it
                 log.info("mapped weight version %s", handles.version)
             return handles.version
 
-    async def follow(self, _: WeightsPublished) -> None:
-        """A version was published: make the newest current, as the weight server says (the
-        event is only a hint to ask), and let go of the old one unless requests use it."""
+    async def follow(self, _: WeightsPublished | None = None) -> None:
+        """Make the newest version current, as the weight server says (a publication event is only
+        a hint to ask), and let go of the old one unless requests use it."""
         assert self.engine is not None
         try:
             newest = await self.ensure(None)
@@ -71,18 +77,33 @@ class PinnedWeights:
             return
         self.engine.weight_version = newest
         if not self.serving:
-            await self.release_unused()
+            self.release_unused(keep=set())
 
-    async def release_unused(self) -> None:
-        """Drop and unpin every version no sequence uses (a serving engine: between steps only)."""
+    def release_unused(self, keep: set[str]) -> None:
+        """Drop every version no sequence uses and that is not in `keep` (the versions of
+        dispatches not yet submitted); unpin them in the background. A serving engine calls this
+        between steps only; it never waits, so the scheduling loop never waits on the network."""
         assert self.engine is not None
-        if not self.engine.unused_versions():
-            return  # the usual case, without waiting for a map in progress
-        async with self.mapping:  # else an unpin could undo the pin of a version mapped again
-            for version in self.engine.unused_versions():
+        for version in self.engine.unused_versions():
+            if version not in keep:
                 self.engine.drop_weights(version)
-                try:
-                    await self.client.unpin(version, self.holder)
-                except ServiceError as exc:  # the server's sweep drops our pin when we exit anyway
-                    log.warning("unpin of %s failed: %s", version, exc)
-                log.info("released weight version %s", version)
+                task = asyncio.create_task(self._unpin(version))
+                self.unpins.add(task)
+                task.add_done_callback(self.unpins.discard)
+
+    async def _unpin(self, version: str) -> None:
+        assert self.engine is not None
+        async with self.mapping:
+            if version in self.engine.weights:
+                return  # mapped again since it was dropped: the pin is in use
+            try:
+                await self.client.unpin(version, self.holder)
+            except ServiceError as exc:  # the server's sweep drops our pin when we exit anyway
+                log.warning("unpin of %s failed: %s", version, exc)
+                return
+            log.info("released weight version %s", version)
+
+    async def close(self) -> None:
+        for task in list(self.unpins):
+            task.cancel()
+        await asyncio.gather(*self.unpins, return_exceptions=True)

@@ -81,15 +81,24 @@ class Worker:
         if dispatch.epoch != self.epoch:
             raise ServiceError("stale-epoch", f"epoch {dispatch.epoch} is not the current {self.epoch}")
         version = dispatch.weight_version
-        if version is not None and version not in self.engine.weights:
-            if self.pins is None:
-                raise ServiceError("weight-version", f"serving only {self.engine.weight_version}")
-            await self.pins.ensure(version)  # "unknown-version" from the weight server goes back as is
+        if version is not None and version not in self.engine.weights and self.pins is None:
+            raise ServiceError("weight-version", f"serving only {self.engine.weight_version}")
         previous = self.attempts.get(dispatch.request_id)
         if previous is not None and previous.dispatch.attempt >= dispatch.attempt:
             raise ServiceError("stale-attempt", f"already running attempt {previous.dispatch.attempt}")
         attempt = Attempt(dispatch)
-        self.attempts[dispatch.request_id] = attempt
+        self.attempts[dispatch.request_id] = attempt  # before any wait: a cancel must find it
+        if previous is not None:
+            self.ops.append(lambda: self._cancel(previous.key))
+        if version is not None and version not in self.engine.weights and self.pins is not None:
+            try:
+                await self.pins.ensure(version)  # "unknown-version" goes back as is
+            except BaseException:
+                if self.attempts.get(dispatch.request_id) is attempt:
+                    del self.attempts[dispatch.request_id]
+                raise
+            if self.attempts.get(dispatch.request_id) is not attempt:
+                return Ack(detail=f"attempt {dispatch.attempt} cancelled while its weights were mapped")
         spec = SeqSpec(
             key=attempt.key,
             prompt_tokens=list(dispatch.prompt_tokens),
@@ -100,8 +109,6 @@ class Worker:
             stop=tuple(dispatch.stop),
             weight_version=version,
         )
-        if previous is not None:
-            self.ops.append(lambda: self._cancel(previous.key))
         self.ops.append(lambda: self._submit(attempt, spec))
         self.wake.set()
         return Ack(detail=f"attempt {dispatch.attempt} queued on {self.config.engine_id}")
@@ -140,7 +147,8 @@ class Worker:
             for op in ops:
                 op()
             if self.pins is not None:
-                await self.pins.release_unused()
+                queued = {a.dispatch.weight_version for a in self.attempts.values()}
+                self.pins.release_unused(keep={v for v in queued if v is not None})
             rejected, self.rejected = self.rejected, []
             for attempt, why in rejected:
                 await self._publish_done(attempt, "error", len(attempt.dispatch.prefix_tokens), why)

@@ -66,7 +66,9 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         announced.append(protocol.decode(protocol.decoder_for(WeightsPublished), msg.data))
 
     await nc.subscribe(subjects.weights_published("*"), cb=on_published)
-    async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny") as server:
+    async with running(
+        "weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny", "--free-grace", "0"
+    ) as server:
         alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
         assert (alive.pid, alive.newest, alive.versions) == (server.pid, V0, [V0])
 
@@ -126,7 +128,7 @@ async def test_pins_of_a_dead_holder_are_swept(nats_server, nc, shm_prefix, tmp_
             tmp_path,
             "--sweep-interval",
             "0.1",
-            "--dead-holder-grace",
+            "--free-grace",
             "2",
         ):
             old = await pin(nc, "worker-doomed", holder.pid)
@@ -137,7 +139,7 @@ async def test_pins_of_a_dead_holder_are_swept(nats_server, nc, shm_prefix, tmp_
 
             holder.kill()
             await holder.wait()
-            await asyncio.sleep(0.5)  # dead, but inside the grace period: still pinned
+            await asyncio.sleep(0.5)  # its pin is dropped; unneeded, the version waits out the grace
             assert [v.version for v in (await versions(nc)).versions] == [V0, new_version]
 
             async def old_gone() -> bool | None:
