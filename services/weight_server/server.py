@@ -7,8 +7,8 @@ copy. Holders pin the versions they serve; a version nobody pins, other than the
 holder's pid, and a periodic sweep drops the pins of processes that died, so a crashed worker
 never keeps a version alive. A version is freed only after it has been unneeded (unpinned and not
 the newest) for a grace period: a request accepted on it, or resumed after its worker died, gets
-there and pins it again before it goes. On a GPU each version is also uploaded once and exported as a CUDA
-IPC handle.
+there and pins it again before it goes. On a GPU each version is also uploaded once and exported
+as a CUDA IPC handle.
 
 Knows nothing about engines or requests: a version is a name and a set of tensors.
 """
