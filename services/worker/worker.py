@@ -81,7 +81,8 @@ class Worker:
         if dispatch.epoch != self.epoch:
             raise ServiceError("stale-epoch", f"epoch {dispatch.epoch} is not the current {self.epoch}")
         version = dispatch.weight_version
-        if version is not None and version not in self.engine.weights and self.pins is None:
+        to_map = version is not None and version not in self.engine.weights
+        if to_map and self.pins is None:
             raise ServiceError("weight-version", f"serving only {self.engine.weight_version}")
         previous = self.attempts.get(dispatch.request_id)
         if previous is not None and previous.dispatch.attempt >= dispatch.attempt:
@@ -90,7 +91,7 @@ class Worker:
         self.attempts[dispatch.request_id] = attempt  # before any wait: a cancel must find it
         if previous is not None:
             self.ops.append(lambda: self._cancel(previous.key))
-        if version is not None and version not in self.engine.weights and self.pins is not None:
+        if to_map and self.pins is not None:
             try:
                 await self.pins.ensure(version)  # "unknown-version" goes back as is
             except BaseException:
