@@ -159,7 +159,8 @@ class Client:
         patience_s: float = 30.0,
     ) -> AsyncIterator[TokenChunk | GenerateEnd]:
         """Stream a new generation; ends with its GenerateEnd, raises GenerationError on an error end.
-        `weight_version` names the weights (None: the newest the router knows of)."""
+        `weight_version` names the weights (None: the newest the weight server holds when the
+        router accepts the request)."""
         request_id = request_id or uuid.uuid4().hex
         inbox = self.nc.new_inbox()
         request = GenerateRequest(
