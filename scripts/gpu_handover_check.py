@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from belayer_rl.cli.cluster import local_cluster
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.cluster import local_cluster
 from belayer_rl.shared.config import ClusterConfig
 from belayer_rl.shared.protocol import Handover, TokenChunk, WeightHandles, WeightsHandlesRequest
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer_rl.shared.cluster import free_port, start_nats_server, stop_process
+from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
 from tests.support import NatsServer
 
 

@@ -31,8 +31,8 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from belayer_rl.shared import bus, registry, subjects
-from belayer_rl.shared.cluster import dies_with_parent
 from belayer_rl.shared.config import ShadowSupervisorConfig
+from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
     EngineQuarantined,
     Handover,

@@ -28,7 +28,7 @@ from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.services.checkpointer.sandbox import LABEL_HOST
 from belayer_rl.shared import bus
-from belayer_rl.shared.cluster import free_port, start_nats_server, stop_process
+from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from belayer_rl.services.worker.shm import SHM_DIR
 from belayer_rl.shared import bus, protocol, subjects
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.cluster import stop_process
+from belayer_rl.shared.processes import stop_process
 from belayer_rl.shared.protocol import ErrorReply, KvServerAlive, Message, ServerPing, WeightServerAlive
 
 T = TypeVar("T")

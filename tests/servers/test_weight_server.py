@@ -16,7 +16,7 @@ from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.model import PRESETS, init_params, save_params, seed_version
 from belayer_rl.shared import protocol, subjects
-from belayer_rl.shared.cluster import free_port
+from belayer_rl.shared.processes import free_port
 from belayer_rl.shared.protocol import (
     Ack,
     ServerPing,

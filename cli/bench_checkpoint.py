@@ -32,7 +32,7 @@ from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.services.checkpointer.sandbox import LABEL_HOST
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.cluster import free_port, start_nats_server, stop_process
+from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
 from belayer_rl.shared.protocol import SandboxSpec
 
 MIB = 1 << 20

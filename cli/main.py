@@ -15,9 +15,9 @@ from pathlib import Path
 import msgspec
 import uvloop
 
+from belayer_rl.cli.cluster import ClusterFile
 from belayer_rl.shared import bus, protocol, subjects
 from belayer_rl.shared.client import Client, GenerationError
-from belayer_rl.shared.cluster import ClusterFile
 from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
 from belayer_rl.shared.protocol import Event, Heartbeat
 
@@ -53,7 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     (state_dir / "cluster.json").unlink(missing_ok=True)
     argv = [
-        sys.executable, "-m", "belayer_rl.shared.cluster",
+        sys.executable, "-m", "belayer_rl.cli.cluster",
         "--state-dir", str(state_dir),
         "--engines", str(args.engines),
         "--model", args.model,
@@ -350,11 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     weights_cmd.add_argument("--json", action="store_true")
     weights_cmd.set_defaults(run=cmd_weights)
 
-    from belayer_rl.shared import bench, demo
+    from belayer_rl.cli import bench, demo
 
     demo.add_parser(commands)
     bench.add_parser(commands)
-    from belayer_rl.services.checkpointer import cli as sandbox_cli
+    from belayer_rl.cli import sandbox as sandbox_cli
 
     sandbox_cli.add_parser(commands)
     return parser

@@ -11,13 +11,13 @@ from collections.abc import Callable
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = commands.add_parser("bench", help="benchmarks: figure and baseline from the same run")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    from belayer_rl.shared import bench_rollout
+    from belayer_rl.cli import bench_rollout
 
     bench_rollout.add_parser(kinds)
-    from belayer_rl.shared import bench_handover
+    from belayer_rl.cli import bench_handover
 
     bench_handover.add_parser(kinds)
-    from belayer_rl.services.checkpointer import bench as checkpoint_bench
+    from belayer_rl.cli import bench_checkpoint as checkpoint_bench
 
     checkpoint_bench.add_parser(kinds)
 

