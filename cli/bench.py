@@ -1,11 +1,9 @@
 """`belayer bench <what>`: benchmark commands. Each prints its figure and its baseline from the same
-run, as JSON (--json) or a readable table."""
+run, as JSON (--json) or a readable table (cli/bench_report.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Callable
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,12 +18,3 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     from belayer_rl.cli import bench_checkpoint as checkpoint_bench
 
     checkpoint_bench.add_parser(kinds)
-
-
-def emit(report: dict[str, object], as_json: bool, table: Callable[[dict[str, object]], None]) -> int:
-    """Print a benchmark's report as JSON or as its readable table."""
-    if as_json:
-        print(json.dumps(report, indent=1))
-    else:
-        table(report)
-    return 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import uvloop
 from nats.aio.msg import Msg
 
-from belayer_rl.cli.bench import emit
+from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import Supervisor, local_cluster
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer

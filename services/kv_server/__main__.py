@@ -17,10 +17,10 @@ import torch
 import uvloop
 
 from belayer_rl.services.kv_server.server import KvServer, KvServerConfig
-from belayer_rl.services.worker.shm import PrefixBusy
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.config import resolve_nats_url
 from belayer_rl.shared.protocol import KvArenaRequest, KvFlush, KvRelease, ServerPing
+from belayer_rl.shared.segments import PrefixBusy
 
 log = logging.getLogger("belayer.kv_server")
 

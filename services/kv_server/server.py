@@ -1,7 +1,7 @@
 """The kv-server: owns each engine's KV-cache block arena, one shared-memory segment per engine.
 
 The arena outlives the worker that fills it: the main worker and its shadow map the same segment
-(services/worker/shm.py `map_arena`), and after a handover the new worker flushes it here before
+(shared/segments.py `map_arena`), and after a handover the new worker flushes it here before
 reuse. Creation is idempotent per engine and a different shape for an engine that has one is
 refused, so two workers of an engine can never disagree about the layout. On a GPU the arena is
 a device buffer exported as a CUDA IPC handle, and the segment holds only its header.
@@ -21,11 +21,10 @@ from typing import Literal
 
 import torch
 
-from belayer_rl.services.worker import shm
-from belayer_rl.services.worker.kv_cache import arena_shape
-from belayer_rl.services.worker.model import PRESETS
+from belayer_rl.shared import segments
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError
+from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     Ack,
     ArenaHandle,
@@ -49,8 +48,8 @@ class KvServerConfig:
     max_arena_bytes: int = 16 << 30  # one engine's arena; bigger requests are refused
 
     def __post_init__(self) -> None:
-        if not shm.prefix_ok(self.shm_prefix):
-            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {shm.PREFIX_PATTERN}")
+        if not segments.prefix_ok(self.shm_prefix):
+            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {segments.PREFIX_PATTERN}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: torch sees no CUDA device")
         if self.max_arena_bytes <= 0:
@@ -63,7 +62,7 @@ class KvServerConfig:
 @dataclass
 class Arena:
     handle: ArenaHandle
-    segment: shm.Segment
+    segment: segments.Segment
     gpu: torch.Tensor | None = None  # uint8 [size] on the GPU, laid out like the segment
 
     def zero(self) -> None:
@@ -81,7 +80,7 @@ class KvServer:
     def __init__(self, config: KvServerConfig) -> None:
         self.config = config
         self.instance = secrets.token_hex(8)
-        self.lock = shm.PrefixLock(f"{config.shm_prefix}.kv.")
+        self.lock = segments.PrefixLock(f"{config.shm_prefix}.kv.")
         if self.lock.removed:
             log.warning(
                 "removed %d segments left by an earlier instance: %s",
@@ -96,16 +95,16 @@ class KvServer:
         """A zeroed arena for `request`; runs in a thread, touches no state."""
         shape = arena_shape(PRESETS[request.preset], request.num_blocks, request.block_size)
         on_gpu = self.config.device == "cuda"
-        manifest = shm.plan("kv", request.engine_id, self.instance, [("arena", shape, torch.float32)])
+        manifest = segments.plan("kv", request.engine_id, self.instance, [("arena", shape, torch.float32)])
         # The name carries the instance and a serial: a handle of a dead instance, or of a released
         # arena, never maps the arena that replaced it.
         name = f"{self.config.shm_prefix}.kv.{self.instance}.{serial}.{request.engine_id}"
-        segment = shm.Segment(name, manifest, reserve=not on_gpu)
+        segment = segments.Segment(name, manifest, reserve=not on_gpu)
         try:
             gpu, cuda = None, None
             if on_gpu:
                 gpu = torch.zeros(manifest.size, dtype=torch.uint8, device="cuda")
-                cuda = shm.export_cuda(gpu)
+                cuda = segments.export_cuda(gpu)
         except BaseException:
             segment.close()
             segment.unlink()

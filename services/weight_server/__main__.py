@@ -18,7 +18,6 @@ import torch
 import uvloop
 
 from belayer_rl.services.weight_server.server import WeightServer, WeightServerConfig
-from belayer_rl.services.worker.shm import PrefixBusy
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.config import resolve_nats_url
 from belayer_rl.shared.protocol import (
@@ -29,6 +28,7 @@ from belayer_rl.shared.protocol import (
     WeightsPublish,
     WeightsUnpin,
 )
+from belayer_rl.shared.segments import PrefixBusy
 
 log = logging.getLogger("belayer.weight_server")
 

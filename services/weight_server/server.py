@@ -1,7 +1,7 @@
 """The weight server: owns the model weights of one host, one shared-memory segment per version.
 
 It loads or creates the weights once, writes each version into its own segment (see
-services/worker/shm.py for the format) and hands out handles that workers map read-only without a
+shared/segments.py for the format) and hands out handles that workers map read-only without a
 copy. Holders pin the versions they serve; a version nobody pins, other than the newest, is freed
 (its segment unlinked: mappings that still exist stay valid until dropped). Pins carry the
 holder's pid, and a periodic sweep drops the pins of processes that died, so a crashed worker
@@ -28,18 +28,11 @@ from typing import Literal
 import torch
 from nats.aio.client import Client as NATS
 
-from belayer_rl.services.worker import shm
-from belayer_rl.services.worker.model import (
-    PRESETS,
-    Params,
-    check_params,
-    init_params,
-    load_params,
-    seed_version,
-)
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus, segments, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError
+from belayer_rl.shared.params import Params, check_params, init_params, load_params, seed_version
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
     Ack,
     ServerPing,
@@ -74,8 +67,8 @@ class WeightServerConfig:
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
-        if not shm.prefix_ok(self.shm_prefix):
-            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {shm.PREFIX_PATTERN}")
+        if not segments.prefix_ok(self.shm_prefix):
+            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {segments.PREFIX_PATTERN}")
         if self.weights_path is not None and not self.weights_path.is_file():
             raise ConfigError(f"--weights {self.weights_path} is not a file")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -115,7 +108,7 @@ class Pin:
 
 @dataclass
 class Version:
-    segment: shm.Segment
+    segment: segments.Segment
     handles: WeightHandles
     gpu: torch.Tensor | None = None  # uint8 [size] on the GPU, laid out like the segment
     holders: dict[str, Pin] = field(default_factory=dict)
@@ -136,7 +129,7 @@ class WeightServer:
     def __init__(self, config: WeightServerConfig) -> None:
         self.config = config
         self.instance = secrets.token_hex(8)
-        self.lock = shm.PrefixLock(f"{config.shm_prefix}.w.")
+        self.lock = segments.PrefixLock(f"{config.shm_prefix}.w.")
         if self.lock.removed:
             log.warning(
                 "removed %d segments left by an earlier instance: %s",
@@ -155,15 +148,15 @@ class WeightServer:
         """Write `params` into a new segment (and the GPU); runs in a thread, touches no state."""
         check_params(PRESETS[self.config.preset], params)
         specs = [(name, tuple(t.shape), t.dtype) for name, t in params.items()]
-        manifest = shm.plan("weights", version, self.instance, specs)
-        segment = shm.Segment(f"{self.config.shm_prefix}.w.{self.instance}.{serial}", manifest)
+        manifest = segments.plan("weights", version, self.instance, specs)
+        segment = segments.Segment(f"{self.config.shm_prefix}.w.{self.instance}.{serial}", manifest)
         try:
             for name, tensor in params.items():
                 segment.tensors[name].copy_(tensor)
             gpu, cuda = None, None
             if self.config.device == "cuda":
                 gpu = segment.buffer.to("cuda")
-                cuda = shm.export_cuda(gpu)
+                cuda = segments.export_cuda(gpu)
         except BaseException:
             segment.close()
             segment.unlink()

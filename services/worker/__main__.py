@@ -15,11 +15,12 @@ from typing import TypeVar
 import uvloop
 from nats.aio.client import Client as NATS
 
-from belayer_rl.services.worker import shadow, shm
+from belayer_rl.services.worker import shadow
 from belayer_rl.services.worker.engine import Engine, EngineConfig
 from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.services.worker.worker import Worker
 from belayer_rl.shared import bus, registry, subjects
+from belayer_rl.shared import segments as shm
 from belayer_rl.shared.config import WorkerConfig, resolve_nats_url
 from belayer_rl.shared.protocol import (
     ArenaHandle,

@@ -1,20 +1,17 @@
 """Paged KV cache over one arena tensor.
 
 The arena is a single tensor [n_layers, 2 (K, V), num_blocks, block_size, n_heads, head_dim]
-so that a process other than the worker (the kv-server) can own it and hand it in. This
-module only writes and gathers token slots; which blocks belong to which sequence is the
-block manager's business, and it knows nothing about scheduling.
+(shared/presets.py `arena_shape`) so that a process other than the worker (the kv-server) can
+own it and hand it in. This module only writes and gathers token slots; which blocks belong to
+which sequence is the block manager's business, and it knows nothing about scheduling. It
+satisfies model.py's `KVCache` protocol without importing model.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from belayer_rl.services.worker.model import ModelConfig
-
-
-def arena_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (config.n_layers, 2, num_blocks, block_size, config.n_heads, config.head_dim)
+from belayer_rl.shared.presets import ModelConfig, arena_shape
 
 
 def allocate_arena(config: ModelConfig, num_blocks: int, block_size: int) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 Pre-norm blocks, learned absolute positions, GELU MLP, no biases in the linears. The weights
 are a `dict[str, Tensor]` that this module only reads, so a caller can hand in tensors mapped
-read-only from shared memory without a copy. Knows nothing about tokenization, scheduling or
-sampling: `forward` runs whatever rows the caller packed into a `ForwardBatch` and returns
-logits for the rows it asks for.
+read-only from shared memory without a copy. Only the forward pass: the config, presets and
+parameter shapes are the contract's (shared/presets.py), and so are creating, checking and saving
+weights (shared/params.py). Knows nothing about tokenization, scheduling or sampling: `forward`
+runs whatever rows the caller packed into a `ForwardBatch` and returns logits for the rows it asks
+for.
 
 Deterministic mode: every matmul whose row count depends on the batch is done as a `bmm` of
 per-row `[1, d_in] @ [d_in, d_out]` products, and attention runs per query over exactly
@@ -14,157 +16,31 @@ whether it is reached by decode or by a (chunked) prefill. tests/engine checks t
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from belayer_rl.services.worker.kv_cache import PagedKVCache
+from belayer_rl.shared.params import Params
+from belayer_rl.shared.presets import ModelConfig
 
-Params = dict[str, torch.Tensor]
-
-# ---------------------------------------------------------------------------- config
-
-# 257 real tokens (256 bytes + EOS), padded to a multiple of 64 for friendlier GEMM shapes.
-PADDED_VOCAB = 320
+# ---------------------------------------------------------------------------- cache
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = PADDED_VOCAB
-    n_layers: int = 2
-    n_heads: int = 2
-    d_model: int = 64
-    d_ff: int = 256
-    max_seq_len: int = 512
+class KVCache(Protocol):
+    """What `forward` needs of a KV cache: services/worker/kv_cache.py's PagedKVCache is one. A
+    protocol here, so that this module does not import the cache and the cache does not import it."""
 
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layers", "n_heads", "d_model", "d_ff", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [N, H, hd] at `slots` [N] int64 of `layer`."""
+        ...
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # ~0.2M params: unit tests.
-    "tiny": ModelConfig(n_layers=2, n_heads=2, d_model=64, d_ff=256, max_seq_len=512),
-    # ~6.4M params.
-    "small": ModelConfig(n_layers=6, n_heads=4, d_model=288, d_ff=1152, max_seq_len=1024),
-    # ~25M params.
-    "medium": ModelConfig(n_layers=8, n_heads=8, d_model=512, d_ff=2048, max_seq_len=1024),
-    # ~87M params (GPT-2 small shape).
-    "base": ModelConfig(n_layers=12, n_heads=12, d_model=768, d_ff=3072, max_seq_len=2048),
-}
-
-
-def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor the model reads. Linear weights are stored [d_in, d_out]."""
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "tok_emb": (v, d),
-        "pos_emb": (config.max_seq_len, d),
-    }
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "ln1.weight": (d,),
-            p + "ln1.bias": (d,),
-            p + "attn.wqkv": (d, 3 * d),
-            p + "attn.wo": (d, d),
-            p + "ln2.weight": (d,),
-            p + "ln2.bias": (d,),
-            p + "mlp.w1": (d, f),
-            p + "mlp.w2": (f, d),
-        }
-    shapes |= {"ln_f.weight": (d,), "ln_f.bias": (d,), "lm_head": (d, v)}
-    return shapes
-
-
-def count_params(config: ModelConfig) -> int:
-    return sum(math.prod(s) for s in param_shapes(config).values())
-
-
-def check_params(config: ModelConfig, params: Params) -> None:
-    """Raise ValueError naming the first missing, extra or misshapen tensor."""
-    shapes = param_shapes(config)
-    extra = sorted(set(params) - set(shapes))
-    if extra:
-        raise ValueError(f"unexpected tensors in params: {extra[:5]}")
-    for name, shape in shapes.items():
-        if name not in params:
-            raise ValueError(f"params lack {name!r}")
-        t = params[name]
-        if tuple(t.shape) != shape or t.dtype != torch.float32:
-            raise ValueError(f"params[{name!r}] is {t.dtype}{tuple(t.shape)}, expected float32{shape}")
-
-
-# ---------------------------------------------------------------------------- weights
-
-
-def init_params(config: ModelConfig, seed: int) -> Params:
-    """Seeded random weights.
-
-    Scaled (1/sqrt(fan_in), residual branches by 1/sqrt(2 * n_layers)) rather than a flat
-    0.02, so that attention scores and logits are far from uniform even in the tiny preset:
-    exactness tests need outputs that really depend on every context token.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    resid_scale = 1.0 / math.sqrt(2 * config.n_layers)
-    params: Params = {}
-    for name, shape in param_shapes(config).items():
-        if name.endswith(".weight"):  # layer-norm gains
-            params[name] = torch.ones(shape)
-        elif name.endswith(".bias"):
-            params[name] = torch.zeros(shape)
-        elif name in ("tok_emb", "pos_emb"):
-            params[name] = torch.randn(shape, generator=gen)
-        else:
-            std = 1.0 / math.sqrt(shape[0])
-            if name.endswith(("attn.wo", "mlp.w2")):
-                std *= resid_scale
-            elif name == "lm_head":
-                std *= 3.0  # logits with std ~3: peaked enough that sampling follows context
-            params[name] = torch.randn(shape, generator=gen) * std
-    return params
-
-
-def seed_version(seed: int, preset: str) -> str:
-    return f"seed:{seed}:{preset}"
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return f"sha256:{digest.hexdigest()[:16]}"
-
-
-def save_params(params: Params, path: Path | str) -> str:
-    """Write `params` to `path`; returns the weight version a later `load_params` will report."""
-    path = Path(path)
-    torch.save({k: v.contiguous() for k, v in params.items()}, path)
-    return _file_sha256(path)
-
-
-def load_params(path: Path | str) -> tuple[Params, str]:
-    """Read weights saved by `save_params`; version is the sha256 of the file content."""
-    path = Path(path)
-    version = _file_sha256(path)
-    params = torch.load(path, map_location="cpu", weights_only=True)
-    return params, version
+    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [0, length) of one sequence, each [length, H, hd], contiguous and
+        position-major, from block_table [n_blocks] int64."""
+        ...
 
 
 # ---------------------------------------------------------------------------- forward
@@ -234,7 +110,7 @@ def forward(
     params: Params,
     config: ModelConfig,
     batch: ForwardBatch,
-    cache: PagedKVCache,
+    cache: KVCache,
     deterministic: bool = True,
 ) -> torch.Tensor:
     """Run the batch, writing its K/V into `cache`; returns logits [M, vocab] for logit_rows.

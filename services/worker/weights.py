@@ -5,7 +5,7 @@ server cannot free it while a request runs on it. The engine's current version (
 naming none runs on) follows the newest published version; a request naming another version gets
 it mapped and pinned on demand. A version no queued or running sequence uses, other than the
 current one, is dropped and unpinned between steps, so old versions can be freed as a trainer
-moves on. Mapping is zero-copy (services/worker/shm.py); the server owns the memory.
+moves on. Mapping is zero-copy (shared/segments.py); the server owns the memory.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import os
 from nats.aio.client import Client as NATS
 
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.engine import Engine
+from belayer_rl.shared import segments
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import WeightHandles, WeightsPublished
 
@@ -57,7 +57,7 @@ class PinnedWeights:
             handles = await self.pin(version)
             if handles.version not in self.engine.weights:
                 try:
-                    params = await asyncio.to_thread(shm.map_weights, handles)
+                    params = await asyncio.to_thread(segments.map_weights, handles)
                 except Exception:
                     with contextlib.suppress(ServiceError):
                         await self.client.unpin(handles.version, self.holder)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from belayer_rl.services.worker.model import PRESETS, init_params
+from belayer_rl.shared.params import init_params
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.tokenizer import EOS_TOKEN
 
 

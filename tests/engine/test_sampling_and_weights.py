@@ -2,8 +2,9 @@ import torch
 from engine_helpers import drain
 
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
-from belayer_rl.services.worker.model import PRESETS, init_params, load_params, save_params
 from belayer_rl.services.worker.sampling import sample
+from belayer_rl.shared.params import init_params, load_params, save_params
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.tokenizer import VOCAB_SIZE
 
 

@@ -13,8 +13,9 @@ import random
 import pytest
 
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.services.worker.model import PRESETS, init_params, save_params
 from belayer_rl.shared.client import GenerationError
+from belayer_rl.shared.params import init_params, save_params
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import Handover
 from tests.handover.test_handover import shadow_ready, shadowed
 from tests.rollout.test_worker_faults import make_job, run

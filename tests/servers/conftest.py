@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from nats.aio.client import Client as NATS
 
-from belayer_rl.services.worker.shm import SHM_DIR
 from belayer_rl.shared import bus
+from belayer_rl.shared.segments import SHM_DIR
 from tests.servers.helpers import shm_names
 
 

@@ -15,11 +15,11 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 
-from belayer_rl.services.worker.shm import SHM_DIR
 from belayer_rl.shared import bus, protocol, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.processes import stop_process
 from belayer_rl.shared.protocol import ErrorReply, KvServerAlive, Message, ServerPing, WeightServerAlive
+from belayer_rl.shared.segments import SHM_DIR
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]

@@ -18,8 +18,7 @@ import sys
 
 from belayer_rl.services.kv_server.client import KvClient
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.services.worker import shm
-from belayer_rl.shared import bus
+from belayer_rl.shared import bus, segments
 from belayer_rl.shared.protocol import ArenaHandle, WeightHandles
 
 
@@ -36,14 +35,14 @@ async def fetch(url: str, engine_id: str, preset: str, num_blocks: int) -> tuple
 def main() -> None:
     url, engine_id, preset, num_blocks, mode, *fill = sys.argv[1:]
     weights, arena_handle = asyncio.run(fetch(url, engine_id, preset, int(num_blocks)))
-    params = shm.map_weights(weights)
+    params = segments.map_weights(weights)
     if mode == "write-weights":
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the crash is the point; no core file
         print("mapped", flush=True)
         params["tok_emb"][0, 0] = 1.0
         print("wrote", flush=True)
         return
-    arena = shm.map_arena(arena_handle)
+    arena = segments.map_arena(arena_handle)
     total = sum(float(t.sum()) for t in params.values())  # reads every page of the weights
     if fill:
         arena.fill_(float(fill[0]))

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from belayer_rl.services.worker import shm
-from belayer_rl.services.worker.kv_cache import arena_shape
-from belayer_rl.services.worker.model import PRESETS, init_params
-from belayer_rl.shared import subjects
+from belayer_rl.shared import segments, subjects
+from belayer_rl.shared.params import init_params
+from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     Ack,
     ArenaHandle,
@@ -39,16 +38,16 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         arena_handle = await call(nc, subjects.KV_ARENA, request, ArenaHandle)
         assert weights.cuda is not None and arena_handle.cuda is not None
 
-        params = shm.map_weights(weights)
+        params = segments.map_weights(weights)
         reference = init_params(PRESETS["small"], 0)
         assert all(params[name].is_cuda for name in reference)
         assert all(torch.equal(params[name].cpu(), reference[name]) for name in reference)
 
-        arena = shm.map_arena(arena_handle)
+        arena = segments.map_arena(arena_handle)
         assert arena.is_cuda and tuple(arena.shape) == arena_shape(PRESETS["small"], 64, 16)
         arena.fill_(0.5)
         torch.cuda.synchronize()
-        again = shm.map_arena(arena_handle)
+        again = segments.map_arena(arena_handle)
         assert torch.all(again == 0.5)
 
         await call(nc, subjects.KV_FLUSH, KvFlush(engine_id="e0"), Ack)

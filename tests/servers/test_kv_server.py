@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from belayer_rl.services.kv_server.client import KvClient
-from belayer_rl.services.worker import shm
-from belayer_rl.services.worker.kv_cache import arena_shape
-from belayer_rl.services.worker.model import PRESETS
-from belayer_rl.shared import subjects
+from belayer_rl.shared import segments, subjects
+from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     Ack,
     ArenaHandle,
@@ -44,10 +42,10 @@ async def test_arena_is_created_once_flushed_for_real_and_released(
         other = await arena(nc, engine_id="e1", preset="tiny", num_blocks=8)
         assert other.segment != first.segment
 
-        mapped = shm.map_arena(first)
+        mapped = segments.map_arena(first)
         assert tuple(mapped.shape) == arena_shape(PRESETS["small"], 32, 16)
         assert mapped.abs().sum().item() == 0.0  # created zeroed
-        second_view = shm.map_arena(first)  # a shadow's mapping of the same arena
+        second_view = segments.map_arena(first)  # a shadow's mapping of the same arena
         mapped.fill_(1.5)
         assert torch.equal(second_view, mapped)  # shared, not copied
 
@@ -62,12 +60,12 @@ async def test_arena_is_created_once_flushed_for_real_and_released(
         released = await call(nc, subjects.KV_RELEASE, KvRelease(engine_id="e1"), Ack)
         assert released.detail == "released"
         assert other.segment not in shm_names(shm_prefix)
-        with pytest.raises(shm.MappingError):
-            shm.map_arena(other)
+        with pytest.raises(segments.MappingError):
+            segments.map_arena(other)
         renewed = await arena(nc, engine_id="e1", preset="tiny", num_blocks=8)
         assert renewed.segment != other.segment  # same engine and shape, yet a new arena
-        with pytest.raises(shm.MappingError):
-            shm.map_arena(other)
+        with pytest.raises(segments.MappingError):
+            segments.map_arena(other)
         client = KvClient(nc)
         assert "was released" in (await client.why_not_owned(other) or "")
         assert await client.why_not_owned(renewed) is None
@@ -148,7 +146,7 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
 ) -> None:
     first = await start("kv_server", nats_server.url, shm_prefix, tmp_path)
     old = await arena(nc)
-    mapped = shm.map_arena(old)
+    mapped = segments.map_arena(old)
     first.process.kill()
     await first.process.wait()
     left = shm_names(shm_prefix)
@@ -161,10 +159,10 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
         assert alive.instance != old.manifest.instance
         new = await arena(nc)
         assert new.segment != old.segment
-        with pytest.raises(shm.MappingError):
-            shm.map_arena(old)
+        with pytest.raises(segments.MappingError):
+            segments.map_arena(old)
         mapped.fill_(2.0)  # the orphaned mapping is still memory, but no longer the engine's arena
-        assert shm.map_arena(new).abs().sum().item() == 0.0
+        assert segments.map_arena(new).abs().sum().item() == 0.0
         assert "restarted" in (await KvClient(nc).why_not_owned(old) or "")
     assert second.process.returncode == 0
     assert "not answering" in (await KvClient(nc, timeout_s=0.5).why_not_owned(new) or "")

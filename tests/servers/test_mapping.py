@@ -16,10 +16,10 @@ import torch
 
 from belayer_rl.services.kv_server.client import KvClient
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.services.worker import shm
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
-from belayer_rl.services.worker.model import PRESETS, init_params
-from belayer_rl.shared import subjects, tokenizer
+from belayer_rl.shared import segments, subjects, tokenizer
+from belayer_rl.shared.params import init_params
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
     ArenaHandle,
     KvArenaRequest,
@@ -85,7 +85,7 @@ async def test_two_processes_share_the_weights_and_arena_pages(nats_server, nc, 
                 assert found["Anonymous"] == 0
 
         # The shadow sees what the main wrote into the arena; so does a third mapping.
-        assert torch.all(shm.map_arena(arena) == 0.25)
+        assert torch.all(segments.map_arena(arena) == 0.25)
 
 
 async def test_a_write_to_mapped_weights_kills_the_writer_and_changes_nothing(
@@ -99,7 +99,7 @@ async def test_a_write_to_mapped_weights_kills_the_writer_and_changes_nothing(
     ):
         out, _ = await asyncio.wait_for(writer.communicate(), 120)
         weights = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
-        mapped = shm.map_weights(weights)
+        mapped = segments.map_weights(weights)
 
     assert writer.returncode == -signal.SIGSEGV
     assert out.split() == [b"mapped"]
@@ -138,11 +138,11 @@ async def test_an_engine_on_mapped_weights_and_arena_matches_one_that_owns_them(
         weights = await WeightClient(nc).pin("engine-e0", os.getpid())
         arena = await KvClient(nc).arena("e0", "tiny", num_blocks=64, block_size=16)
         mapped = Engine(
-            config, shm.map_weights(weights), shm.map_arena(arena), weight_version=weights.version
+            config, segments.map_weights(weights), segments.map_arena(arena), weight_version=weights.version
         )
         on_mapped = generate(mapped, prompts)
         mutated = generate(mapped, ["the quick brown fix", *prompts[1:]])
-        written = shm.map_arena(arena)
+        written = segments.map_arena(arena)
         assert written.abs().sum().item() > 0  # the K/V really went into the shared arena
 
     owned = generate(Engine(config), prompts)
@@ -155,22 +155,22 @@ async def test_an_engine_on_mapped_weights_and_arena_matches_one_that_owns_them(
 def test_a_handle_that_does_not_describe_its_segment_is_refused(tmp_path, shm_prefix) -> None:
     params = init_params(PRESETS["tiny"], 0)
     specs = [(name, tuple(t.shape), t.dtype) for name, t in params.items()]
-    manifest = shm.plan("weights", "seed:0:tiny", "abc", specs)
-    segment = shm.Segment(f"{shm_prefix}.w.abc.1", manifest)
+    manifest = segments.plan("weights", "seed:0:tiny", "abc", specs)
+    segment = segments.Segment(f"{shm_prefix}.w.abc.1", manifest)
     try:
         good = WeightHandles(version="seed:0:tiny", segment=segment.name, manifest=manifest)
-        assert set(shm.map_weights(good)) == set(params)
+        assert set(segments.map_weights(good)) == set(params)
         lies = {
             "other key": WeightHandles(version="seed:1:tiny", segment=segment.name, manifest=manifest),
             "other instance": WeightHandles(
                 version="seed:0:tiny",
                 segment=segment.name,
-                manifest=shm.plan("weights", "seed:0:tiny", "abd", specs),
+                manifest=segments.plan("weights", "seed:0:tiny", "abd", specs),
             ),
             "other shapes": WeightHandles(
                 version="seed:0:tiny",
                 segment=segment.name,
-                manifest=shm.plan("weights", "seed:0:tiny", "abc", specs[1:]),
+                manifest=segments.plan("weights", "seed:0:tiny", "abc", specs[1:]),
             ),
             "no such segment": WeightHandles(
                 version="seed:0:tiny", segment=f"{shm_prefix}.w.x", manifest=manifest
@@ -178,8 +178,8 @@ def test_a_handle_that_does_not_describe_its_segment_is_refused(tmp_path, shm_pr
             "path outside": WeightHandles(version="seed:0:tiny", segment="../etc/passwd", manifest=manifest),
         }
         for name, handles in lies.items():
-            with pytest.raises(shm.MappingError):
-                shm.map_weights(handles)
+            with pytest.raises(segments.MappingError):
+                segments.map_weights(handles)
             print("refused:", name)
     finally:
         segment.close()

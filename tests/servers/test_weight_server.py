@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.services.worker import shm
-from belayer_rl.services.worker.model import PRESETS, init_params, save_params, seed_version
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol, segments, subjects
+from belayer_rl.shared.params import init_params, save_params, seed_version
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.processes import free_port
 from belayer_rl.shared.protocol import (
     Ack,
@@ -74,7 +74,7 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
 
         old = await pin(nc, "worker-a", os.getpid())
         assert old.version == V0
-        old_params = shm.map_weights(old)
+        old_params = segments.map_weights(old)
         reference = init_params(PRESETS["tiny"], 0)
         assert all(torch.equal(old_params[name], reference[name]) for name in reference)
 
@@ -84,7 +84,7 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         listed = await versions(nc)
         assert listed.newest == new_version
         assert [(v.version, v.holders) for v in listed.versions] == [(V0, ["worker-a"]), (new_version, [])]
-        mapped_new = shm.map_weights(new)
+        mapped_new = segments.map_weights(new)
         assert all(torch.equal(mapped_new[name], new_params[name]) for name in new_params)
         await poll(lambda: asyncio.sleep(0, announced or None), timeout_s=10)
         assert (announced[0].version, announced[0].previous) == (new_version, V0)
@@ -104,8 +104,8 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         assert await error_code(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(version=V0)) == (
             "unknown-version"
         )
-        with pytest.raises(shm.MappingError):
-            shm.map_weights(old)
+        with pytest.raises(segments.MappingError):
+            segments.map_weights(old)
         client = WeightClient(nc)
         assert "was freed" in (await client.why_not_owned(old) or "")
         assert await client.why_not_owned(new) is None
@@ -255,8 +255,8 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
         now = shm_names(shm_prefix)
         assert not set(now) & (set(left) - {f"{shm_prefix}.w.lock"})
         assert len(now) == 2
-        with pytest.raises(shm.MappingError):
-            shm.map_weights(old)  # the dead instance's handle maps nothing of the new one
+        with pytest.raises(segments.MappingError):
+            segments.map_weights(old)  # the dead instance's handle maps nothing of the new one
         assert "restarted" in (await WeightClient(nc).why_not_owned(old) or "")
     assert second.process.returncode == 0
     assert "not answering" in (await WeightClient(nc, timeout_s=0.5).why_not_owned(old) or "")

@@ -1,4 +1,5 @@
-"""Shared-memory segments of the weight and KV servers, and the worker-side mapping helpers.
+"""The shared-memory segment format of the weight and KV servers, and the mapping helpers of the
+processes that read segments (workers, their shadows, tests).
 
 A segment is one file under /dev/shm:
 
@@ -12,7 +13,10 @@ a SIGSEGV, not a silent change of the weights every engine on the host reads); a
 mapped read-write, shared. On a GPU the servers also hand out CUDA IPC handles of one device
 buffer laid out like the segment, and the mappers use those instead.
 
-Knows nothing about NATS: handles arrive as protocol Structs.
+Part of the contract, beside the handle Structs of shared/protocol.py: the servers write this
+format and the workers read it, so neither owns it. Also the per-prefix lock a server holds on its
+/dev/shm names (`PrefixLock`, `PrefixBusy`). Knows nothing about NATS (handles arrive as protocol
+Structs) or about pinning and freeing; of the model it knows only a preset's arena shape.
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from belayer_rl.services.worker.kv_cache import arena_shape
-from belayer_rl.services.worker.model import PRESETS
+from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     ArenaHandle,
     CudaIpcHandle,
@@ -185,7 +188,7 @@ class PrefixLock:
 
 
 class PrefixBusy(RuntimeError):
-    pass
+    """Another live process holds the lock of the shared-memory prefix."""
 
 
 def prefix_ok(prefix: str) -> bool:
@@ -306,7 +309,7 @@ def map_weights(handles: WeightHandles) -> dict[str, torch.Tensor]:
 
 def map_arena(handle: ArenaHandle) -> torch.Tensor:
     """The engine's KV arena, read-write and shared with the kv-server (and a shadow worker),
-    shaped [n_layers, 2, num_blocks, block_size, n_heads, head_dim] as kv_cache.arena_shape."""
+    shaped [n_layers, 2, num_blocks, block_size, n_heads, head_dim] as presets.arena_shape."""
     if handle.preset not in PRESETS:
         raise MappingError(f"unknown preset {handle.preset!r}")
     expected = arena_shape(PRESETS[handle.preset], handle.num_blocks, handle.block_size)

@@ -1,0 +1,19 @@
+"""How every `belayer bench` command prints its report: JSON (--json) or the benchmark's own table.
+
+Its own module, below cli/bench.py and the benchmarks it registers, so that they share it without
+importing each other. Knows nothing about what a report holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+
+def emit(report: dict[str, object], as_json: bool, table: Callable[[dict[str, object]], None]) -> int:
+    """Print a benchmark's report as JSON or as its readable table."""
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        table(report)
+    return 0
