@@ -27,10 +27,9 @@ import uvloop
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
-from belayer_rl.cli.cluster import local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, local_cluster
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import ClusterConfig
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import Handover, TokenChunk, WorkerRegistration

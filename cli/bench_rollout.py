@@ -27,11 +27,10 @@ import uvloop
 from nats.aio.msg import Msg
 
 from belayer_rl.cli.bench_report import emit
-from belayer_rl.cli.cluster import Supervisor, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import ClusterConfig
 from belayer_rl.shared.protocol import Dispatch, LogChunk, TokenChunk, WorkerChunk, WorkerDone
 
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -27,7 +28,18 @@ import uvloop
 from nats.aio.client import Client as NATS
 
 from belayer_rl.shared import bus, subjects
-from belayer_rl.shared.config import ClusterConfig
+from belayer_rl.shared import config as flags
+from belayer_rl.shared.config import (
+    ConfigError,
+    KvServerConfig,
+    RouterConfig,
+    ShadowSupervisorConfig,
+    WeightServerConfig,
+    WorkerConfig,
+    positive,
+    same_as,
+    setting,
+)
 from belayer_rl.shared.processes import (
     STOP_GRACE_S,
     dies_with_parent,
@@ -56,6 +68,35 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     supervisor_pid: int
     nats_url: str
     processes: list[ProcessRecord]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """`belayer up`'s settings. What it passes on to a service repeats that service's field
+    (`same_as`), so each default is written once, in the service's config."""
+
+    state_dir: Path = setting(help="the cluster's state: JetStream store, logs, cluster.json")
+    engines: int = setting(2, "rollout workers (engines) to start")
+    preset: str = same_as(WorkerConfig, "preset", flag="--model")
+    weights_seed: int = same_as(WorkerConfig, "weights_seed")
+    nats_url: str | None = setting(None, "an external NATS to use instead of starting one", flag="--nats")
+    nats_port: int = setting(0, "port of the embedded nats-server (0: a free one)")
+    chunk_tokens: int = same_as(RouterConfig, "chunk_tokens")
+    heartbeat_timeout_s: float = same_as(RouterConfig, "heartbeat_timeout_s")
+    no_worker_deadline_s: float = same_as(RouterConfig, "no_worker_deadline_s")
+    client_timeout_s: float = same_as(RouterConfig, "client_timeout_s")
+    restart_backoff_s: float = setting(0.2, "first wait before a process that exited is restarted")
+    max_restart_backoff_s: float = setting(5.0, "longest wait between restarts of a process")
+    shadows: bool = setting(True, "workers under the shadow supervisor, with weight and KV servers")
+    hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
+    failure_window_s: float = same_as(ShadowSupervisorConfig, "failure_window_s")
+    sandboxes: bool = setting(True, "start the checkpointer when a Docker engine answers")
+
+    def __post_init__(self) -> None:
+        if self.engines < 0:
+            raise ConfigError(f"--engines must be >= 0, got {self.engines}")
+        positive("--restart-backoff", self.restart_backoff_s)
+        positive("--max-restart-backoff", self.max_restart_backoff_s)
 
 
 # ---------------------------------------------------------------- supervised children
@@ -96,20 +137,17 @@ class Supervisor:
 
     def plan(self) -> list[Child]:
         c = self.config
-        router = Child(
-            "router",
-            python_module(
-                "belayer_rl.services.router",
-                "--nats", self.nats_url,
-                "--chunk-tokens", str(c.chunk_tokens),
-                "--heartbeat-timeout", str(c.heartbeat_timeout_s),
-                "--no-worker-deadline", str(c.no_worker_deadline_s),
-                "--client-timeout", str(c.client_timeout_s),
-                "--handover-grace", str(HANDOVER_GRACE_S if c.shadows else 0.0),
-            ),
-        )  # fmt: skip
+        router = RouterConfig(
+            nats_url=self.nats_url,
+            chunk_tokens=c.chunk_tokens,
+            heartbeat_timeout_s=c.heartbeat_timeout_s,
+            no_worker_deadline_s=c.no_worker_deadline_s,
+            client_timeout_s=c.client_timeout_s,
+            handover_grace_s=HANDOVER_GRACE_S if c.shadows else 0.0,
+        )
+        router_child = Child("router", python_module("belayer_rl.services.router", *flags.to_argv(router)))
         workers = self.shadowed_workers() if c.shadows else [self.worker(f"e{i}") for i in range(c.engines)]
-        return [router, *workers, *self.checkpointer()]
+        return [router_child, *workers, *self.checkpointer()]
 
     @property
     def shm_prefix(self) -> str:
@@ -120,38 +158,32 @@ class Supervisor:
         """The weight and KV servers, and the shadow supervisor that alone runs the workers."""
         c = self.config
         prefix = self.shm_prefix
+        weights = WeightServerConfig(
+            nats_url=self.nats_url, preset=c.preset, weights_seed=c.weights_seed, shm_prefix=prefix
+        )
+        arenas = KvServerConfig(nats_url=self.nats_url, shm_prefix=prefix)
         servers = [
             Child(
-                "weight-server",
-                python_module(
-                    "belayer_rl.services.weight_server",
-                    "--nats", self.nats_url,
-                    "--preset", c.preset,
-                    "--weights-seed", str(c.weights_seed),
-                    "--shm-prefix", prefix,
-                ),
+                "weight-server", python_module("belayer_rl.services.weight_server", *flags.to_argv(weights))
             ),
-            Child(
-                "kv-server",
-                python_module("belayer_rl.services.kv_server", "--nats", self.nats_url, "--shm-prefix", prefix),
-            ),
-        ]  # fmt: skip
+            Child("kv-server", python_module("belayer_rl.services.kv_server", *flags.to_argv(arenas))),
+        ]
         if not c.engines:
             return servers
-        supervisor = Child(
+        supervisor = ShadowSupervisorConfig(
+            nats_url=self.nats_url,
+            engines=tuple(f"e{i}" for i in range(c.engines)),
+            state_dir=c.state_dir / "workers",
+            preset=c.preset,
+            weights_seed=c.weights_seed,
+            hang_timeout_s=c.hang_timeout_s,
+            failure_window_s=c.failure_window_s,
+        )
+        supervisor_child = Child(
             "shadow-supervisor",
-            python_module(
-                "belayer_rl.services.shadow_supervisor",
-                "--nats", self.nats_url,
-                "--engines", ",".join(f"e{i}" for i in range(c.engines)),
-                "--state-dir", str(c.state_dir / "workers"),
-                "--preset", c.preset,
-                "--weights-seed", str(c.weights_seed),
-                "--hang-timeout", str(c.hang_timeout_s),
-                "--failure-window", str(c.failure_window_s),
-            ),
-        )  # fmt: skip
-        return [*servers, supervisor]
+            python_module("belayer_rl.services.shadow_supervisor", *flags.to_argv(supervisor)),
+        )
+        return [*servers, supervisor_child]
 
     def checkpointer(self) -> list[Child]:
         """The checkpointer, when sandboxes are wanted and a Docker engine answers."""
@@ -176,13 +208,10 @@ class Supervisor:
 
     def worker(self, engine_id: str) -> Child:
         c = self.config
-        argv = python_module(
-            "belayer_rl.services.worker",
-            "--nats", self.nats_url,
-            "--engine-id", engine_id,
-            "--preset", c.preset,
-            "--weights-seed", str(c.weights_seed),
-        )  # fmt: skip
+        worker = WorkerConfig(
+            nats_url=self.nats_url, engine_id=engine_id, preset=c.preset, weights_seed=c.weights_seed
+        )
+        argv = python_module("belayer_rl.services.worker", *flags.to_argv(worker))
         return Child(f"worker-{engine_id}", argv, engine_id=engine_id)
 
     async def start(self) -> None:
@@ -294,32 +323,10 @@ class Supervisor:
 
 
 def parse_args(argv: list[str] | None = None) -> ClusterConfig:
-    parser = argparse.ArgumentParser(prog="belayer-cluster")
-    parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--weights-seed", type=int, default=0)
-    parser.add_argument("--nats")
-    parser.add_argument("--nats-port", type=int, default=0)
-    parser.add_argument("--chunk-tokens", type=int, default=256)
-    parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
-    parser.add_argument("--no-worker-deadline", type=float, default=30.0)
-    parser.add_argument("--client-timeout", type=float, default=60.0)
-    parser.add_argument("--no-shadows", action="store_true")
-    args = parser.parse_args(argv)
-    return ClusterConfig(
-        state_dir=args.state_dir.resolve(),
-        engines=args.engines,
-        preset=args.model,
-        weights_seed=args.weights_seed,
-        nats_url=args.nats,
-        nats_port=args.nats_port,
-        chunk_tokens=args.chunk_tokens,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        no_worker_deadline_s=args.no_worker_deadline,
-        client_timeout_s=args.client_timeout,
-        shadows=not args.no_shadows,
-    )
+    parser = argparse.ArgumentParser(prog="belayer-cluster", description="The `belayer up` daemon.")
+    flags.add_flags(parser, ClusterConfig)
+    config = flags.from_args(ClusterConfig, parser.parse_args(argv))
+    return dataclasses.replace(config, state_dir=config.state_dir.resolve())
 
 
 @contextlib.asynccontextmanager

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-from belayer_rl.cli.cluster import local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, local_cluster
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import ClusterConfig
 from belayer_rl.shared.protocol import Handover, TokenChunk, WeightHandles, WeightsHandlesRequest
 
 PROMPT = "GPU handover check: the shadow maps the weights through CUDA IPC and takes over."

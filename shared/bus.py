@@ -8,8 +8,8 @@ second, declares the server dead after three missed pongs and reconnects forever
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,6 +29,7 @@ from belayer_rl.shared import protocol, subjects
 from belayer_rl.shared.protocol import Ack, ErrorReply, Message
 
 log = logging.getLogger("belayer.bus")
+ERROR_CODES = frozenset(typing.get_args(protocol.ErrorCode))
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
@@ -50,9 +51,12 @@ class BusOptions:
 
 
 class ServiceError(Exception):
-    """An error that crosses the wire as an ErrorReply: `code` is short and stable, `message` says why."""
+    """An error that crosses the wire as an ErrorReply: `code` is one of protocol.ErrorCode (short
+    and stable, what callers match), `message` says why."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: protocol.ErrorCode, message: str) -> None:
+        if code not in ERROR_CODES:  # a typo here would otherwise reach callers as a bad reply
+            raise ValueError(f"unknown error code {code!r}; add it to protocol.ErrorCode")
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -119,48 +123,11 @@ async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T]
     return answer
 
 
-async def serve(
-    nc: NATS,
-    subject: str,
-    kind: type[M],
-    handler: Callable[[M], Awaitable[Message]],
-    *,
-    queue: str = "",
-) -> Subscription:
-    """Subscribe `handler` to `subject`: decode first, reply with what it returns.
-
-    The one place where errors cross the wire: a bad payload becomes ErrorReply("bad-request"), a
-    ServiceError its own code, anything else "internal" (logged with its traceback). Messages
-    without a reply subject are handled the same way and a failure is logged and dropped.
-    """
-    decoder = protocol.decoder_for(kind)
-
-    async def on_message(msg: Msg) -> None:
-        try:
-            message = protocol.decode(decoder, msg.data)
-            answer: Message = await handler(message)
-        except protocol.BadMessage as exc:
-            log.warning("dropped bad message on %s: %s", msg.subject, exc)
-            answer = ErrorReply(code="bad-request", message=str(exc))
-        except ServiceError as exc:
-            log.info("%s: %s", msg.subject, exc)
-            answer = ErrorReply(code=exc.code, message=exc.message)
-        except Exception as exc:  # a handler bug must not kill the subscription
-            log.exception("handler for %s failed", msg.subject)
-            answer = ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
-        if msg.reply:
-            try:
-                await nc.publish(msg.reply, protocol.encode(answer))
-            except nats.errors.Error as exc:
-                log.warning("could not reply on %s: %s", msg.subject, exc)
-
-    return await nc.subscribe(subject, queue=queue, cb=on_message, pending_bytes_limit=256 << 20)
-
-
 async def listen(
     nc: NATS, subject: str, kind: type[M], handler: Callable[[M], Awaitable[None]]
 ) -> Subscription:
-    """Subscribe to a one-way stream of `kind` messages; bad ones are logged and dropped."""
+    """A client's subscription to a one-way stream of `kind` messages; bad ones are logged and
+    dropped. (Services declare endpoints on the runtime instead.)"""
     decoder = protocol.decoder_for(kind)
 
     async def on_message(msg: Msg) -> None:
@@ -230,18 +197,3 @@ async def with_retries(
 
 def decode_entry(kind: type[T], value: bytes) -> T:
     return msgspec.json.decode(value, type=kind)
-
-
-async def unless_stopped(stopping: asyncio.Event, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if `stopping` is set first (nats-py retries an unreachable server
-    forever, and a service told to stop must still clean up)."""
-    task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    stop.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None

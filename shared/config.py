@@ -1,23 +1,43 @@
-"""Typed configuration, validated once. Each process gets one frozen config; CLI flags map 1:1 to
-fields, and a bad value is reported with the name of its flag."""
+"""Typed configuration, validated once.
+
+Each process gets one frozen, keyword-only dataclass. Its fields are the single source of the
+process's command line: `setting()` gives a field its default and help text, `add_flags` turns the
+fields into argparse flags, `from_args` builds the config back from them, and `to_argv` renders a
+config as the argv that starts the process (what `belayer up` and the shadow supervisor pass on).
+A default is written once, in the field. A bad value is reported with the name of its flag.
+
+Flag names follow the field: underscores become dashes and a trailing `_s` (seconds) is dropped,
+so `heartbeat_timeout_s` is `--heartbeat-timeout`; `setting(flag=...)` names one otherwise. A bool
+that defaults to False is a switch (`--shared-memory`); one that defaults to True is turned off
+with `--no-<name>`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
+
+from belayer_rl.shared.presets import PRESETS
 
 NATS_URL_ENV = "BELAYER_NATS_URL"
 STATE_DIR_ENV = "BELAYER_STATE_DIR"
 DEFAULT_STATE_DIR = Path(".belayer")
+
+C = TypeVar("C")
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the flag."""
 
 
-def _positive(flag: str, value: float) -> None:
+def positive(flag: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{flag} must be > 0, got {value}")
 
@@ -41,101 +61,294 @@ def resolve_nats_url(flag: str | None, state_dir: Path | None = None) -> str:
     )
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    nats_url: str
-    chunk_tokens: int = 256  # k: the token log is appended at least every k tokens
-    heartbeat_timeout_s: float = 1.0  # silence after which a worker is declared failed
-    no_worker_deadline_s: float = 30.0  # how long a request waits for any healthy worker
-    dispatch_timeout_s: float = 2.0
-    max_dispatch_attempts: int = 1000  # bound on resumes of one request
-    handover_grace_s: float = 0.0  # how long a failed engine's requests wait for its shadow
-    client_timeout_s: float = 60.0  # a request nobody follows this long is cancelled
+# ---------------------------------------------------------------- fields -> flags -> argv
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str = "",
+    cli: bool = True,
+    choices: tuple[str, ...] = (),
+) -> Any:
+    """A config field: its default, its help text, and optionally its flag's name. `cli=False`
+    keeps a field off the command line (set by code only)."""
+    metadata = {"help": help, "flag": flag, "cli": cli, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def same_as(owner: type, name: str, *, flag: str = "") -> Any:
+    """A field that repeats another config's field (a cluster passes it on to a service): the
+    default and help come from there, so they are written once."""
+    source = {f.name: f for f in dataclasses.fields(owner)}[name]  # type: ignore[arg-type]
+    metadata = dict(source.metadata)
+    if flag:
+        metadata["flag"] = flag
+    return dataclasses.field(default=source.default, metadata=metadata)
+
+
+def flag_name(field: dataclasses.Field[Any]) -> str:
+    if field.metadata.get("flag"):
+        return str(field.metadata["flag"])
+    name = field.name.removesuffix("_s") if field.name.endswith("_s") else field.name
+    return "--" + name.replace("_", "-")
+
+
+def _dest(field: dataclasses.Field[Any]) -> str:
+    return flag_name(field).removeprefix("--").replace("-", "_")
+
+
+def _cli_fields(cls: type, skip: tuple[str, ...]) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """The command-line fields of `cls`, each with its resolved type (the annotations are strings
+    under `from __future__ import annotations`)."""
+    hints = typing.get_type_hints(cls)
+    return [
+        (field, hints[field.name])
+        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if field.name not in skip and field.metadata.get("cli", False)
+    ]
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(the type inside `X | None`, whether None is allowed)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the config class `cls` (fields in `skip` left out)."""
+    for field, annotation in _cli_fields(cls, skip):
+        kind, _ = _base_type(annotation)
+        required = field.default is dataclasses.MISSING
+        help_text = field.metadata["help"]
+        name = flag_name(field)
+        if kind is bool:
+            if field.default is True:
+                parser.add_argument(
+                    "--no-" + name.removeprefix("--"),
+                    dest=_dest(field),
+                    action="store_false",
+                    help=f"turn off (on by default): {help_text}",
+                )
+            else:
+                parser.add_argument(name, dest=_dest(field), action="store_true", help=help_text)
+            continue
+        options: dict[str, Any] = {"dest": _dest(field), "help": help_text, "required": required}
+        if typing.get_origin(kind) is Literal:
+            options["choices"] = typing.get_args(kind)
+        elif field.metadata["choices"]:
+            options["choices"] = field.metadata["choices"]
+        if typing.get_origin(kind) is tuple:
+            options["type"] = lambda text: tuple(part for part in text.split(",") if part)
+            options["help"] = f"{help_text} (comma-separated)"
+        elif kind in (int, float, Path):
+            options["type"] = kind
+        if not required:
+            options["default"] = field.default
+            if field.default not in (None, "", ()):
+                options["help"] = f"{options['help']} (default: {_render(field.default)})"
+        parser.add_argument(name, **options)
+
+
+def from_args(cls: type[C], args: argparse.Namespace, *, skip: tuple[str, ...] = (), **values: Any) -> C:
+    """The config built from parsed flags (plus `values` for fields set by code). A field named
+    `nats_url` that no flag set is resolved as every command resolves it (resolve_nats_url)."""
+    for field, _ in _cli_fields(cls, skip):
+        values.setdefault(field.name, getattr(args, _dest(field)))
+    if values.get("nats_url") == "":  # a service config: the bus is found as every command finds it
+        values["nats_url"] = resolve_nats_url(None)
+    return cls(**values)
+
+
+def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that recreate `config`'s command-line fields; a field at its default is left out."""
+    argv: list[str] = []
+    for field, annotation in _cli_fields(type(config), skip):
+        value = getattr(config, field.name)
+        if field.default is not dataclasses.MISSING and value == field.default:
+            continue
+        kind, _ = _base_type(annotation)
+        if kind is bool:
+            argv.append(flag_name(field) if value else "--no-" + flag_name(field).removeprefix("--"))
+        elif value is not None:
+            argv += [flag_name(field), _render(value)]
+    return argv
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(part) for part in value)
+    return str(value)
+
+
+def parse_flags(cls: type[C], argv: list[str] | None, *, prog: str, description: str) -> C:
+    """Parse a service's command line into its config; a bad value exits with the flag's name."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(parser, cls)
+    args = parser.parse_args(argv)
+    try:
+        return from_args(cls, args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- the services' configs
+
+
+SHM_PREFIX_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # a server's --shm-prefix: its /dev/shm names start with it
+
+
+def shm_prefix_ok(prefix: str) -> bool:
+    return re.fullmatch(SHM_PREFIX_PATTERN, prefix) is not None
+
+
+def cuda_available() -> bool:
+    import torch  # here, not at the top: a command that only reads configs need not load torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """What every service's config has: where the bus is and how long a drain may take."""
+
+    nats_url: str = setting("", "NATS URL (default: $BELAYER_NATS_URL or the local cluster)", flag="--nats")
+    drain_timeout_s: float = setting(10.0, "seconds a first SIGTERM may take to finish in-flight work")
 
     def __post_init__(self) -> None:
-        _positive("--chunk-tokens", self.chunk_tokens)
-        _positive("--heartbeat-timeout", self.heartbeat_timeout_s)
-        _positive("--no-worker-deadline", self.no_worker_deadline_s)
-        _positive("--dispatch-timeout", self.dispatch_timeout_s)
-        _positive("--max-dispatch-attempts", self.max_dispatch_attempts)
-        _positive("--client-timeout", self.client_timeout_s)
+        positive("--drain-timeout", self.drain_timeout_s)
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    nats_url: str
-    engine_id: str
-    preset: str = "tiny"
-    weights_seed: int = 0
-    weights_path: Path | None = None
-    num_blocks: int = 512
-    max_step_tokens: int = 128
-    heartbeat_interval_s: float = 0.2
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig(ServiceConfig):
+    chunk_tokens: int = setting(256, "k: the token log is appended at least every k tokens")
+    heartbeat_timeout_s: float = setting(1.0, "seconds of worker silence before it is declared failed")
+    no_worker_deadline_s: float = setting(30.0, "seconds a request waits for any healthy engine")
+    dispatch_timeout_s: float = setting(2.0, "seconds to wait for a worker's ack of a dispatch")
+    max_dispatch_attempts: int = setting(1000, "bound on the attempts (resumes) of one request")
+    handover_grace_s: float = setting(0.0, "seconds a failed engine's requests wait for its shadow")
+    client_timeout_s: float = setting(
+        60.0, "seconds without a following client before a request is cancelled"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("--chunk-tokens", self.chunk_tokens)
+        positive("--heartbeat-timeout", self.heartbeat_timeout_s)
+        positive("--no-worker-deadline", self.no_worker_deadline_s)
+        positive("--dispatch-timeout", self.dispatch_timeout_s)
+        positive("--max-dispatch-attempts", self.max_dispatch_attempts)
+        positive("--client-timeout", self.client_timeout_s)
+        if self.handover_grace_s < 0:
+            raise ConfigError(f"--handover-grace must be >= 0, got {self.handover_grace_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(ServiceConfig):
+    engine_id: str = setting(help="engine this worker serves")
+    preset: str = setting("tiny", "model size preset")
+    weights_seed: int = setting(0, "seed of the random weights")
+    weights_path: Path | None = setting(None, "weights file (overrides --weights-seed)", flag="--weights")
+    num_blocks: int = setting(512, "KV arena size in blocks")
+    max_step_tokens: int = setting(128, "prefill chunk budget per step")
+    heartbeat_interval_s: float = setting(0.2, "seconds between heartbeats")
     # Under a shadow supervisor: "main" serves, "shadow" pre-initialises and waits for a handover.
-    role: Literal["standalone", "main", "shadow"] = "standalone"
-    heartbeat_file: Path | None = None  # mtime refreshed by the scheduling loop
-    shared_memory: bool = False  # map weights and KV arena from the weight and KV servers
-    watch_pid: int = 0  # shadow: the main it stands behind
-    watch_file: Path | None = None  # shadow: the main's heartbeat file
-    hang_timeout_s: float = 2.0  # shadow: main's heartbeat file older than this is a hang
+    role: Literal["standalone", "main", "shadow"] = setting("standalone", "standalone, or main/shadow")
+    heartbeat_file: Path | None = setting(None, "file whose mtime the scheduling loop refreshes")
+    shared_memory: bool = setting(False, "map weights and KV arena from the weight and KV servers")
+    watch_pid: int = setting(0, "shadow: pid of the main it stands behind")
+    watch_file: Path | None = setting(None, "shadow: the main's heartbeat file")
+    hang_timeout_s: float = setting(2.0, "shadow: a main's heartbeat file older than this is a hang")
 
     def __post_init__(self) -> None:
-        _positive("--num-blocks", self.num_blocks)
-        _positive("--max-step-tokens", self.max_step_tokens)
-        _positive("--heartbeat-interval", self.heartbeat_interval_s)
+        super().__post_init__()
+        positive("--num-blocks", self.num_blocks)
+        positive("--max-step-tokens", self.max_step_tokens)
+        positive("--heartbeat-interval", self.heartbeat_interval_s)
         if self.weights_path is not None and not self.weights_path.is_file():
             raise ConfigError(f"--weights {self.weights_path} is not a file")
         if self.role == "shadow" and (self.watch_pid <= 0 or self.watch_file is None):
             raise ConfigError("--role shadow needs --watch-pid and --watch-file")
-        _positive("--hang-timeout", self.hang_timeout_s)
+        positive("--hang-timeout", self.hang_timeout_s)
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
-    state_dir: Path
-    engines: int = 2
-    preset: str = "tiny"
-    weights_seed: int = 0
-    nats_url: str | None = None  # None: start the embedded nats-server
-    nats_port: int = 0  # 0: pick a free port
-    chunk_tokens: int = 256
-    heartbeat_timeout_s: float = 1.0
-    no_worker_deadline_s: float = 30.0
-    client_timeout_s: float = 60.0  # the router cancels a request nobody has followed this long
-    restart_backoff_s: float = 0.2
-    max_restart_backoff_s: float = 5.0
-    shadows: bool = True  # workers under the shadow supervisor, with weight and KV servers
-    hang_timeout_s: float = 2.0  # shadow: a main's stale heartbeat file means a hang
-    failure_window_s: float = 60.0  # two failures of one engine inside it: quarantine
-    sandboxes: bool = True  # start the checkpointer when a Docker engine answers
+@dataclass(frozen=True, kw_only=True)
+class ShadowSupervisorConfig(ServiceConfig):
+    engines: tuple[str, ...] = setting(help="engine ids")
+    state_dir: Path = setting(help="heartbeat files and worker logs")
+    preset: str = same_as(WorkerConfig, "preset")
+    weights_seed: int = same_as(WorkerConfig, "weights_seed")
+    num_blocks: int = same_as(WorkerConfig, "num_blocks")
+    hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
+    failure_window_s: float = setting(60.0, "a second failure of one engine inside it quarantines it (s)")
+    death_timeout_s: float = setting(2.0, "how long a SIGKILLed main may take to be reaped (s)")
+    start_timeout_s: float = setting(120.0, "how long a worker's start-up may take, cold path included (s)")
 
     def __post_init__(self) -> None:
-        if self.engines < 0:
-            raise ConfigError(f"--engines must be >= 0, got {self.engines}")
-        _positive("--chunk-tokens", self.chunk_tokens)
-        _positive("--heartbeat-timeout", self.heartbeat_timeout_s)
-        _positive("--no-worker-deadline", self.no_worker_deadline_s)
-        _positive("--restart-backoff", self.restart_backoff_s)
-        _positive("--client-timeout", self.client_timeout_s)
-
-
-@dataclass(frozen=True)
-class ShadowSupervisorConfig:
-    nats_url: str
-    engines: tuple[str, ...]
-    state_dir: Path  # heartbeat files and worker logs
-    preset: str = "tiny"
-    weights_seed: int = 0
-    num_blocks: int = 512
-    hang_timeout_s: float = 2.0  # a main's heartbeat file older than this is a hang
-    failure_window_s: float = 60.0  # a second failure of one engine inside it: quarantine
-    death_timeout_s: float = 2.0  # how long a SIGKILLed main may take to be reaped
-    start_timeout_s: float = 120.0  # a worker's start-up (cold path included)
-
-    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.engines:
             raise ConfigError("--engines must name at least one engine")
-        _positive("--hang-timeout", self.hang_timeout_s)
-        _positive("--failure-window", self.failure_window_s)
-        _positive("--death-timeout", self.death_timeout_s)
-        _positive("--start-timeout", self.start_timeout_s)
+        positive("--hang-timeout", self.hang_timeout_s)
+        positive("--failure-window", self.failure_window_s)
+        positive("--death-timeout", self.death_timeout_s)
+        positive("--start-timeout", self.start_timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightServerConfig(ServiceConfig):
+    preset: str = setting("tiny", "model size preset the weights must fit")
+    shm_prefix: str = setting("belayer", "names of its /dev/shm segments start with <prefix>.w.")
+    weights_seed: int = setting(0, "seed of the random initial weights")
+    weights_path: Path | None = setting(
+        None, "initial weights file (overrides --weights-seed)", flag="--weights"
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", "where the weights live (auto: cuda if torch sees one)"
+    )
+    sweep_interval_s: float = setting(1.0, "seconds between sweeps for the pins of dead holders")
+    free_grace_s: float = setting(10.0, "seconds an unpinned version other than the newest is kept")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device == "auto":  # resolved once, so every reader sees cpu or cuda
+            object.__setattr__(self, "device", "cuda" if cuda_available() else "cpu")
+        if self.preset not in PRESETS:  # the table of sizes, no torch
+            raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
+        if not shm_prefix_ok(self.shm_prefix):
+            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {SHM_PREFIX_PATTERN}")
+        if self.weights_path is not None and not self.weights_path.is_file():
+            raise ConfigError(f"--weights {self.weights_path} is not a file")
+        if self.device == "cuda" and not cuda_available():
+            raise ConfigError("--device cuda: torch sees no CUDA device")
+        if not self.sweep_interval_s > 0:
+            raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
+        if not self.free_grace_s >= 0:
+            raise ConfigError(f"--free-grace must be >= 0, got {self.free_grace_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvServerConfig(ServiceConfig):
+    shm_prefix: str = setting("belayer", "names of its /dev/shm segments start with <prefix>.kv.")
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", "where arenas live (auto: cuda if torch sees one)"
+    )
+    max_arena_mb: int = setting(16 << 10, "the largest arena of one engine; bigger requests are refused")
+
+    @property
+    def max_arena_bytes(self) -> int:
+        return self.max_arena_mb << 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device == "auto":  # resolved once, so every reader sees cpu or cuda
+            object.__setattr__(self, "device", "cuda" if cuda_available() else "cpu")
+        if not shm_prefix_ok(self.shm_prefix):
+            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {SHM_PREFIX_PATTERN}")
+        if self.device == "cuda" and not cuda_available():
+            raise ConfigError("--device cuda: torch sees no CUDA device")
+        if self.max_arena_mb <= 0:
+            raise ConfigError(f"--max-arena-mb must be > 0, got {self.max_arena_mb}")

@@ -32,6 +32,24 @@ WeightVersion = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-
 
 FinishReason = Literal["eos", "stop", "length", "cancelled", "error"]
 
+# Every error code that crosses the wire (ErrorReply, GenerateError, a log end), shared by the side
+# that raises it (ServiceError) and the side that matches it. A new code is a schema change.
+ErrorCode = Literal[
+    # any service: the runtime's envelope and the bus
+    "bad-request", "internal", "timeout", "no-responders", "unavailable",
+    # router
+    "duplicate-request", "unknown-request", "no-workers", "unknown-weight-version", "log-unavailable",
+    "engine-rejected", "too-many-attempts",
+    # worker
+    "stale-epoch", "stale-attempt", "wrong-engine", "weight-version",
+    # weight and KV servers
+    "unknown-version", "bad-weights", "dead-holder", "unknown-engine", "unknown-preset", "shape-mismatch",
+    "too-large", "no-space",
+    # checkpointer
+    "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
+    "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
+]  # fmt: skip
+
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = SCHEMA_VERSION
@@ -90,7 +108,7 @@ class GenerateEnd(Message, tag="end", kw_only=True):
 
 class GenerateError(Message, tag="error", kw_only=True):
     request_id: RequestId
-    code: str
+    code: ErrorCode
     message: str
     num_tokens: Position = 0
 
@@ -103,11 +121,26 @@ class Ack(Message, tag="ack", kw_only=True):
 
 
 class ErrorReply(Message, tag="error_reply", kw_only=True):
-    code: str
+    code: ErrorCode
     message: str
 
 
 Reply = Ack | ErrorReply
+
+
+class StatsRequest(Message, tag="stats", kw_only=True):
+    pass
+
+
+class ServiceStats(Message, tag="service_stats", kw_only=True):
+    """A service process's own account (the runtime answers it on `belayer.svc.<name>.stats`)."""
+
+    name: str
+    pid: int
+    ready: bool
+    uptime_s: float
+    handled: int  # messages taken off its endpoints
+    errors: dict[str, int]  # error replies and dropped messages, by ErrorCode
 
 # ---------------------------------------------------------------- router <-> worker
 
@@ -196,7 +229,7 @@ class RequestResumed(Message, tag="request_resumed", kw_only=True):
 
 class RequestFailed(Message, tag="request_failed", kw_only=True):
     request_id: RequestId
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -289,7 +322,7 @@ class LogEnd(Message, tag="log_end", kw_only=True):
     finish_reason: FinishReason
     num_tokens: Position
     resumes: Position = 0
-    error_code: str = ""
+    error_code: ErrorCode | Literal[""] = ""
     error: str = ""
 
 
@@ -361,6 +394,8 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
         message = decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise BadMessage(str(exc)) from None
+    except RecursionError:  # nesting deeper than the decoder's recursion can follow
+        raise BadMessage("payload nested too deeply") from None
     if isinstance(message, Message) and message.v > SCHEMA_VERSION:
         raise BadMessage(f"schema version {message.v} is newer than {SCHEMA_VERSION}")
     return message
@@ -572,10 +607,52 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
     context_len: Annotated[int, Meta(ge=0)] = 0
 
 
+# ---------------------------------------------------------------- event kinds
+# What a listener decodes follows from the subject: `belayer.evt.<kind>.<id>...` carries exactly
+# EVENT_TYPES[kind], declared here once for every event the project publishes. The rule for a kind:
+# it is the name the publisher puts after `belayer.evt.` (subjects.event(kind, ...), which refuses
+# a kind missing here). That name equals the Struct's tag for every kind but `worker_registered`,
+# whose WorkerRegistration keeps its older tag "register" (tags and subjects are wire contract).
+# Placed after the sandbox section because the table names its Structs at import time.
+
+EVENT_TYPES: dict[str, type[Message]] = {
+    "heartbeat": Heartbeat,
+    "worker_registered": WorkerRegistration,
+    "worker_failed": WorkerFailed,
+    "request_resumed": RequestResumed,
+    "request_failed": RequestFailed,
+    "process": ProcessEvent,
+    "router_started": RouterStarted,
+    "handover": Handover,
+    "engine_quarantined": EngineQuarantined,
+    "weights_published": WeightsPublished,
+    "checkpoint_ready": CheckpointReady,
+    "env_failure": EnvFailure,
+    "sandbox_restored": SandboxRestored,
+}
+
+# Every event of EVENT_TYPES, for a listener that takes any kind on one decoder (the tags are distinct).
+AnyEvent = (
+    Heartbeat
+    | WorkerRegistration
+    | WorkerFailed
+    | RequestResumed
+    | RequestFailed
+    | ProcessEvent
+    | RouterStarted
+    | Handover
+    | EngineQuarantined
+    | WeightsPublished
+    | CheckpointReady
+    | EnvFailure
+    | SandboxRestored
+)
+
+
 # ---------------------------------------------------------------- weight and KV servers
 # The weight server owns the model weights, one shared-memory segment per version; the kv-server
 # owns each engine's KV arena, one segment per engine. Both reply with handles a worker maps
-# without copying (services/worker/shm.py): a segment name and a byte layout, plus a CUDA IPC
+# without copying (shared/segments.py): a segment name and a byte layout, plus a CUDA IPC
 # handle when the data lives on a GPU. `instance` changes whenever a server restarts, so a handle
 # from a dead instance is recognisable (its segments were removed by the restarted server).
 
@@ -632,7 +709,7 @@ class ArenaHandle(Message, tag="arena_handle", kw_only=True):
     num_blocks: Annotated[int, Meta(ge=1)]
     block_size: Annotated[int, Meta(ge=1)]
     segment: SegmentName
-    manifest: SegmentManifest  # one tensor, "arena", shaped as kv_cache.arena_shape
+    manifest: SegmentManifest  # one tensor, "arena", shaped as presets.arena_shape
     cuda: CudaIpcHandle | None = None
 
 
@@ -659,7 +736,7 @@ class WeightsUnpin(Message, tag="weights_unpin", kw_only=True):
 
 
 class WeightsPublish(Message, tag="weights_publish", kw_only=True):
-    """Load a weights file (written by model.save_params) as a new version and make it the newest."""
+    """Load a weights file (written by params.save_params) as a new version and make it the newest."""
 
     path: Annotated[str, Meta(min_length=1, max_length=4096)]
 
@@ -717,3 +794,62 @@ class KvServerAlive(Message, tag="kv_server_alive", kw_only=True):
     engines: list[EngineId]
     device: Literal["cpu", "cuda"] = "cpu"
     segments: dict[EngineId, SegmentName] = {}  # each engine's current arena segment
+
+
+# ---------------------------------------------------------------- shadow pipe
+# The shadow supervisor and each worker it starts talk over the worker's stdin and stdout, one
+# encoded message per line: the worker reports (WorkerReport) on stdout, the supervisor commands
+# (ShadowCommand) on stdin. Each side decodes a line with decode(decoder_for(...)); a line that does
+# not decode is logged and dropped, so a stray print on either side cannot take an engine down.
+
+
+class WorkerIdle(Message, tag="worker_idle", kw_only=True):
+    """A shadow has built everything it needs to serve and stands by. The instances are those of
+    the weight and KV servers that own what it mapped (None: nothing mapped from that server): a
+    restarted server owns none of it, and the supervisor must see that before a handover."""
+
+    weights_instance: InstanceId | None = None
+    kv_instance: InstanceId | None = None
+
+
+class MainFailed(Message, tag="main_failed", kw_only=True):
+    """A shadow saw its main fail: it exited (its pidfd), or it hangs (its heartbeat file is stale)."""
+
+    reason: Literal["exit", "hang"]
+    heartbeat_age_s: Annotated[float, Meta(ge=0.0)] = 0.0  # a hang's staleness; 0 for an exit
+
+
+class WorkerReady(Message, tag="worker_ready", kw_only=True):
+    """The worker serves: it installed itself in the engine registry under `epoch`."""
+
+    epoch: Epoch
+
+
+class WorkerUnhealthy(Message, tag="worker_unhealthy", kw_only=True):
+    """The worker will not serve (a promoted shadow failed its device check) and exits."""
+
+    why: str
+
+
+WorkerReport = WorkerIdle | MainFailed | WorkerReady | WorkerUnhealthy
+
+
+class PromoteShadow(Message, tag="promote_shadow", kw_only=True):
+    """Take over: the main is confirmed dead, both servers answer and the arena is flushed."""
+
+
+ShadowCommand = PromoteShadow  # a union of one so far; a new command joins it here
+
+
+class EngineWorkers(Message, tag="engine_workers", kw_only=True):
+    """One engine in the shadow supervisor's state file: its worker pids (0: none now)."""
+
+    main: Annotated[int, Meta(ge=0)] = 0
+    shadow: Annotated[int, Meta(ge=0)] = 0
+    quarantined: bool = False
+
+
+# `<state>/workers/engines.json`, written by the shadow supervisor, read by `belayer status` and
+# tests. A mapping keyed by engine id rather than one Struct, so that readers indexing
+# `[engine]["main"]` (benchmarks, scripts) keep working.
+ShadowState = dict[EngineId, EngineWorkers]

@@ -26,7 +26,6 @@ import fcntl
 import math
 import mmap
 import os
-import re
 import struct
 import warnings
 from pathlib import Path
@@ -47,8 +46,6 @@ SHM_DIR = Path("/dev/shm")
 ALIGN = 64
 MAGIC = b"BLYRSEG1"
 _HEAD = struct.Struct("<8sQ")  # magic, manifest length
-PREFIX_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # a server's --shm-prefix
-
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -189,10 +186,6 @@ class PrefixLock:
 
 class PrefixBusy(RuntimeError):
     """Another live process holds the lock of the shared-memory prefix."""
-
-
-def prefix_ok(prefix: str) -> bool:
-    return re.fullmatch(PREFIX_PATTERN, prefix) is not None
 
 
 def remove_leftovers(prefix: str, keep: tuple[str, ...] = ()) -> list[str]:

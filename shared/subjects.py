@@ -4,6 +4,8 @@ Every subject starts with `belayer.<domain>`; events live under `belayer.evt.` s
 `nats sub 'belayer.evt.>'` shows all of them. The schema version travels in the message.
 """
 
+from belayer_rl.shared.protocol import EVENT_TYPES
+
 PREFIX = "belayer"
 
 # Router RPC (one active router; it owns the in-flight state, so no queue group).
@@ -14,6 +16,15 @@ ROUTER_REGISTER = f"{PREFIX}.router.register"
 ROUTER_STATUS = f"{PREFIX}.router.status"
 ROUTER_KEEPALIVE = f"{PREFIX}.router.keepalive"  # ClientKeepAlive: a client still follows these
 ROUTER_WORKER_STREAM = f"{PREFIX}.router.worker_stream"  # WorkerChunk / WorkerDone from workers
+
+# Every service process answers StatsRequest here (the runtime's endpoint): readiness, messages
+# handled, errors by code.
+SERVICE_PREFIX = f"{PREFIX}.svc"
+
+
+def service_stats(name: str) -> str:
+    return f"{SERVICE_PREFIX}.{name}.stats"
+
 
 EVENTS = f"{PREFIX}.evt"
 EVENTS_ALL = f"{EVENTS}.>"
@@ -35,8 +46,17 @@ def worker_cancel(engine_id: str) -> str:
 
 
 def event(kind: str, *ids: str) -> str:
-    """`belayer.evt.<kind>[.<id>...]`, e.g. event("heartbeat", "e0")."""
+    """`belayer.evt.<kind>[.<id>...]`, e.g. event("heartbeat", "e0"). The kind must be one of
+    protocol.EVENT_TYPES: a subject whose kind is declared nowhere could not be decoded by listeners."""
+    if kind not in EVENT_TYPES:
+        raise ValueError(f"event kind {kind!r} is not declared in protocol.EVENT_TYPES")
     return ".".join((EVENTS, kind, *ids))
+
+
+def event_kind(subject: str) -> str:
+    """The kind of an event subject: the token after `belayer.evt.` ("" outside `belayer.evt.`)."""
+    head, _, rest = subject.partition(".evt.")
+    return rest.split(".", 1)[0] if head == PREFIX else ""
 
 
 def token_log(request_id: str) -> str:

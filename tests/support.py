@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from belayer_rl.cli.cluster import Supervisor, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
 from belayer_rl.shared import bus, protocol, subjects, tokenizer
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import ClusterConfig
 from belayer_rl.shared.processes import start_nats_server
 
 T = TypeVar("T")

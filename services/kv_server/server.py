@@ -17,13 +17,12 @@ import math
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from belayer_rl.shared import segments
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import ConfigError
+from belayer_rl.shared.config import KvServerConfig
 from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     Ack,
@@ -38,22 +37,6 @@ from belayer_rl.shared.protocol import (
 log = logging.getLogger("belayer.kv_server")
 
 # ---------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class KvServerConfig:
-    nats_url: str
-    shm_prefix: str
-    device: Literal["cpu", "cuda"] = "cpu"
-    max_arena_bytes: int = 16 << 30  # one engine's arena; bigger requests are refused
-
-    def __post_init__(self) -> None:
-        if not segments.prefix_ok(self.shm_prefix):
-            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {segments.PREFIX_PATTERN}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: torch sees no CUDA device")
-        if self.max_arena_bytes <= 0:
-            raise ConfigError(f"--max-arena-mb must be > 0, got {self.max_arena_bytes >> 20}")
 
 
 # ---------------------------------------------------------------------------- state

@@ -63,6 +63,7 @@ from belayer_rl.shared.protocol import (
     WorkerFailed,
     WorkerRegistration,
 )
+from belayer_rl.shared.runtime import Spawn
 
 log = logging.getLogger("belayer.router")
 
@@ -118,8 +119,11 @@ class Engine:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, nc: NATS, js: JetStreamContext, kv: KeyValue) -> None:
+    def __init__(
+        self, config: RouterConfig, nc: NATS, js: JetStreamContext, kv: KeyValue, spawn: Spawn
+    ) -> None:
         self.config = config
+        self.spawn = spawn  # the runtime's owned tasks: cancelled and awaited at shutdown
         self.nc = nc
         self.js = js
         self.kv = kv
@@ -129,15 +133,9 @@ class Router:
         # Attempt ids grow across router incarnations (milliseconds at start-up, times 1000), so
         # whatever a worker still runs for an earlier router can never match a current attempt.
         self.next_attempt = time.time_ns() // 1_000_000 * 1000
-        self.tasks: set[asyncio.Task[None]] = set()
         self.dropped_chunks = 0
         self.reported_weights: str | None = None  # what workers last said they serve
         self.weight_server_quiet_until = 0.0  # after a timeout, not asked again for a while
-
-    def spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
     # ------------------------------------------------------------ client RPC
 
@@ -201,7 +199,7 @@ class Router:
     async def cancel(self, request: Request) -> None:
         if request.engine_id is not None:
             cancel = CancelDispatch(request_id=request.request_id, attempt=request.attempt)
-            self.spawn(self.tell_worker(request.engine_id, cancel))
+            self.spawn(self.tell_worker(request.engine_id, cancel), "cancel-dispatch")
         await self.finish(request, "cancelled")
 
     async def on_status(self, _: StatusRequest) -> RouterStatus:
@@ -344,7 +342,7 @@ class Router:
         if request.waiting_since is None:
             request.waiting_since = time.monotonic()
         if not request.dispatching:
-            self.spawn(self.dispatch(request))
+            self.spawn(self.dispatch(request), f"dispatch-{request.request_id}")
 
     async def resume(
         self, request: Request, reason: str, *, prefer: str | None = None, for_s: float = 0.0

@@ -76,8 +76,9 @@ class LogWriter:
             finally:
                 self.queue.task_done()
 
-    async def flush(self, timeout_s: float) -> None:
-        await asyncio.wait_for(self.queue.join(), timeout_s)
+    async def drain(self) -> None:
+        """Until every queued record is appended (the caller bounds the wait)."""
+        await self.queue.join()
 
 
 # ---------------------------------------------------------------- reading

@@ -23,14 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from nats.aio.client import Client as NATS
 
 from belayer_rl.shared import bus, segments, subjects
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import ConfigError
+from belayer_rl.shared.config import WeightServerConfig
 from belayer_rl.shared.params import Params, check_params, init_params, load_params, seed_version
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
@@ -51,32 +50,6 @@ from belayer_rl.shared.protocol import (
 log = logging.getLogger("belayer.weight_server")
 
 # ---------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class WeightServerConfig:
-    nats_url: str
-    preset: str
-    shm_prefix: str
-    weights_seed: int = 0
-    weights_path: Path | None = None  # overrides weights_seed
-    device: Literal["cpu", "cuda"] = "cpu"
-    sweep_interval_s: float = 1.0
-    free_grace_s: float = 10.0  # how long an unneeded version is kept before it is freed
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
-        if not segments.prefix_ok(self.shm_prefix):
-            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {segments.PREFIX_PATTERN}")
-        if self.weights_path is not None and not self.weights_path.is_file():
-            raise ConfigError(f"--weights {self.weights_path} is not a file")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: torch sees no CUDA device")
-        if not self.sweep_interval_s > 0:
-            raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
-        if not self.free_grace_s >= 0:
-            raise ConfigError(f"--free-grace must be >= 0, got {self.free_grace_s}")
 
 
 # ---------------------------------------------------------------------------- holders

@@ -73,6 +73,10 @@ class Worker:
         self.wake = asyncio.Event()
         self.stopping = stopping
 
+    async def wake_up(self) -> None:
+        """Wake the scheduling loop (it ends once `stopping` is set)."""
+        self.wake.set()
+
     # ------------------------------------------------------------ handlers
 
     async def on_dispatch(self, dispatch: Dispatch) -> Ack:

@@ -8,6 +8,7 @@ import os
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.runtime import Runtime
 
 
 async def test_heartbeat_and_registration_together_install_the_engine_once(nats_server) -> None:
@@ -18,7 +19,8 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
     try:
         js = nc.jetstream()
         kv = await bus.declare_jetstream(js)
-        router = Router(RouterConfig(nats_url=nats_server.url), nc, js, kv)
+        config = RouterConfig(nats_url=nats_server.url)
+        router = Router(config, nc, js, kv, Runtime("test-router", config).spawn)
         epoch = await registry.install_worker(kv, "e0", os.getpid())
         installed = []
         router.dispatch_waiting = lambda: installed.append(router.engines["e0"])  # type: ignore[method-assign]

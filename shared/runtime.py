@@ -1,0 +1,340 @@
+"""The one service runtime: what every Belayer service process shares, written once.
+
+A service is a setup coroutine `setup(runtime, config)` that builds its state, declares its
+endpoints and timers on the runtime, and returns. The runtime owns everything around it:
+
+- the NATS connection (one per process), which a stop request interrupts even while the server
+  is unreachable and nats-py would otherwise retry forever;
+- signals: the first SIGTERM/SIGINT drains, the second exits at once (exit status 1);
+- the one error envelope: a handler's `ServiceError` becomes an `ErrorReply` with its typed code,
+  every decode failure (RecursionError included) becomes "bad-request", anything else becomes
+  "internal", logged with its traceback; all of them are counted by code;
+- owned background tasks and timers, cancelled and awaited at shutdown;
+- logging set-up, readiness (`ready()`), and a stats endpoint per process,
+  `belayer.svc.<name>.stats`, where the error counts can be read (and where metrics plug in).
+
+The drain, in order: stop intake (unsubscribe every endpoint), let in-flight handlers finish and
+run the service's drain hooks within `--drain-timeout`, cancel what is left (handlers, tasks,
+timers), run the close callbacks in reverse order, close the connection.
+
+Shape after uvicorn's `Server` (capture signals, serve, shutdown) and nats.py's micro `Service`
+(endpoints with one handler wrapper that maps errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import nats.errors
+import uvloop
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import ConfigError, ServiceConfig
+from belayer_rl.shared.protocol import ErrorReply, Message, ServiceStats, StatsRequest
+
+log = logging.getLogger("belayer.runtime")
+
+C = TypeVar("C", bound=ServiceConfig)
+T = TypeVar("T")
+Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]  # Runtime.spawn, for a service's state
+CLOSE_TIMEOUT_S = 2.0  # closing the connection must not hang a stop when NATS is gone
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class Stopped(Exception):
+    """A stop was requested before the setup finished (for example while NATS was unreachable)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One subscription: the message types accepted on `subject` (a Struct or a union of them)
+    and the handler that gets each decoded message.
+
+    `reply`: the handler's answer (or its error) goes back to the sender; one-way endpoints log and
+    drop a failure. `concurrent`: each message runs as its own task, started in arrival order;
+    otherwise messages are handled one after another, as they arrived. `with_subject`: the
+    handler also gets the subject the message came on (for wildcard subscriptions)."""
+
+    subject: str
+    accepts: Any
+    handler: Callable[..., Awaitable[Message | None]]
+    reply: bool = True
+    concurrent: bool = False
+    with_subject: bool = False
+    queue: str = ""
+
+
+class Runtime:
+    """One per process. Built by `run()`; the service's setup receives it."""
+
+    def __init__(self, name: str, config: ServiceConfig) -> None:
+        self.name = name
+        self.config = config
+        self.stopping = asyncio.Event()
+        self.errors: Counter[str] = Counter()  # error replies and dropped messages, by code
+        self.handled = 0
+        self.started_at = time.time()
+        self.is_ready = False
+        self._nc: NATS | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._subscriptions: list[Subscription] = []
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        self._signals_captured = False
+
+    # ------------------------------------------------------------ connection
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise RuntimeError("not connected: call `await runtime.connect()` first")
+        return self._nc
+
+    async def connect(self) -> NATS:
+        """Connect (once), retrying while NATS is unreachable; a stop request ends the wait."""
+        if self._nc is not None:
+            return self._nc
+
+        async def reconnected() -> None:
+            for callback in self._on_reconnect:
+                await callback()
+
+        nc = await self.unless_stopped(bus.connect(self.config.nats_url, self.name, on_reconnect=reconnected))
+        self._nc = nc
+        await self.serve(Endpoint(subjects.service_stats(self.name), StatsRequest, self._on_stats))
+        return nc
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        self._on_reconnect.append(callback)
+
+    async def unless_stopped(self, work: Awaitable[T]) -> T:
+        """`work`'s result; raises Stopped (and cancels `work`) if a stop is requested first
+        (nats-py retries an unreachable server forever, and a service told to stop must go)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise Stopped
+
+    async def publish(self, subject: str, message: Message) -> None:
+        await bus.publish(self.nc, subject, message)
+
+    # ------------------------------------------------------------ declarations
+
+    async def serve(self, *endpoints: Endpoint) -> None:
+        """Subscribe each endpoint; messages are decoded with the types it declares."""
+        for endpoint in endpoints:
+            callback = self._callback(endpoint)
+            sub = await self.nc.subscribe(
+                endpoint.subject, queue=endpoint.queue, cb=callback, pending_bytes_limit=256 << 20
+            )
+            self._subscriptions.append(sub)
+
+    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """An owned background task: cancelled and awaited at shutdown; a crash is logged."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def every(self, interval_s: float, tick: Callable[[], Awaitable[None] | None], name: str) -> None:
+        """A timer: `tick` every `interval_s`; an error is logged and the timer goes on."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    result = tick()
+                    if result is not None:
+                        await result
+                except Exception:
+                    log.exception("%s: timer %s failed", self.name, name)
+
+        self.spawn(loop(), name)
+
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Work to finish after intake stopped and before stragglers are cancelled (bounded by the
+        drain timeout): a router flushes its token log here."""
+        self._drain_hooks.append(hook)
+
+    def on_close(self, callback: Callable[[], Any]) -> None:
+        """Run at the very end, in reverse order of registration (sync or async)."""
+        if asyncio.iscoroutinefunction(callback):
+            self._stack.push_async_callback(callback)
+        else:
+            self._stack.callback(callback)
+
+    def ready(self, detail: str) -> None:
+        self.is_ready = True
+        log.info("%s ready: %s", self.name, detail)
+
+    # ------------------------------------------------------------ the error envelope
+
+    def _callback(self, endpoint: Endpoint) -> Callable[[Msg], Awaitable[None]]:
+        decoder = protocol.decoder_for(endpoint.accepts)
+
+        async def handle(msg: Msg) -> None:
+            answer: Message | None
+            try:
+                message = protocol.decode(decoder, msg.data)
+                if endpoint.with_subject:
+                    answer = await endpoint.handler(message, msg.subject)
+                else:
+                    answer = await endpoint.handler(message)
+            except protocol.BadMessage as exc:
+                log.warning("%s: dropped bad message on %s: %s", self.name, msg.subject, exc)
+                answer = self._error("bad-request", str(exc))
+            except ServiceError as exc:
+                log.info("%s: %s: %s", self.name, msg.subject, exc)
+                answer = self._error(exc.code, exc.message)
+            except Exception as exc:  # a handler bug must not kill the subscription
+                log.exception("%s: handler for %s failed", self.name, msg.subject)
+                answer = self._error("internal", f"{type(exc).__name__}: {exc}")
+            self.handled += 1
+            if endpoint.reply and msg.reply and answer is not None:
+                try:
+                    await self.nc.publish(msg.reply, protocol.encode(answer))
+                except (nats.errors.Error, msgspec.ValidationError, ValueError) as exc:
+                    log.warning("%s: could not reply on %s: %s", self.name, msg.subject, exc)
+
+        async def on_message(msg: Msg) -> None:
+            # Every handler runs as an owned task, so a drain can wait for it and then cancel it.
+            task = asyncio.create_task(handle(msg))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            if not endpoint.concurrent:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
+
+        return on_message
+
+    def _error(self, code: protocol.ErrorCode, message: str) -> ErrorReply:
+        self.errors[code] += 1
+        return ErrorReply(code=code, message=message)
+
+    async def _on_stats(self, _: StatsRequest) -> ServiceStats:
+        return ServiceStats(
+            name=self.name,
+            pid=os.getpid(),
+            ready=self.is_ready,
+            uptime_s=time.time() - self.started_at,
+            handled=self.handled,
+            errors=dict(self.errors),
+        )
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: task %s crashed", self.name, task.get_name(), exc_info=task.exception())
+
+    # ------------------------------------------------------------ lifecycle
+
+    def capture_signals(self) -> None:
+        """First SIGTERM/SIGINT: drain. Second: exit at once. Idempotent."""
+        if self._signals_captured:
+            return
+        self._signals_captured = True
+        loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if self.stopping.is_set():
+                log.warning("%s: second %s, exiting now", self.name, sig.name)
+                os._exit(1)
+            log.info("%s: %s, draining (at most %.1fs)", self.name, sig.name, self.config.drain_timeout_s)
+            self.stopping.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+
+    async def shutdown(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        for sub in self._subscriptions:  # stop intake
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=max(0.0, deadline - time.monotonic()))
+        for hook in self._drain_hooks:
+            try:
+                await asyncio.wait_for(hook(), max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("%s: a drain hook did not finish within the drain timeout", self.name)
+            except Exception:
+                log.exception("%s: a drain hook failed", self.name)
+        stragglers = [*self._in_flight, *self._tasks]
+        if stragglers:
+            for task in stragglers:
+                task.cancel()
+            await asyncio.wait(stragglers, timeout=CLOSE_TIMEOUT_S)
+        await self._stack.aclose()
+        if self._nc is not None:
+            try:
+                await asyncio.wait_for(self._nc.close(), CLOSE_TIMEOUT_S)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("%s: closing the NATS connection: %s", self.name, exc or "timed out")
+
+
+async def serve(
+    name: str,
+    config: C,
+    setup: Callable[[Runtime, C], Awaitable[None]],
+    *,
+    signals_during_setup: bool = True,
+) -> None:
+    """Run one service until a stop request: setup, then wait, then drain.
+
+    `signals_during_setup=False` leaves SIGTERM's default action (die at once) in place until the
+    setup returns: for a process that has nothing to drain until then, and must go without delay
+    when its supervisor goes (a worker still building its engine)."""
+    runtime = Runtime(name, config)
+    if signals_during_setup:
+        runtime.capture_signals()
+    try:
+        try:
+            await runtime.unless_stopped(setup(runtime, config))
+        except Stopped:
+            log.info("%s: stopped before it was ready", name)
+            return
+        runtime.capture_signals()  # if the setup has not already
+        await runtime.stopping.wait()
+    finally:
+        await runtime.shutdown()
+
+
+def run(
+    name: str,
+    config: C,
+    setup: Callable[[Runtime, C], Awaitable[None]],
+    *,
+    signals_during_setup: bool = True,
+    exits_on: tuple[type[Exception], ...] = (),
+) -> None:
+    """A service's `main`: logging, the event loop, and one clear line instead of a traceback for
+    a config error or one of `exits_on` (start-up refusals such as a busy shared-memory prefix)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        uvloop.run(serve(name, config, setup, signals_during_setup=signals_during_setup))
+    except (ConfigError, *exits_on) as exc:
+        sys.exit(f"{name}: {exc}")
