@@ -7,7 +7,8 @@ which its actions, checkpoints and restores pass, so a checkpoint labelled k see
 state right after action k (invariant 3). Environment failures are judged from the container's
 state and raised as ServiceError("env-failure") with an EnvFailure event (invariant 4).
 full_checkpoint and full_restore themselves are in phases.py; this module queues them, bounds
-them in time and reconciles what a crash in the middle left behind.
+them in time, saves the record and announces what they did, and reconciles what a crash in the
+middle left behind.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import aiodocker
 import msgspec
@@ -29,12 +30,14 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from belayer_rl.services.checkpointer import layer, objects, phases, pointer
+from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, dump_in_flight
 from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import (
     Ack,
+    CheckpointReady,
     CheckpointResult,
     EnvFailure,
     ExecResult,
@@ -48,7 +51,7 @@ from belayer_rl.shared.protocol import (
     SandboxList,
     SandboxListing,
     SandboxRestore,
-    SandboxSpec,
+    SandboxRestored,
     TrajectoryEnd,
 )
 
@@ -81,20 +84,6 @@ class CheckpointerConfig:
             raise ConfigError(f"--crash-at must be one of {', '.join(phases.PHASES)}, got {self.crash_at!r}")
 
 
-class SandboxRecord(msgspec.Struct, kw_only=True):
-    """`<state>/sandboxes/<id>.json`: what survives a restart of the checkpointer."""
-
-    sandbox: str
-    spec: SandboxSpec
-    container_id: str
-    image_id: str
-    step: int = 0
-    state: Literal["running", "failed", "destroyed"] = "running"
-    trajectory: str = ""
-    incarnation: int = -1  # -1: not yet bound to a trajectory
-    oom_seen: int = 0
-
-
 @dataclass
 class Sandbox:
     record: SandboxRecord
@@ -113,6 +102,10 @@ class Checkpointer:
         self.sandboxes: dict[str, Sandbox] = {}
         self.tasks: set[asyncio.Task[object]] = set()
         self.objects: ObjectStore | None = None  # set when config.object_store
+        self.host = phases.Host(
+            host_id=config.host_id, engine=engine, store=self.store, kv=kv,
+            max_layer_bytes=int(config.max_layer_gb * (1 << 30)), crash_at=config.crash_at,
+        )  # fmt: skip
 
     def spawn(self, what: str, coro: Coroutine[object, object, object]) -> None:
         """Background work owned by the checkpointer: tracked, its failure logged."""
@@ -159,20 +152,20 @@ class Checkpointer:
                     self.sandboxes[record.sandbox] = Sandbox(record)
         known = {sb.record.container_id: sb for sb in self.sandboxes.values()}
         for container in await self.engine.ours(self.config.host_id):
-            sb = known.pop(container["Id"], None)
+            sb = known.pop(container.id, None)
             if sb is None:  # created but never recorded (a crash right after create): not ours to keep
-                log.info("removing unrecorded sandbox container %s", container["Id"][:12])
-                await self.engine.remove(container["Id"])
+                log.info("removing unrecorded sandbox container %s", container.id[:12])
+                await self.engine.remove(container.id)
                 continue
-            if container.get("State") == "paused":  # a crash mid-checkpoint left it frozen
+            if container.state == "paused":  # a crash mid-checkpoint left it frozen
                 for _ in range(int(ORPHAN_DUMP_WAIT_S * 10)):  # a dump we started may still run
-                    if not dump_in_flight(container["Id"]):
+                    if not dump_in_flight(container.id):
                         break
                     await asyncio.sleep(0.1)
                 log.info("sandbox %s was left frozen: unfreezing", sb.record.sandbox)
                 with contextlib.suppress(aiodocker.DockerError):
-                    await self.engine.unpause(container["Id"])
-            failure, _ = await self.engine.health(container["Id"], sb.record.oom_seen)
+                    await self.engine.unpause(container.id)
+            failure, _ = await self.engine.health(container.id, sb.record.oom_seen)
             if failure is not None and sb.record.state == "running":
                 await self.env_failure(sb, failure)
         for sb in known.values():  # recorded, but its container is gone
@@ -249,34 +242,20 @@ class Checkpointer:
         self.sandboxes[name] = sb  # the name is taken before the first wait
         async with sb.fifo:
             try:
-                sb.record.image_id = (await self.engine.docker.images.inspect(req.spec.image))["Id"]
-                sb.record.container_id = await self.fresh_container(sb, sb.record.image_id)
+                sb.record.image_id = await self.engine.image_id(req.spec.image)
+                await phases.fresh_container(self.host, sb.record, sb.record.image_id)
                 await self.engine.start(sb.record.container_id)
-            except aiodocker.DockerError as exc:
+            except (aiodocker.DockerError, msgspec.ValidationError) as exc:
+                # ValidationError: the engine's reply does not fit; a daemon error like the others
                 self.sandboxes.pop(name, None)
                 if sb.record.container_id:
                     with contextlib.suppress(aiodocker.DockerError):
                         await self.engine.remove(sb.record.container_id)
                 code = "no-image" if not sb.record.image_id else "create-failed"
-                raise ServiceError(code, f"sandbox {name} from {req.spec.image!r}: {exc.message}") from None
+                detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
+                raise ServiceError(code, f"sandbox {name} from {req.spec.image!r}: {detail}") from None
             self.save(sb)
         return self.info(sb)
-
-    async def fresh_container(self, sb: Sandbox, image: str) -> str:
-        """Remove the sandbox's container, if any, and create a new one with the original settings."""
-        if sb.record.container_id:
-            await self.engine.remove(sb.record.container_id)
-        spec = msgspec.structs.replace(sb.record.spec, image=image)
-        try:
-            container_id = await self.engine.create(spec, self.config.host_id, sb.record.sandbox)
-        except aiodocker.DockerError as exc:
-            if exc.status != 409:
-                raise
-            await self.engine.remove(f"belayer-{self.config.host_id}-{sb.record.sandbox}")
-            container_id = await self.engine.create(spec, self.config.host_id, sb.record.sandbox)
-        sb.record.container_id = container_id
-        sb.record.oom_seen = 0
-        return container_id
 
     async def on_exec(self, req: SandboxExec) -> ExecResult:
         sb = self.get(req.sandbox)
@@ -335,8 +314,8 @@ class Checkpointer:
         on, while the sandbox stays locked until the dump has really ended (it is then discarded)."""
         sb = self.get(req.sandbox)
         abandoned = asyncio.Event()
-        await sb.fifo.acquire()  # in arrival order; full_checkpoint releases it when really done
-        task = asyncio.create_task(phases.full_checkpoint(self, sb, req, abandoned))
+        await sb.fifo.acquire()  # in arrival order; checkpoint() releases it when really done
+        task = asyncio.create_task(self.checkpoint(sb, req, abandoned))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
@@ -344,6 +323,44 @@ class Checkpointer:
         except TimeoutError:
             abandoned.set()
             raise ServiceError("timeout", f"checkpoint of {req.sandbox} exceeded {req.timeout_s}s") from None
+
+    async def checkpoint(
+        self, sb: Sandbox, req: SandboxCheckpoint, abandoned: asyncio.Event
+    ) -> CheckpointResult:
+        """Called with the sandbox's FIFO held; releases it once the record says what happened,
+        before the event, the upload and garbage collection, which need not hold up the next action."""
+        try:
+            try:
+                result = await phases.full_checkpoint(self.host, sb.record, req, abandoned)
+            except EnvironmentFailure as failure:
+                raise await self.env_failure(sb, failure) from None
+            self.save(sb)
+        finally:
+            sb.fifo.release()
+        await self.publish(
+            subjects.event("checkpoint_ready", req.trajectory),
+            CheckpointReady(
+                trajectory=result.trajectory, sandbox=result.sandbox, host_id=self.config.host_id,
+                checkpoint_id=result.checkpoint_id, incarnation=result.incarnation, k=result.k,
+                context_digest=result.context_digest, bytes_written=result.bytes_written,
+                freeze_s=result.freeze_s, total_s=result.total_s,
+            ),
+        )  # fmt: skip
+        if self.objects is not None:
+            folder = self.store.trajectory_dir(req.trajectory) / result.checkpoint_id
+            self.spawn(f"upload {result.checkpoint_id}", objects.upload(self.objects, folder, req.trajectory))
+        try:
+            await asyncio.to_thread(self.collect_garbage)
+        except Exception:  # the checkpoint is ready; a GC failure must not say otherwise
+            log.exception("garbage collection after %s failed", result.checkpoint_id)
+        return result
+
+    def collect_garbage(self) -> None:
+        """Past the disk budget, the oldest checkpoints go, never a trajectory's latest."""
+        budget = int(self.config.disk_budget_gb * (1 << 30))
+        keep = {s[0].path for t in self.store.trajectories() if (s := self.store.ready(t))}
+        for path in self.store.enforce_budget(budget, keep):
+            log.info("disk budget: removed checkpoint %s", path.name)
 
     # ------------------------------------------------------------ full_restore
 
@@ -367,13 +384,28 @@ class Checkpointer:
         if sb is None or sb.record.state == "destroyed":
             sb = Sandbox(self.base_record(req.trajectory, current))
             self.sandboxes[current.sandbox] = sb
-        task = asyncio.create_task(phases.full_restore(self, sb, current))
+        task = asyncio.create_task(self.restore(sb, current))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
             return await asyncio.wait_for(asyncio.shield(task), req.timeout_s)
         except TimeoutError:
             raise ServiceError("timeout", f"restore of {req.trajectory} exceeded {req.timeout_s}s") from None
+
+    async def restore(self, sb: Sandbox, current: PrefixPointer) -> RestoreResult:
+        started = time.monotonic()
+        async with sb.fifo:
+            result = await phases.full_restore(self.host, sb.record, current, started)
+            self.save(sb)
+        await self.publish(
+            subjects.event("sandbox_restored", current.trajectory),
+            SandboxRestored(
+                trajectory=result.trajectory, sandbox=result.sandbox, host_id=self.config.host_id,
+                source=result.source, checkpoint_id=result.checkpoint_id, incarnation=result.incarnation,
+                k=result.k, rejected=result.rejected, restore_s=result.restore_s,
+            ),
+        )  # fmt: skip
+        return result
 
     def base_record(self, trajectory: str, current: PrefixPointer) -> SandboxRecord:
         """The sandbox's settings for a restore here: from the trajectory's record, else from the

@@ -19,10 +19,12 @@ import tempfile
 from pathlib import Path
 
 import aiodocker
+import msgspec
 from yarl import URL
 
 DEFAULT_IMAGE = "belayer-sandbox:test"
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
+LABEL_CONTENT = "belayer.content"  # the digest of the rootfs the image was imported from
 
 # memhold MiB: touch MiB of private memory, then sleep forever (pages differ, so none is shared).
 MEMHOLD_C = r"""
@@ -35,6 +37,29 @@ int main(int argc, char **argv) {
     for (;;) pause();
 }
 """
+
+
+class ImageLabels(msgspec.Struct, frozen=True, kw_only=True):
+    """The one label read here; an image's other labels are ignored."""
+
+    content: str = msgspec.field(name=LABEL_CONTENT, default="")
+
+
+class ImageConfig(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    labels: ImageLabels | None = None  # the engine answers null for an image without labels
+
+
+class LabelledImage(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """GET /images/{name}/json, the fields that tell whether the image is the one built here."""
+
+    id: str
+    config: ImageConfig | None = None
+
+    @property
+    def content(self) -> str:
+        """The content label; "" for an image not built here."""
+        labels = self.config.labels if self.config is not None else None
+        return labels.content if labels is not None else ""
 
 
 def static_busybox() -> Path:
@@ -101,15 +126,13 @@ async def ensure_image(docker: aiodocker.Docker, name: str = DEFAULT_IMAGE) -> s
         body = rootfs_tar(static_busybox(), build_memhold(Path(tmp)))
     content = hashlib.sha256(body).hexdigest()[:16]
     try:
-        existing = await docker.images.inspect(name)
-        if (existing.get("Config") or {}).get("Labels", {}) and existing["Config"]["Labels"].get(
-            "belayer.content"
-        ) == content:
-            return existing["Id"]
+        existing = msgspec.convert(await docker.images.inspect(name), type=LabelledImage)
+        if existing.content == content:
+            return existing.id
     except aiodocker.DockerError:
         pass
     repo, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
-    changes = ["CMD /bin/sh", "ENV PATH=/bin", f"LABEL belayer.content={content}"]
+    changes = ["CMD /bin/sh", "ENV PATH=/bin", f"LABEL {LABEL_CONTENT}={content}"]
     query = [("fromSrc", "-"), ("repo", repo), ("tag", tag), *(("changes", c) for c in changes)]
     async with docker._query(
         URL("images/create").with_query(query),
@@ -118,7 +141,7 @@ async def ensure_image(docker: aiodocker.Docker, name: str = DEFAULT_IMAGE) -> s
         headers={"Content-Type": "application/x-tar"},
     ) as response:
         await response.read()
-    return (await docker.images.inspect(name))["Id"]
+    return msgspec.convert(await docker.images.inspect(name), type=LabelledImage).id
 
 
 async def _main(name: str, url: str | None) -> None:

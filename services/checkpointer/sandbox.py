@@ -78,6 +78,10 @@ def labels(host_id: str, sandbox: str, spec: SandboxSpec) -> dict[str, str]:
     }
 
 
+def container_name(host_id: str, sandbox: str) -> str:
+    return f"belayer-{host_id}-{sandbox}"
+
+
 def create_config(spec: SandboxSpec, host_id: str, sandbox: str) -> dict[str, Any]:
     """The Engine API body for a sandbox: safe defaults, and no field through which to mount the host."""
     memory = spec.memory_mb << 20
@@ -108,11 +112,77 @@ def create_config(spec: SandboxSpec, host_id: str, sandbox: str) -> dict[str, An
     }
 
 
-def spec_from_labels(container_labels: dict[str, str]) -> SandboxSpec | None:
-    try:
-        return msgspec.json.decode(container_labels[LABEL_SPEC], type=SandboxSpec)
-    except (KeyError, msgspec.DecodeError):
-        return None
+# ---------------------------------------------------------------- the engine's replies
+# Each reply is decoded once, here, into the fields the checkpointer reads; every other field is
+# ignored. A reply that does not fit raises msgspec.ValidationError, naming the field and its path.
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """GET /info."""
+
+    docker_root_dir: str
+    experimental_build: bool
+
+
+class ContainerState(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    running: bool
+    paused: bool
+    status: str
+    oom_killed: bool = msgspec.field(name="OOMKilled")
+    exit_code: int
+    pid: int  # 0 when the container does not run
+
+
+class ContainerInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """GET /containers/{id}/json, the part that judges health."""
+
+    state: ContainerState
+
+
+class GraphDriverData(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    upper_dir: str  # overlay2's writable layer on the host
+
+
+class GraphDriver(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    data: GraphDriverData
+
+
+class ContainerStorage(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """GET /containers/{id}/json, the part that locates the writable layer. Decoded apart from
+    ContainerInspect so that health stays judged on a storage driver without an upper dir."""
+
+    graph_driver: GraphDriver
+
+
+class ContainerSummary(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """One entry of GET /containers/json."""
+
+    id: str
+    state: str  # "running", "paused", "exited", ...
+
+
+class ExecInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """GET /exec/{id}/json."""
+
+    running: bool
+    exit_code: int | None = None  # null until the exec has ended
+
+
+class ImageInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """GET /images/{name}/json."""
+
+    id: str
+
+
+class EventActor(msgspec.Struct, frozen=True, kw_only=True):
+    id: str = msgspec.field(name="ID")
+
+
+class EngineEvent(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    """One line of GET /events."""
+
+    action: str
+    actor: EventActor
 
 
 # ---------------------------------------------------------------- the engine
@@ -130,31 +200,54 @@ class Engine:
     async def connect(cls, url: str | None) -> Engine:
         docker = aiodocker.Docker(url=url)
         try:
-            info = await docker.system.info()
+            info = msgspec.convert(await docker.system.info(), type=EngineInfo)
         except BaseException:
             await docker.close()
             raise
-        return cls(docker, Path(info["DockerRootDir"]))
+        return cls(docker, Path(info.docker_root_dir))
 
     async def close(self) -> None:
         await self.docker.close()
 
     async def create(self, spec: SandboxSpec, host_id: str, sandbox: str) -> str:
         container = await self.docker.containers.create(
-            create_config(spec, host_id, sandbox), name=f"belayer-{host_id}-{sandbox}"
+            create_config(spec, host_id, sandbox), name=container_name(host_id, sandbox)
         )
         return container.id
 
-    async def inspect(self, container_id: str) -> dict[str, Any]:
-        return await self.docker._query_json(f"containers/{container_id}/json")
+    async def recreate(self, old: str, spec: SandboxSpec, host_id: str, sandbox: str) -> str:
+        """Remove the sandbox's container `old` (if any) and create a new one. A container that
+        holds the sandbox's name without being `old` (a crash between create and record) goes too."""
+        if old:
+            await self.remove(old)
+        try:
+            return await self.create(spec, host_id, sandbox)
+        except aiodocker.DockerError as exc:
+            if exc.status != 409:
+                raise
+        await self.remove(container_name(host_id, sandbox))
+        return await self.create(spec, host_id, sandbox)
+
+    async def state(self, container_id: str) -> ContainerState:
+        """Raise aiodocker.DockerError, or msgspec.ValidationError for a reply that does not fit."""
+        reply = await self.docker._query_json(f"containers/{container_id}/json")
+        return msgspec.convert(reply, type=ContainerInspect).state
+
+    async def upper_dir(self, container_id: str) -> Path:
+        """The container's writable layer on the host; raises as `state` does."""
+        reply = await self.docker._query_json(f"containers/{container_id}/json")
+        return Path(msgspec.convert(reply, type=ContainerStorage).graph_driver.data.upper_dir)
+
+    async def image_id(self, name: str) -> str:
+        """Raise aiodocker.DockerError (404: no such image), or msgspec.ValidationError."""
+        return msgspec.convert(await self.docker.images.inspect(name), type=ImageInspect).id
 
     async def start(self, container_id: str, checkpoint: str | None = None) -> None:
         params = {"checkpoint": checkpoint} if checkpoint else None
         async with self.docker._query(f"containers/{container_id}/start", method="POST", params=params):
             pass
-        with contextlib.suppress(aiodocker.DockerError, KeyError, TypeError, ValueError):
-            pid = int((await self.inspect(container_id))["State"]["Pid"])
-            self.oom_files[container_id] = oom_counter_files(pid)
+        with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
+            self.oom_files[container_id] = oom_counter_files((await self.state(container_id)).pid)
 
     async def remove(self, container_id: str) -> None:
         """Kill and remove; a container that is already gone is fine."""
@@ -211,14 +304,15 @@ class Engine:
         )
         return "engine"
 
-    async def ours(self, host_id: str) -> list[dict[str, Any]]:
-        return await self.docker._query_json(
+    async def ours(self, host_id: str) -> list[ContainerSummary]:
+        reply = await self.docker._query_json(
             "containers/json",
             params={
                 "all": "1",
                 "filters": msgspec.json.encode({"label": [f"{LABEL_HOST}={host_id}"]}).decode(),
             },
         )
+        return msgspec.convert(reply, type=list[ContainerSummary])
 
     async def deaths(self, host_id: str) -> AsyncIterator[tuple[str, str]]:
         """(container id, "die" or "oom") for the host's sandbox containers, as the engine reports
@@ -230,9 +324,11 @@ class Engine:
             timeout=aiohttp.ClientTimeout(),
         ) as response:
             async for line in response.content:
-                with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError):
-                    event = msgspec.json.decode(line)
-                    yield event["Actor"]["ID"], event["Action"]
+                try:
+                    event = msgspec.json.decode(line, type=EngineEvent)
+                except msgspec.DecodeError:  # not JSON, or not an event (ValidationError): skip it
+                    continue
+                yield event.actor.id, event.action
 
     def container_dir(self, container_id: str) -> Path:
         return self.data_root / "containers" / container_id
@@ -242,21 +338,23 @@ class Engine:
     async def health(self, container_id: str, oom_seen: int) -> tuple[EnvironmentFailure | None, int]:
         """(failure or None, OOM kills so far), from the container's state and its memory cgroup."""
         try:
-            state = (await self.inspect(container_id))["State"]
+            state = await self.state(container_id)
         except aiodocker.DockerError as exc:
             if exc.status == 404:
                 return EnvironmentFailure("missing", f"container {container_id[:12]} is gone"), oom_seen
             return EnvironmentFailure("daemon-error", f"inspect failed: {exc}"), oom_seen
-        if state.get("OOMKilled"):
+        except msgspec.ValidationError as exc:
+            return EnvironmentFailure("daemon-error", f"inspect reply: {exc}"), oom_seen
+        if state.oom_killed:
             return EnvironmentFailure("oom-killed", "the container was OOM-killed"), oom_seen
-        pid = int(state.get("Pid") or 0)
+        pid = state.pid
         if container_id not in self.oom_files and pid > 0:  # found while the init lives, kept after
             self.oom_files[container_id] = oom_counter_files(pid)
         kills = read_oom_kills(self.oom_files.get(container_id, []))
         if kills > oom_seen:  # the more specific verdict first: an OOM kill may also end the init
             return EnvironmentFailure("oom-killed", f"{kills - oom_seen} process(es) OOM-killed"), kills
-        if not state.get("Running"):
-            detail = f"container is {state.get('Status')}, exit code {state.get('ExitCode')}"
+        if not state.running:
+            detail = f"container is {state.status}, exit code {state.exit_code}"
             return EnvironmentFailure("dead", detail), kills
         if not process_alive(pid):  # the kernel knows before the daemon has processed the exit
             return EnvironmentFailure("dead", f"the container's init process {pid} is gone"), kills
@@ -307,15 +405,14 @@ class Engine:
             raise EnvironmentFailure("exec-stream", f"exec stream broke: {exc}") from None
         if reader.done() and not reader.cancelled() and reader.exception() is not None:
             raise EnvironmentFailure("exec-stream", f"exec stream broke: {reader.exception()}")
-        exit_code = info.get("ExitCode")
-        if exit_code is None:
+        if info.exit_code is None:
             raise EnvironmentFailure("exec-stream", "the exec ended without an exit code")
         stderr = bytes(err)
         timed_out = (marker + "\n").encode() in stderr
         if timed_out:
             stderr = stderr.replace((marker + "\n").encode(), b"")
         return ActionOutput(
-            exit_code=int(exit_code),
+            exit_code=info.exit_code,
             stdout=bytes(out),
             stderr=stderr,
             timed_out=timed_out,
@@ -323,7 +420,7 @@ class Engine:
             duration_s=time.monotonic() - start,
         )
 
-    async def _wait_exec(self, execution: Any, reader: asyncio.Task[None], deadline: float) -> dict[str, Any]:
+    async def _wait_exec(self, execution: Any, reader: asyncio.Task[None], deadline: float) -> ExecInspect:
         """Wait until the exec has ended (its stream closed, or the daemon says so); its inspect."""
         poll = 0.02
         while True:
@@ -332,10 +429,12 @@ class Engine:
                 raise EnvironmentFailure("exec-stream", "the action's wrapper outlived its timeout")
             done, _ = await asyncio.wait({reader}, timeout=min(poll, remaining))
             try:
-                info = await execution.inspect()
+                info = msgspec.convert(await execution.inspect(), type=ExecInspect)
             except aiodocker.DockerError as exc:
                 raise EnvironmentFailure("daemon-error", f"exec inspect failed: {exc.message}") from None
-            if not info.get("Running"):
+            except msgspec.ValidationError as exc:
+                raise EnvironmentFailure("daemon-error", f"exec inspect reply: {exc}") from None
+            if not info.running:
                 return info
             if done:  # stream closed but the daemon has not recorded the exit yet
                 await asyncio.sleep(0.01)

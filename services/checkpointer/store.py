@@ -124,8 +124,9 @@ class Store:
 
     # ------------------------------------------------------------ publish
 
-    def seal(self, staging: Path, fields: dict[str, object]) -> Manifest:
-        """Checksum every file in `staging`, write the manifest, fsync them all. Not yet visible."""
+    def seal(self, staging: Path, draft: Manifest) -> Manifest:
+        """Checksum every file in `staging`, write the manifest, fsync them all. Not yet visible.
+        `draft` is the manifest but for its files and its time, which are filled in here."""
         sums = []
         for path in _files(staging):
             if path.is_symlink():
@@ -140,7 +141,7 @@ class Store:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        manifest = Manifest(files=sums, created_at=time.time(), **fields)  # type: ignore[arg-type]
+        manifest = msgspec.structs.replace(draft, files=sums, created_at=time.time())
         tmp = staging / (MANIFEST + ".part")
         with tmp.open("wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(manifest)))

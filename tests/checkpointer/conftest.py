@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiodocker
+import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
-from belayer_rl.services.checkpointer.sandbox import LABEL_HOST
+from belayer_rl.services.checkpointer.sandbox import LABEL_HOST, EngineInfo
 from belayer_rl.shared import bus
 from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
 
@@ -41,10 +42,10 @@ def _missing() -> str | None:
     if check.returncode != 0:
         return f"`criu check` fails: {(check.stdout + check.stderr).strip()[-300:]}"
 
-    async def info() -> dict:
+    async def info() -> EngineInfo:
         docker = aiodocker.Docker()
         try:
-            return await docker.system.info()
+            return msgspec.convert(await docker.system.info(), type=EngineInfo)
         finally:
             await docker.close()
 
@@ -52,7 +53,7 @@ def _missing() -> str | None:
         found = asyncio.run(info())
     except Exception as exc:
         return f"no Docker engine reachable: {exc}"
-    if not found.get("ExperimentalBuild"):
+    if not found.experimental_build:
         return "dockerd runs without experimental features (checkpoints need them)"
     return None
 
