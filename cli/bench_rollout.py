@@ -31,7 +31,7 @@ from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import Dispatch, LogChunk, TokenChunk, WorkerChunk, WorkerDone
+from belayer_rl.shared.protocol import Dispatch, LogChunk, SamplingParams, TokenChunk, WorkerChunk, WorkerDone
 
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
 
@@ -147,8 +147,7 @@ async def straight_to_worker(
             engine_id=target,
             prompt_tokens=tokenizer.encode(PROMPT),
             max_tokens=args.max_tokens,
-            seed=i,
-            temperature=0.8,
+            sampling=SamplingParams(seed=i, temperature=0.8),
             reply_to=inbox,
         )
         await bus.request(client.nc, subjects.worker_dispatch(target), dispatch, 5.0)

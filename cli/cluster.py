@@ -30,6 +30,7 @@ from nats.aio.client import Client as NATS
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.config import (
+    CheckpointerConfig,
     ConfigError,
     KvServerConfig,
     RouterConfig,
@@ -196,15 +197,11 @@ class Supervisor:
         if unreachable is not None:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
             return []
-        checkpointer = Child(
-            "checkpointer",
-            python_module(
-                "belayer_rl.services.checkpointer",
-                "--nats", self.nats_url,
-                "--state-dir", str(c.state_dir / "checkpointer"),
-            ),
-        )  # fmt: skip
-        return [checkpointer]
+        checkpointer = CheckpointerConfig(nats_url=self.nats_url, state_dir=c.state_dir / "checkpointer")
+        child = Child(
+            "checkpointer", python_module("belayer_rl.services.checkpointer", *flags.to_argv(checkpointer))
+        )
+        return [child]
 
     def worker(self, engine_id: str) -> Child:
         c = self.config

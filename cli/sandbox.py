@@ -14,21 +14,40 @@ from pathlib import Path
 import msgspec
 import uvloop
 
-from belayer_rl.services.checkpointer.__main__ import default_host_id
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
+from belayer_rl.shared.config import ConfigError, default_state_dir, hostname_id, resolve_nats_url
 from belayer_rl.shared.protocol import ExecResult, Message, SandboxSpec
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    sandbox = commands.add_parser("sandbox", help="drive sandboxes of a checkpointer by hand")
-    sandbox.add_argument("--host", default=default_host_id(), help="checkpointer host id (default: hostname)")
-    sandbox.add_argument("--json", action="store_true", help="print the reply as JSON")
-    verbs = sandbox.add_subparsers(dest="verb", required=True)
+def sandbox_options(*, defaults: bool) -> argparse.ArgumentParser:
+    """--host and --json, for `sandbox` (real defaults) and each verb (default SUPPRESS, so that
+    `sandbox exec S CMD --json` works and a verb that did not see a flag keeps the value given
+    before it). Built afresh per use: parents share their actions, and with them the defaults."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--host",
+        default=hostname_id() if defaults else argparse.SUPPRESS,
+        help="checkpointer host id (default: hostname)",
+    )
+    options.add_argument(
+        "--json",
+        action="store_true",
+        default=False if defaults else argparse.SUPPRESS,
+        help="print the reply as JSON",
+    )
+    return options
 
-    create = verbs.add_parser("create", help="create a sandbox from a local image")
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    sandbox = commands.add_parser(
+        "sandbox", help="drive sandboxes of a checkpointer by hand", parents=[sandbox_options(defaults=True)]
+    )
+    verbs = sandbox.add_subparsers(dest="verb", required=True)
+    verb_options = [sandbox_options(defaults=False)]
+
+    create = verbs.add_parser("create", help="create a sandbox from a local image", parents=verb_options)
     create.add_argument("image")
     create.add_argument("--name", default="", help="sandbox id (default: generated)")
     create.add_argument("--memory-mb", type=int, default=1024)
@@ -36,23 +55,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     create.add_argument("--network", action="store_true", help="attach to the default bridge network")
     create.add_argument("--cap-add", action="append", default=[], help="a capability to keep (repeatable)")
 
-    exec_ = verbs.add_parser("exec", help="run one action: /bin/sh -c COMMAND")
+    exec_ = verbs.add_parser("exec", help="run one action: /bin/sh -c COMMAND", parents=verb_options)
     exec_.add_argument("sandbox")
     exec_.add_argument("command")
     exec_.add_argument("--timeout", type=float, default=60.0, help="seconds before the action is killed")
 
-    checkpoint = verbs.add_parser("checkpoint", help="full checkpoint at action boundary k")
+    checkpoint = verbs.add_parser(
+        "checkpoint", help="full checkpoint at action boundary k", parents=verb_options
+    )
     checkpoint.add_argument("sandbox")
     checkpoint.add_argument("trajectory")
     checkpoint.add_argument("k", type=int)
     checkpoint.add_argument("--context-ref", default="", help="a reference to the LLM context L_k")
     checkpoint.add_argument("--tokens", default="", help="L_k as comma-separated token ids")
 
-    restore = verbs.add_parser("restore", help="restore a trajectory's sandbox from its latest checkpoint")
+    restore = verbs.add_parser(
+        "restore", help="restore a trajectory's sandbox from its latest checkpoint", parents=verb_options
+    )
     restore.add_argument("trajectory")
 
-    verbs.add_parser("ls", help="list the host's sandboxes")
-    rm = verbs.add_parser("rm", help="destroy a sandbox")
+    verbs.add_parser("ls", help="list the host's sandboxes", parents=verb_options)
+    rm = verbs.add_parser("rm", help="destroy a sandbox", parents=verb_options)
     rm.add_argument("sandbox")
     sandbox.set_defaults(run=run)
 

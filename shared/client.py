@@ -34,6 +34,7 @@ from belayer_rl.shared.protocol import (
     GenerateError,
     GenerateRequest,
     RouterStatus,
+    SamplingParams,
     StatusRequest,
     TokenChunk,
 )
@@ -167,9 +168,7 @@ class Client:
             request_id=request_id,
             prompt=prompt,
             max_tokens=max_tokens,
-            seed=seed,
-            temperature=temperature,
-            stop=stop or [],
+            sampling=SamplingParams(seed=seed, temperature=temperature, stop=stop or []),
             weight_version=weight_version,
             reply_to=inbox,
         )

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import os
 import re
+import socket
 import types
 import typing
 from dataclasses import dataclass
@@ -352,3 +353,50 @@ class KvServerConfig(ServiceConfig):
             raise ConfigError("--device cuda: torch sees no CUDA device")
         if self.max_arena_mb <= 0:
             raise ConfigError(f"--max-arena-mb must be > 0, got {self.max_arena_mb}")
+
+
+# The phases of a full checkpoint, in order (services/checkpointer/phases.py runs them); named
+# here for --crash-at, the chaos flag that SIGKILLs the checkpointer when one is reached.
+CHECKPOINT_PHASES = ("freeze", "archive", "dump", "unfreeze", "seal", "publish", "advance")
+
+
+def hostname_id() -> str:
+    """This machine's host name, made a valid host id."""
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())
+    return name[:64] or "host"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig(ServiceConfig):
+    drain_timeout_s: float = setting(30.0, "seconds a first SIGTERM gives running actions and checkpoints")
+    host_id: str = setting("", "this Docker host's id (default: the host name)")
+    state_dir: Path | None = setting(None, "records and checkpoints (default: <belayer state>/checkpointer)")
+    docker_url: str | None = setting(
+        None, "Docker Engine URL (default: $DOCKER_HOST or the local socket)", flag="--docker"
+    )
+    disk_budget_gb: float = setting(
+        50.0, "checkpoint store bound; oldest non-latest go first past it; 0: none"
+    )
+    max_layer_gb: float = setting(16.0, "a layer archive holding more is refused at restore")
+    crash_at: str = setting(
+        "",
+        "chaos: SIGKILL this process when a checkpoint reaches this phase",
+        choices=("", *CHECKPOINT_PHASES),
+    )
+    object_store: bool = setting(False, "upload checkpoints to JetStream for restores on other hosts")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.host_id:
+            object.__setattr__(self, "host_id", hostname_id())
+        if self.state_dir is None:
+            object.__setattr__(self, "state_dir", default_state_dir() / "checkpointer")
+        object.__setattr__(self, "state_dir", Path(self.state_dir).resolve())
+        if not self.host_id.replace("-", "").replace("_", "").isalnum() or len(self.host_id) > 64:
+            raise ConfigError(f"--host-id must be 1-64 of [A-Za-z0-9_-], got {self.host_id!r}")
+        if self.disk_budget_gb < 0:
+            raise ConfigError(f"--disk-budget-gb must be >= 0, got {self.disk_budget_gb}")
+        if self.crash_at and self.crash_at not in CHECKPOINT_PHASES:
+            raise ConfigError(
+                f"--crash-at must be one of {', '.join(CHECKPOINT_PHASES)}, got {self.crash_at!r}"
+            )

@@ -6,16 +6,26 @@ thing in a handler (`decode`), so past the edge there are only Structs.
 
 Schema evolution: new fields get defaults; field types never change; deprecated fields stay; the
 high-rate token chunks are array_like and therefore append-only.
+
+Versions are per message type: `v` defaults to the type's current version, and a change to a type's
+shape bumps that type alone. The compatibility rule: every version decodes the one before it (a
+record already stored, or a message from a service not yet upgraded), and refuses a newer one with
+a clear error. So services are upgraded one at a time, readers of a type before its writers: the
+workers before the router for `Dispatch`, the router before clients for `GenerateRequest`.
+Version 2 of GenerateRequest, Dispatch and LogStart carries one SamplingParams instead of the
+flat seed/temperature/stop of version 1; a version-1 message is read into the same Struct.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # of a message type that never changed
+SAMPLING_VERSION = 2  # GenerateRequest, Dispatch, LogStart: sampling moved into SamplingParams
 MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
 
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -55,16 +65,43 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = SCHEMA_VERSION
 
 
-# ---------------------------------------------------------------- client <-> router
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How tokens are drawn: one struct from the client's request through the token log to every
+    dispatch. Sampling is keyed by (seed, position), so a resume with the same params is exact."""
 
-
-class GenerateRequest(Message, tag="generate", kw_only=True):
-    request_id: RequestId
-    prompt: Annotated[str, Meta(max_length=65536)]
-    max_tokens: Annotated[int, Meta(ge=1, le=65536)]
     seed: Seed = 0
     temperature: Temperature = 1.0
     stop: StopStrings = []
+
+
+class CarriesSampling(Message, frozen=True, kw_only=True):
+    """A version-2 message with `sampling`. Version 1 had seed, temperature and stop as fields of
+    its own; they stay, deprecated, so a version-1 message (or stored record) still decodes, and
+    `__post_init__` (run by msgspec after decoding) moves them into `sampling`."""
+
+    v: int = SAMPLING_VERSION
+    sampling: SamplingParams = SamplingParams()
+    seed: Seed | None = None  # deprecated: version 1
+    temperature: Temperature | None = None  # deprecated: version 1
+    stop: StopStrings | None = None  # deprecated: version 1
+
+    def __post_init__(self) -> None:
+        if self.v < SAMPLING_VERSION:
+            legacy = SamplingParams(
+                seed=self.seed if self.seed is not None else 0,
+                temperature=self.temperature if self.temperature is not None else 1.0,
+                stop=self.stop or [],
+            )
+            msgspec.structs.force_setattr(self, "sampling", legacy)
+
+
+# ---------------------------------------------------------------- client <-> router
+
+
+class GenerateRequest(CarriesSampling, tag="generate", kw_only=True):
+    request_id: RequestId
+    prompt: Annotated[str, Meta(max_length=65536)]
+    max_tokens: Annotated[int, Meta(ge=1, le=65536)]
     # The weights every token is generated with, across resumes. None: the newest version the
     # weight server holds when the router accepts the request.
     weight_version: WeightVersion | None = None
@@ -132,6 +169,12 @@ class StatsRequest(Message, tag="stats", kw_only=True):
     pass
 
 
+class EndpointInfo(Message, tag="endpoint_info", kw_only=True):
+    subject: str
+    accepts: list[str]  # the message types decoded there
+    reply: bool  # False: one-way (a bad message is dropped with a logged reason, not answered)
+
+
 class ServiceStats(Message, tag="service_stats", kw_only=True):
     """A service process's own account (the runtime answers it on `belayer.svc.<name>.stats`)."""
 
@@ -141,11 +184,13 @@ class ServiceStats(Message, tag="service_stats", kw_only=True):
     uptime_s: float
     handled: int  # messages taken off its endpoints
     errors: dict[str, int]  # error replies and dropped messages, by ErrorCode
+    endpoints: list[EndpointInfo] = []  # what it serves, as declared
+
 
 # ---------------------------------------------------------------- router <-> worker
 
 
-class Dispatch(Message, tag="dispatch", kw_only=True):
+class Dispatch(CarriesSampling, tag="dispatch", kw_only=True):
     """One attempt at a request on one engine. Resumes carry the tokens generated so far."""
 
     request_id: RequestId
@@ -154,10 +199,7 @@ class Dispatch(Message, tag="dispatch", kw_only=True):
     engine_id: EngineId
     prompt_tokens: Tokens
     prefix_tokens: Tokens = []
-    max_tokens: Annotated[int, Meta(ge=1, le=65536)]
-    seed: Seed
-    temperature: Temperature
-    stop: StopStrings = []
+    max_tokens: Annotated[int, Meta(ge=1, le=65536)]  # what is left of the request's budget
     weight_version: WeightVersion | None = None  # None: whatever the engine serves now
     reply_to: Subject  # where the worker publishes WorkerChunk / WorkerDone
 
@@ -296,15 +338,12 @@ Event = (
 # ---------------------------------------------------------------- JetStream records
 
 
-class LogStart(Message, tag="log_start", kw_only=True):
+class LogStart(CarriesSampling, tag="log_start", kw_only=True):
     """First record of a request's token log: everything needed to resume it."""
 
     request_id: RequestId
     prompt_tokens: Tokens
     max_tokens: int
-    seed: Seed
-    temperature: Temperature
-    stop: StopStrings = []
     weight_version: WeightVersion | None = None  # as resolved at acceptance; a resume uses it too
     chunk_tokens: int  # k: chunk i of this log covers positions [i*k, (i+1)*k)
 
@@ -382,6 +421,12 @@ def decoder_for(kind: type[T]) -> msgspec.json.Decoder[T]:
 _encoder = msgspec.json.Encoder()
 
 
+@functools.cache
+def current_version(kind: type[Message]) -> int:
+    """The version this code writes for `kind`: the default of its `v` field."""
+    return next(f.default for f in msgspec.structs.fields(kind) if f.name == "v")
+
+
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
@@ -396,8 +441,8 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
         raise BadMessage(str(exc)) from None
     except RecursionError:  # nesting deeper than the decoder's recursion can follow
         raise BadMessage("payload nested too deeply") from None
-    if isinstance(message, Message) and message.v > SCHEMA_VERSION:
-        raise BadMessage(f"schema version {message.v} is newer than {SCHEMA_VERSION}")
+    if isinstance(message, Message) and message.v > (current := current_version(type(message))):
+        raise BadMessage(f"{type(message).__name__} version {message.v} is newer than {current}")
     return message
 
 

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from nats.aio.subscription import Subscription
 from belayer_rl.shared import bus, protocol, subjects
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError, ServiceConfig
-from belayer_rl.shared.protocol import ErrorReply, Message, ServiceStats, StatsRequest
+from belayer_rl.shared.protocol import EndpointInfo, ErrorReply, Message, ServiceStats, StatsRequest
 
 log = logging.getLogger("belayer.runtime")
 
@@ -78,6 +79,10 @@ class Endpoint:
     with_subject: bool = False
     queue: str = ""
 
+    def info(self) -> EndpointInfo:
+        kinds = typing.get_args(self.accepts) or (self.accepts,)  # a union, or one Struct
+        return EndpointInfo(subject=self.subject, accepts=[k.__name__ for k in kinds], reply=self.reply)
+
 
 class Runtime:
     """One per process. Built by `run()`; the service's setup receives it."""
@@ -93,6 +98,7 @@ class Runtime:
         self._nc: NATS | None = None
         self._stack = contextlib.AsyncExitStack()
         self._subscriptions: list[Subscription] = []
+        self._endpoints: list[Endpoint] = []
         self._in_flight: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
@@ -146,6 +152,7 @@ class Runtime:
     async def serve(self, *endpoints: Endpoint) -> None:
         """Subscribe each endpoint; messages are decoded with the types it declares."""
         for endpoint in endpoints:
+            self._endpoints.append(endpoint)
             callback = self._callback(endpoint)
             sub = await self.nc.subscribe(
                 endpoint.subject, queue=endpoint.queue, cb=callback, pending_bytes_limit=256 << 20
@@ -242,6 +249,7 @@ class Runtime:
             uptime_s=time.time() - self.started_at,
             handled=self.handled,
             errors=dict(self.errors),
+            endpoints=[endpoint.info() for endpoint in self._endpoints],
         )
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:

@@ -20,7 +20,6 @@ import secrets
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiodocker
 import msgspec
@@ -35,6 +34,7 @@ from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure,
 from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
 from belayer_rl.shared import bus, subjects
 from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.protocol import (
     Ack,
     CheckpointReady,
@@ -60,28 +60,6 @@ log = logging.getLogger("belayer.checkpointer")
 WATCH_BACKOFF_S = 0.5
 MAX_WATCH_BACKOFF_S = 10.0
 ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash is waited for
-
-
-@dataclass(frozen=True)
-class CheckpointerConfig:
-    nats_url: str
-    host_id: str
-    state_dir: Path
-    docker_url: str | None = None  # None: DOCKER_HOST or the default socket
-    disk_budget_gb: float = 50.0  # oldest non-latest checkpoints go first past it; 0: unbounded
-    max_layer_gb: float = 16.0  # a layer archive holding more is refused at restore
-    crash_at: str = ""  # chaos testing: SIGKILL this process when a checkpoint reaches this phase
-    object_store: bool = False  # also upload ready checkpoints to JetStream, for restores elsewhere
-
-    def __post_init__(self) -> None:
-        from belayer_rl.shared.config import ConfigError
-
-        if not self.host_id.replace("-", "").replace("_", "").isalnum() or len(self.host_id) > 64:
-            raise ConfigError(f"--host-id must be 1-64 of [A-Za-z0-9_-], got {self.host_id!r}")
-        if self.disk_budget_gb < 0:
-            raise ConfigError(f"--disk-budget-gb must be >= 0, got {self.disk_budget_gb}")
-        if self.crash_at and self.crash_at not in phases.PHASES:
-            raise ConfigError(f"--crash-at must be one of {', '.join(phases.PHASES)}, got {self.crash_at!r}")
 
 
 @dataclass

@@ -147,9 +147,7 @@ class Router:
             request_id=message.request_id,
             prompt_tokens=tokenizer.encode(message.prompt),
             max_tokens=message.max_tokens,
-            seed=message.seed,
-            temperature=message.temperature,
-            stop=message.stop,
+            sampling=message.sampling,
             weight_version=weight_version,
             chunk_tokens=self.config.chunk_tokens,
         )
@@ -386,9 +384,7 @@ class Router:
                     prompt_tokens=request.start.prompt_tokens,
                     prefix_tokens=list(request.tokens),
                     max_tokens=request.start.max_tokens,
-                    seed=request.start.seed,
-                    temperature=request.start.temperature,
-                    stop=request.start.stop,
+                    sampling=request.start.sampling,
                     weight_version=request.start.weight_version,
                     reply_to=subjects.ROUTER_WORKER_STREAM,
                 )

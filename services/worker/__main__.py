@@ -122,7 +122,9 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_flags(WorkerConfig, argv, prog="belayer-worker", description="Run one rollout worker.")
-    runtime.run(f"worker-{settings.engine_id}", settings, setup, signals_during_setup=False)
+    # Named by engine and pid: an engine's main and its shadow run side by side.
+    name = f"worker-{settings.engine_id}-{os.getpid()}"
+    runtime.run(name, settings, setup, signals_during_setup=False)
 
 
 if __name__ == "__main__":

@@ -109,9 +109,9 @@ class Worker:
             prompt_tokens=list(dispatch.prompt_tokens),
             prefix_tokens=list(dispatch.prefix_tokens),
             max_new_tokens=dispatch.max_tokens,
-            seed=dispatch.seed,
-            temperature=dispatch.temperature,
-            stop=tuple(dispatch.stop),
+            seed=dispatch.sampling.seed,
+            temperature=dispatch.sampling.temperature,
+            stop=tuple(dispatch.sampling.stop),
             weight_version=version,
         )
         self.ops.append(lambda: self._submit(attempt, spec))

@@ -24,7 +24,11 @@ from tests.support import reference_tokens, running_cluster
 INBOX = "_INBOX.fuzz"
 VALID = {
     subjects.ROUTER_GENERATE: protocol.GenerateRequest(
-        request_id="fz", prompt="hi", max_tokens=4, seed=1, temperature=0.5, reply_to=INBOX
+        request_id="fz",
+        prompt="hi",
+        max_tokens=4,
+        sampling=protocol.SamplingParams(seed=1, temperature=0.5),
+        reply_to=INBOX,
     ),
     subjects.ROUTER_ATTACH: protocol.AttachRequest(request_id="fz", from_position=0, reply_to=INBOX),
     subjects.ROUTER_CANCEL: protocol.CancelRequest(request_id="nope"),
@@ -36,8 +40,7 @@ VALID = {
         engine_id="e0",
         prompt_tokens=[1, 2],
         max_tokens=4,
-        seed=1,
-        temperature=0.5,
+        sampling=protocol.SamplingParams(seed=1, temperature=0.5),
         reply_to=INBOX,
     ),
     subjects.worker_cancel("e0"): protocol.CancelDispatch(request_id="fz"),
