@@ -218,7 +218,7 @@ class ServiceConfig:
     """What every service's config has: where the bus is and how long a drain may take."""
 
     nats_url: str = setting("", "NATS URL (default: $BELAYER_NATS_URL or the local cluster)", flag="--nats")
-    drain_timeout_s: float = setting(10.0, "seconds a first SIGTERM may take to finish in-flight work")
+    drain_timeout_s: float = setting(5.0, "seconds a first SIGTERM may take to finish in-flight work")
 
     def __post_init__(self) -> None:
         positive("--drain-timeout", self.drain_timeout_s)

@@ -300,7 +300,9 @@ class Runtime:
         if self._nc is not None:
             try:
                 await asyncio.wait_for(self._nc.close(), CLOSE_TIMEOUT_S)
-            except (TimeoutError, nats.errors.Error) as exc:
+            except (TimeoutError, nats.errors.Error, RuntimeError, OSError) as exc:
+                # nats-py flushes its pending buffer on close; with the server gone the transport
+                # is already closed and says so with a RuntimeError. Nothing is left to save.
                 log.warning("%s: closing the NATS connection: %s", self.name, exc or "timed out")
 
 

@@ -1,10 +1,15 @@
-"""SIGKILL of the router mid-stream: the supervisor restarts it, it rebuilds the in-flight requests
-from the JetStream token log and resumes them; clients re-attach and see one exact stream."""
+"""SIGKILL (or a SIGTERM drain) of the router mid-stream: the supervisor restarts it, it rebuilds
+the in-flight requests from the JetStream token log and resumes them; clients re-attach and see one
+exact stream. A drained router stops intake and flushes its log, and leaves its requests to the
+successor the same way."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import signal
+
+import pytest
 
 from belayer_rl.shared.protocol import RequestResumed, RouterStarted
 from tests.rollout.test_worker_faults import make_job, run
@@ -13,7 +18,8 @@ from tests.support import EventLog, Job, kill, reference_tokens, running_cluster
 K = 16
 
 
-async def test_router_sigkill_midstream_resumes_token_exact(nats_server, tmp_path, seed) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm-drain"])
+async def test_router_stopped_midstream_resumes_token_exact(nats_server, tmp_path, seed, sig) -> None:
     rng = random.Random(seed)
     async with running_cluster(nats_server, tmp_path, engines=2, chunk_tokens=K) as cluster:
         resumed = await EventLog.start(cluster.client, "request_resumed")
@@ -28,7 +34,7 @@ async def test_router_sigkill_midstream_resumes_token_exact(nats_server, tmp_pat
         await asyncio.sleep(random.Random(seed).uniform(0, 0.1))
         router_pid = cluster.pid_of("router")
         status = await cluster.client.status()  # the last view before the kill
-        kill(router_pid)
+        kill(router_pid, sig)
         seen_at_kill = {r.request_id: r.num_tokens for r in status.requests}
         results = await asyncio.gather(*running)
 
