@@ -1,83 +1,13 @@
 """`python -m belayer_rl.services.checkpointer`: the checkpointer of one Docker host, until SIGTERM/SIGINT.
 
-Owns the sandbox containers of its host (services/checkpointer/checkpointer.py). RPC arrives on
-`belayer.sandbox.<host>.<verb>` through one subscription, so requests are seen in the order they
-were sent; each runs as its own task (a long action on one sandbox does not hold up another) and
-takes its place in its sandbox's FIFO before its first wait. A drain lets running actions and
-checkpoints finish within --drain-timeout.
+The wiring is in services/checkpointer/service.py; this file names the service and its config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-from belayer_rl.services.checkpointer import objects, pointer
-from belayer_rl.services.checkpointer.checkpointer import Checkpointer
-from belayer_rl.services.checkpointer.sandbox import Engine
-from belayer_rl.shared import bus, protocol, runtime, subjects
+from belayer_rl.services.checkpointer.service import setup
+from belayer_rl.shared import runtime
 from belayer_rl.shared.config import CheckpointerConfig, parse_flags
-from belayer_rl.shared.protocol import Message, SandboxRequest
-from belayer_rl.shared.runtime import Endpoint, Runtime
-
-VERBS: dict[type[Message], str] = {
-    protocol.SandboxCreate: "create",
-    protocol.SandboxExec: "exec",
-    protocol.SandboxCheckpoint: "checkpoint",
-    protocol.SandboxRestore: "restore",
-    protocol.SandboxDestroy: "destroy",
-    protocol.SandboxList: "list",
-    protocol.TrajectoryEnd: "end",
-}
-
-
-def router(checkpointer: Checkpointer) -> Callable[[SandboxRequest, str], Awaitable[Message]]:
-    """One handler for the host's wildcard subject: the request's type must match its verb."""
-    c = checkpointer
-    handlers: dict[type[Message], Callable[[Any], Awaitable[Message]]] = {
-        protocol.SandboxCreate: c.on_create,
-        protocol.SandboxExec: c.on_exec,
-        protocol.SandboxCheckpoint: c.on_checkpoint,
-        protocol.SandboxRestore: c.on_restore,
-        protocol.SandboxDestroy: c.on_destroy,
-        protocol.SandboxList: c.on_list,
-        protocol.TrajectoryEnd: c.on_end,
-    }
-
-    async def route(request: SandboxRequest, subject: str) -> Message:
-        kind = type(request)
-        if VERBS[kind] != subject.rsplit(".", 1)[-1]:
-            raise protocol.BadMessage(f"a {kind.__name__} does not belong on {subject}")
-        return await handlers[kind](request)
-
-    return route
-
-
-async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
-    nc = await rt.connect()
-    kv = await bus.with_retries("declare prefix pointers", lambda: pointer.declare(nc.jetstream()))
-    engine = await Engine.connect(config.docker_url)
-    rt.on_close(engine.close)
-    checkpointer = Checkpointer(config, engine, nc, kv)
-    if config.object_store:
-        checkpointer.objects = await bus.with_retries(
-            "declare checkpoint object store", lambda: objects.declare(nc.jetstream())
-        )
-    rt.on_close(checkpointer.close)
-    await checkpointer.reconcile()
-    rpc = Endpoint(
-        subjects.sandbox_rpc_all(config.host_id),
-        SandboxRequest,
-        router(checkpointer),
-        concurrent=True,
-        with_subject=True,
-    )
-    await rt.serve(rpc)
-    rt.spawn(checkpointer.watch(), "watch-engine")
-    rt.ready(
-        f"host {config.host_id}: {len(checkpointer.sandboxes)} sandboxes, docker root {engine.data_root},"
-        f" state {config.state_dir}"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,24 +1,13 @@
 """`python -m belayer_rl.services.shadow_supervisor`: the shadow supervisor, until SIGTERM/SIGINT.
 
-It alone starts, replaces and kills the workers of its engines (services/shadow_supervisor/
-supervisor.py); stopping it stops every worker it started, those still starting included.
+The wiring is in services/shadow_supervisor/service.py; this file names the service and its config.
 """
 
 from __future__ import annotations
 
-from belayer_rl.services.shadow_supervisor.supervisor import ShadowSupervisor
-from belayer_rl.shared import bus, runtime
+from belayer_rl.services.shadow_supervisor.service import setup
+from belayer_rl.shared import runtime
 from belayer_rl.shared.config import ShadowSupervisorConfig, parse_flags
-from belayer_rl.shared.runtime import Runtime
-
-
-async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
-    nc = await rt.connect()
-    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
-    supervisor = ShadowSupervisor(config, nc, kv)
-    rt.on_close(supervisor.stop)
-    await supervisor.start()
-    rt.ready(f"engines {', '.join(config.engines)}, each with a main and a shadow")
 
 
 def main(argv: list[str] | None = None) -> None:

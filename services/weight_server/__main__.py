@@ -1,41 +1,14 @@
 """`python -m belayer_rl.services.weight_server`: the weight server of this host, until SIGTERM/SIGINT.
 
-Stopping removes every segment it made; a start removes those a crashed predecessor with the same
---shm-prefix left behind.
+The wiring is in services/weight_server/service.py; this file names the service and its config.
 """
 
 from __future__ import annotations
 
-from belayer_rl.services.weight_server.server import WeightServer
-from belayer_rl.shared import runtime, subjects
+from belayer_rl.services.weight_server.service import setup
+from belayer_rl.shared import runtime
 from belayer_rl.shared.config import WeightServerConfig, parse_flags
-from belayer_rl.shared.protocol import (
-    ServerPing,
-    WeightsHandlesRequest,
-    WeightsList,
-    WeightsPin,
-    WeightsPublish,
-    WeightsUnpin,
-)
-from belayer_rl.shared.runtime import Endpoint, Runtime
 from belayer_rl.shared.segments import PrefixBusy
-
-
-async def setup(rt: Runtime, config: WeightServerConfig) -> None:
-    server = WeightServer(config)
-    rt.on_close(server.close)  # runs last: nothing stays in /dev/shm
-    await server.load_initial()
-    server.nc = await rt.connect()
-    await rt.serve(
-        Endpoint(subjects.WEIGHTS_LIST, WeightsList, server.on_list),
-        Endpoint(subjects.WEIGHTS_HANDLES, WeightsHandlesRequest, server.on_handles),
-        Endpoint(subjects.WEIGHTS_PIN, WeightsPin, server.on_pin),
-        Endpoint(subjects.WEIGHTS_UNPIN, WeightsUnpin, server.on_unpin),
-        Endpoint(subjects.WEIGHTS_PUBLISH, WeightsPublish, server.on_publish),
-        Endpoint(subjects.WEIGHTS_PING, ServerPing, server.on_ping),
-    )
-    rt.every(config.sweep_interval_s, server.sweep, "sweep")  # pins of dead holders
-    rt.ready(f"{server.instance} serving {server.newest} from {server.lock.prefix}* ({config.device})")
 
 
 def main(argv: list[str] | None = None) -> None:

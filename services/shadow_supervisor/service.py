@@ -1,0 +1,22 @@
+"""The shadow supervisor as a service: what it listens to and what it starts; `setup` is what
+the runtime runs (shared/runtime.py).
+
+It alone starts, replaces and kills the workers of its engines (services/shadow_supervisor/
+supervisor.py); stopping it stops every worker it started, those still starting included.
+"""
+
+from __future__ import annotations
+
+from belayer_rl.services.shadow_supervisor.supervisor import ShadowSupervisor
+from belayer_rl.shared import bus
+from belayer_rl.shared.config import ShadowSupervisorConfig
+from belayer_rl.shared.runtime import Runtime
+
+
+async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
+    nc = await rt.connect()
+    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
+    supervisor = ShadowSupervisor(config, nc, kv)
+    rt.on_close(supervisor.stop)
+    await supervisor.start()
+    rt.ready(f"engines {', '.join(config.engines)}, each with a main and a shadow")

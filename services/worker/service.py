@@ -1,0 +1,121 @@
+"""The worker as a service: what it listens to and what it starts; `setup` is what
+the runtime runs (shared/runtime.py).
+
+Builds its engine (own weights and arena, or mapped from the weight and KV servers), then serves
+its engine's dispatch and cancel subjects and heartbeats. Under a shadow supervisor a shadow first
+idles (services/worker/shadow.py) until it is told to take over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TypeVar
+
+from nats.aio.client import Client as NATS
+
+from belayer_rl.services.worker import shadow
+from belayer_rl.services.worker.engine import Engine, EngineConfig
+from belayer_rl.services.worker.weights import PinnedWeights
+from belayer_rl.services.worker.worker import Worker
+from belayer_rl.shared import bus, registry, segments, subjects
+from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.protocol import (
+    ArenaHandle,
+    CancelDispatch,
+    Dispatch,
+    KvArenaRequest,
+    Message,
+    WeightHandles,
+    WeightsPin,
+    WeightsPublished,
+)
+from belayer_rl.shared.runtime import Endpoint, Runtime
+
+log = logging.getLogger("belayer.worker")
+T = TypeVar("T")
+SERVER_TIMEOUT_S = 10.0  # pinning maps nothing yet, but a big version may still be loading
+SERVER_WAIT_S = 60.0  # how long a worker waits for the servers to come up
+BLOCK_SIZE = 16
+
+
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
+        preset=config.preset,
+        weights_seed=config.weights_seed,
+        weights_path=config.weights_path,
+        num_blocks=config.num_blocks,
+        max_step_tokens=config.max_step_tokens,
+    )
+
+
+async def ask_server(nc: NATS, subject: str, message: Message, kind: type[T]) -> T:
+    """A request to the weight or KV server, waiting (bounded) while it is still starting."""
+    deadline = time.monotonic() + SERVER_WAIT_S
+    while True:
+        try:
+            return await bus.request_struct(nc, subject, message, kind, SERVER_TIMEOUT_S)
+        except bus.ServiceError as exc:
+            if exc.code not in ("no-responders", "timeout") or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str, PinnedWeights | None]:
+    """The engine, with its own weights and arena or mapped from the weight and KV servers; the
+    instances of the servers that own the mapped memory ("" when it owns its own); its pins."""
+    if not config.shared_memory:
+        return await asyncio.to_thread(Engine, engine_config(config)), "", None
+    pins = PinnedWeights(nc, config.engine_id)
+    pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
+    weights = await ask_server(nc, subjects.WEIGHTS_PIN, pin, WeightHandles)
+    ask = KvArenaRequest(
+        engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE
+    )
+    arena = await ask_server(nc, subjects.KV_ARENA, ask, ArenaHandle)
+    params = await asyncio.to_thread(segments.map_weights, weights)
+    tensor = await asyncio.to_thread(segments.map_arena, arena)
+    # Which server instances own what we mapped: a restarted server owns none of it.
+    owners = f"weights={weights.manifest.instance} kv={arena.manifest.instance}"
+    engine = Engine(engine_config(config), params, tensor, weight_version=weights.version)
+    pins.attach(engine)
+    return engine, owners, pins
+
+
+async def setup(rt: Runtime, config: WorkerConfig) -> None:
+    # Until the engine is built SIGTERM keeps its default action (run() is told so): there is
+    # nothing to drain, and a worker stuck waiting for a server must still go when its supervisor goes.
+    nc = await rt.connect()
+    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
+    engine, owners, pins = await build_engine(config, nc)
+    if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
+        rt.on_close(pins.close)
+        published = Endpoint(subjects.weights_published("*"), WeightsPublished, pins.follow, reply=False)
+        await rt.serve(published)
+        await pins.follow()  # a publication before the subscription would be missed
+    rt.capture_signals()
+    if config.role == "shadow":
+        # Everything needed to serve is built; now idle until the supervisor hands over.
+        if not await shadow.stand_by(config, rt.stopping, owners):
+            rt.stopping.set()  # told to go, or stopping already
+            return
+        healthy, why = await asyncio.to_thread(shadow.device_check, engine)
+        if not healthy:
+            shadow.report_unhealthy(why)
+            rt.stopping.set()
+            return
+    epoch = await registry.install_worker(kv, config.engine_id, os.getpid())
+    worker = Worker(config, nc, engine, epoch, rt.stopping, pins)
+    await rt.serve(
+        Endpoint(subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
+        Endpoint(subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),
+    )
+    await rt.publish(subjects.event("worker_registered", config.engine_id), worker.registration())
+    rt.spawn(worker.run_engine(), "engine")
+    rt.spawn(worker.heartbeat(), "heartbeat")
+    rt.on_drain(worker.wake_up)  # intake stopped: the scheduling loop sees `stopping` and ends
+    if config.role != "standalone":
+        shadow.report_ready(epoch)
+    rt.ready(f"engine {config.engine_id} serving at epoch {epoch} (pid {os.getpid()})")
