@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) -> None:  # type: ignore[type-arg]
+    """`with_kinds=False` registers the command's name and help only: the benchmarks' modules import
+    torch, which a command line that does not run a benchmark should not pay for (cli/main.py)."""
     bench = commands.add_parser("bench", help="benchmarks: figure and baseline from the same run")
+    if not with_kinds:
+        return
     kinds = bench.add_subparsers(dest="bench", required=True)
     from belayer_rl.cli import bench_rollout
 

@@ -1,25 +1,32 @@
-"""The `belayer` command: up, down, status, events, generate, demo, bench."""
+"""The `belayer` command: up, down, status, events, generate, weights, demo, bench, sandbox.
+
+Global flags (--state-dir, --nats) are accepted before or after the subcommand. Commands that only
+talk to the bus (status, events, generate, down, --version) never import torch."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import uvloop
+from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterFile
 from belayer_rl.shared import bus, protocol, subjects
 from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
-from belayer_rl.shared.protocol import Event, Heartbeat
 
 UP_TIMEOUT_S = 120.0
 
@@ -111,48 +118,124 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+ROUTER_STATUS_TIMEOUT_S = 5.0  # bus.connect retries an unreachable server forever; status must answer
+CLEAR_SCREEN = "\033[H\033[2J"  # cursor home, then clear: each `status --watch` frame replaces the last
+
+
+class ProcessRow(msgspec.Struct, kw_only=True):
+    name: str
+    pid: int
+    state: str
+
+
+class EngineRow(msgspec.Struct, kw_only=True):
+    id: str
+    worker_pid: int
+    epoch: int
+    alive: bool
+    shadow_pid: int  # 0: none (no shadows, or none ready)
+    weight_version: str | None
+
+
+class StatusReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What `belayer status` shows; `--json` prints it as one object (router_error only when set)."""
+
+    processes: list[ProcessRow]
+    engines: list[EngineRow]
+    requests_in_flight: int
+    router_error: str = ""
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    cluster = read_cluster(args.state_dir)
-    processes = []
-    if cluster is not None and pid_alive(cluster.supervisor_pid):
-        processes = [{"name": "supervisor", "pid": cluster.supervisor_pid, "state": "running"}] + [
-            {"name": p.name, "pid": p.pid, "state": p.state} for p in cluster.processes
-        ]
-    engines: list[dict[str, object]] = []
-    router_error = ""
-    try:
-        url = resolve_nats_url(args.nats, args.state_dir)
-        status = uvloop.run(router_status(url))
-        shadows = read_shadows(args.state_dir)
-        engines = [
-            {
-                "id": e.engine_id,
-                "worker_pid": e.pid,
-                "epoch": e.epoch,
-                "alive": e.alive,
-                "shadow_pid": shadows.get(e.engine_id, 0),
-                "weight_version": e.weight_version,
-            }
-            for e in status.engines
-        ]
-        requests = len(status.requests)
-    except (ConfigError, bus.ServiceError, OSError, TimeoutError) as exc:
-        router_error, requests = str(exc), 0
-    report = {"processes": processes, "engines": engines, "requests_in_flight": requests}
-    if router_error:
-        report["router_error"] = router_error
-    if args.json:
-        print(json.dumps(report))
+    # The reason the router cannot be reached is part of the report; the bus's reconnect warnings
+    # while it tries would only repeat it on stderr.
+    logging.getLogger("belayer.bus").setLevel(logging.ERROR)
+    if args.watch is None:
+        print(render_status(status_report(args.state_dir, args.nats), args.json))
         return 0
-    for p in processes:
-        print(f"process {p['name']:<14} pid {p['pid']:<8} {p['state']}")
-    for e in engines:
-        print(
-            f"engine  {e['id']:<14} pid {e['worker_pid']:<8} epoch {e['epoch']}  alive={e['alive']}"
-            f"  shadow pid {e['shadow_pid'] or '-'}  weights {e['weight_version'] or '-'}"
+    if not args.watch > 0:
+        print(f"belayer status: --watch takes seconds > 0, got {args.watch:g}", file=sys.stderr)
+        return 2
+    try:
+        while True:
+            frame = render_status(status_report(args.state_dir, args.nats), args.json)
+            if args.json:  # a program reading this gets one JSON line per refresh
+                print(frame, flush=True)
+            else:
+                stamp = f"{time.strftime('%H:%M:%S')}, every {args.watch:g}s; Ctrl-C to stop"
+                print(f"{CLEAR_SCREEN}{frame}\n\n{stamp}", flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def status_report(state_dir: Path, nats: str | None) -> StatusReport:
+    cluster = read_cluster(state_dir)
+    processes: list[ProcessRow] = []
+    if cluster is not None and pid_alive(cluster.supervisor_pid):
+        processes = [ProcessRow(name="supervisor", pid=cluster.supervisor_pid, state="running")] + [
+            ProcessRow(name=p.name, pid=p.pid, state=p.state) for p in cluster.processes
+        ]
+    try:
+        url = resolve_nats_url(nats, state_dir)
+    except ConfigError as exc:
+        return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=str(exc))
+    try:
+        status = uvloop.run(router_status(url))
+    except TimeoutError:
+        error = f"no answer from NATS at {url} within {ROUTER_STATUS_TIMEOUT_S:g}s"
+        return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=error)
+    except (bus.ServiceError, OSError) as exc:
+        error = f"router via {url}: {exc}"
+        return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=error)
+    shadows = read_shadows(state_dir)
+    engines = [
+        EngineRow(
+            id=e.engine_id,
+            worker_pid=e.pid,
+            epoch=e.epoch,
+            alive=e.alive,
+            shadow_pid=shadows.get(e.engine_id, 0),
+            weight_version=e.weight_version,
         )
-    print(f"requests in flight: {requests}" + (f"  (router: {router_error})" if router_error else ""))
-    return 0
+        for e in status.engines
+    ]
+    return StatusReport(processes=processes, engines=engines, requests_in_flight=len(status.requests))
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """Left-aligned columns as wide as their widest cell, two spaces apart."""
+    cells = [list(header), *([str(cell) for cell in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    pad = [[cell.ljust(width) for cell, width in zip(row, widths, strict=True)] for row in cells]
+    return ["  ".join(row).rstrip() for row in pad]
+
+
+def yes_no(alive: bool) -> str:
+    return "yes" if alive else "NO"  # a dead engine should stand out
+
+
+def render_status(report: StatusReport, as_json: bool) -> str:
+    if as_json:
+        return msgspec.json.encode(report).decode()
+    lines = table(["PROCESS", "PID", "STATE"], [(p.name, p.pid, p.state) for p in report.processes])
+    if not report.processes:
+        lines.append("(none: no local cluster is running in this state dir)")
+    lines.append("")
+    lines += table(
+        ["ENGINE", "WORKER PID", "EPOCH", "ALIVE", "SHADOW PID", "WEIGHTS"],
+        [
+            (e.id, e.worker_pid, e.epoch, yes_no(e.alive), e.shadow_pid or "-", e.weight_version or "-")
+            for e in report.engines
+        ],
+    )
+    if not report.engines:
+        lines.append("(unknown: no answer from the router, see below)" if report.router_error else "(none)")
+    lines.append("")
+    lines.append(f"requests in flight: {report.requests_in_flight if not report.router_error else '-'}")
+    if report.router_error:
+        lines.append(f"router error: {report.router_error}")
+    return "\n".join(lines)
 
 
 def read_shadows(state_dir: Path) -> dict[str, int]:
@@ -164,8 +247,9 @@ def read_shadows(state_dir: Path) -> dict[str, int]:
 
 
 async def router_status(url: str) -> protocol.RouterStatus:
-    async with Client(await bus.connect(url, "belayer-status")) as client:
-        return await client.status()
+    async with asyncio.timeout(ROUTER_STATUS_TIMEOUT_S):
+        async with Client(await bus.connect(url, "belayer-status")) as client:
+            return await client.status()
 
 
 # ---------------------------------------------------------------- events
@@ -173,44 +257,94 @@ async def router_status(url: str) -> protocol.RouterStatus:
 
 def cmd_events(args: argparse.Namespace) -> int:
     url = resolve_nats_url(args.nats, args.state_dir)
+    kinds = frozenset(args.kind or ())
+    selection = EventFilter(
+        kinds=kinds,
+        engine=args.engine,
+        trajectory=args.trajectory,
+        heartbeats=args.heartbeats or "heartbeat" in kinds,  # asking for the kind is asking to see it
+    )
     try:
-        uvloop.run(follow_events(url, args.json, args.heartbeats, args.count))
+        uvloop.run(follow_events(url, selection, args.json, args.count))
     except KeyboardInterrupt:
         pass
     return 0
 
 
-def describe(event: msgspec.Struct) -> str:
-    fields = " ".join(
-        f"{name}={getattr(event, name)}" for name in event.__struct_fields__ if name not in ("v", "type")
-    )
-    return f"{event.__struct_config__.tag:<16} {fields}"
+@dataclass(frozen=True)
+class EventFilter:
+    """Which events `belayer events` prints. The kind comes from the subject (it chose the type the
+    message was decoded with); engine and trajectory are matched on the decoded message's fields,
+    so an event whose type has no such field never matches a filter on it."""
+
+    kinds: frozenset[str] = frozenset()  # empty: every kind
+    engine: str | None = None
+    trajectory: str | None = None
+    heartbeats: bool = False  # they arrive five times a second per engine: hidden unless asked for
+
+    def wants_kind(self, kind: str) -> bool:
+        if self.kinds:
+            return kind in self.kinds
+        return kind != "heartbeat" or self.heartbeats
+
+    def matches(self, kind: str, event: msgspec.Struct) -> bool:
+        return (
+            self.wants_kind(kind)
+            and field_matches(event, "engine_id", self.engine)
+            and field_matches(event, "trajectory", self.trajectory)
+        )
 
 
-async def follow_events(url: str, as_json: bool, heartbeats: bool, count: int) -> None:
-    decoder = protocol.decoder_for(Event)
+def field_matches(event: msgspec.Struct, name: str, wanted: str | None) -> bool:
+    if wanted is None:
+        return True
+    return name in event.__struct_fields__ and getattr(event, name) == wanted
+
+
+def describe(kind: str, event: msgspec.Struct) -> str:
+    fields = " ".join(f"{name}={getattr(event, name)}" for name in event.__struct_fields__ if name != "v")
+    return f"{kind:<18} {fields}"
+
+
+async def follow_events(url: str, selection: EventFilter, as_json: bool, count: int) -> None:
+    # One decoder per kind: what a subject carries is declared by protocol.EVENT_TYPES, so a message
+    # of another type on that subject is reported as undecodable, not shown as what it claims to be.
+    decoders = {kind: protocol.decoder_for(kind_type) for kind, kind_type in protocol.EVENT_TYPES.items()}
     nc = await bus.connect(url, "belayer-events")
     seen = 0
     done = asyncio.Event()
 
-    async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+    async def on_message(msg: Msg) -> None:
         nonlocal seen
-        try:
-            event = protocol.decode(decoder, msg.data)
-        except protocol.BadMessage as exc:
-            print(f"{msg.subject}: undecodable event ({exc})", flush=True)
+        kind = subjects.event_kind(msg.subject)
+        # Messages already delivered are still handed over after the last one counted: not printed.
+        if done.is_set() or not selection.wants_kind(kind):
             return
-        if isinstance(event, Heartbeat) and not heartbeats:
+        try:
+            if kind not in decoders:
+                raise protocol.BadMessage(f"unknown event kind {kind!r}")
+            event = protocol.decode(decoders[kind], msg.data)
+        except protocol.BadMessage as exc:
+            # Shown even under --engine/--trajectory (its fields cannot be trusted) but not counted.
+            if as_json:
+                print(json.dumps({"subject": msg.subject, "undecodable": str(exc)}), flush=True)
+            else:
+                print(f"{time.strftime('%H:%M:%S')} {msg.subject}: undecodable event ({exc})", flush=True)
+            return
+        if not selection.matches(kind, event):
             return
         if as_json:
             print(msg.data.decode(), flush=True)
         else:
-            print(f"{time.strftime('%H:%M:%S')} {describe(event)}", flush=True)
+            print(f"{time.strftime('%H:%M:%S')} {describe(kind, event)}", flush=True)
         seen += 1
         if count and seen >= count:
             done.set()
 
     await nc.subscribe(subjects.EVENTS_ALL, cb=on_message)
+    await nc.flush()  # the server has the subscription: every event published from now on is seen
+    # On stderr, so that --json output stays one JSON value per line; scripts may wait for it.
+    print(f"following {subjects.EVENTS_ALL} on {url}", file=sys.stderr, flush=True)
     try:
         await done.wait()
     finally:
@@ -298,13 +432,47 @@ async def weights(url: str, args: argparse.Namespace) -> str:
 # ---------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="belayer", description="Fault tolerance for agentic RL rollouts.")
+def add_global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--state-dir and --nats. The top-level parser holds their real defaults; every subcommand's
+    parser has the same flags with default SUPPRESS, so they are accepted after the subcommand too,
+    and a subcommand that did not see one leaves the value given before it alone (argparse copies
+    what a subparser parsed over the top-level namespace)."""
     parser.add_argument(
-        "--state-dir", type=Path, default=default_state_dir(), help="local cluster state (default .belayer)"
+        "--state-dir",
+        type=Path,
+        default=default_state_dir() if defaults else argparse.SUPPRESS,
+        help="local cluster state (default .belayer, or $BELAYER_STATE_DIR)",
     )
-    parser.add_argument("--nats", help="NATS URL of an external cluster (or $BELAYER_NATS_URL)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--nats",
+        default=None if defaults else argparse.SUPPRESS,
+        help="NATS URL of an external cluster (or $BELAYER_NATS_URL)",
+    )
+
+
+class SubcommandParser(argparse.ArgumentParser):
+    """The parser of every subcommand, at any depth: add_subparsers makes each nested parser of its
+    parent's class, so the global flags reach the parsers the cli modules add without their help."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        add_global_flags(self, defaults=False)
+
+
+def installed_version() -> str:
+    try:
+        return importlib.metadata.version("belayer-rl")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (belayer-rl is not installed)"
+
+
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """`benchmarks=False` gives `bench` its name and help but not its subcommands, whose modules
+    import torch; main() asks for them only when the command line names `bench`."""
+    parser = argparse.ArgumentParser(prog="belayer", description="Fault tolerance for agentic RL rollouts.")
+    add_global_flags(parser, defaults=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
 
     up = commands.add_parser("up", help="start a local cluster in the background")
     up.add_argument("--engines", type=int, default=2, help="rollout workers to start")
@@ -324,14 +492,31 @@ def build_parser() -> argparse.ArgumentParser:
     down = commands.add_parser("down", help="stop the local cluster")
     down.set_defaults(run=cmd_down)
 
-    status = commands.add_parser("status", help="processes and engines")
-    status.add_argument("--json", action="store_true")
+    status = commands.add_parser("status", help="processes, engines and requests in flight")
+    status.add_argument("--json", action="store_true", help="print one JSON object (one per refresh)")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
     status.set_defaults(run=cmd_status)
 
     events = commands.add_parser("events", help="follow the event stream, one line per event")
     events.add_argument("--json", action="store_true", help="print each event as JSON")
     events.add_argument("--heartbeats", action="store_true", help="include heartbeats")
     events.add_argument("--count", type=int, default=0, help="stop after this many events")
+    events.add_argument(
+        "--kind",
+        action="append",
+        choices=sorted(protocol.EVENT_TYPES),
+        metavar="KIND",
+        help=f"only this kind, as in belayer.evt.<kind> (repeatable): {', '.join(protocol.EVENT_TYPES)}",
+    )
+    events.add_argument("--engine", metavar="ID", help="only events of this engine (their engine_id)")
+    events.add_argument("--trajectory", metavar="ID", help="only events of this sandbox trajectory")
     events.set_defaults(run=cmd_events)
 
     gen = commands.add_parser("generate", help="run one generation")
@@ -353,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     from belayer_rl.cli import bench, demo
 
     demo.add_parser(commands)
-    bench.add_parser(commands)
+    bench.add_parser(commands, with_kinds=benchmarks)
     from belayer_rl.cli import sandbox as sandbox_cli
 
     sandbox_cli.add_parser(commands)
@@ -361,7 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Only a command line that names `bench` can run a benchmark (subcommands are never abbreviated);
+    # every other command is spared the import of torch its parsers bring.
+    args = build_parser(benchmarks="bench" in argv).parse_args(argv)
     try:
         sys.exit(args.run(args))
     except ConfigError as exc:

@@ -1,0 +1,159 @@
+"""Running the real `belayer` command in tests, and one sample message of every event kind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import sysconfig
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from belayer_rl.shared import protocol
+from belayer_rl.shared.config import NATS_URL_ENV, STATE_DIR_ENV
+
+# The console script pip installed for this interpreter: what a user runs. From a source tree without
+# it, the same entry point through the interpreter.
+_SCRIPT = Path(sysconfig.get_path("scripts")) / "belayer"
+BELAYER = (
+    [str(_SCRIPT)]
+    if _SCRIPT.exists()
+    else [sys.executable, "-c", "import sys; from belayer_rl.cli.main import main; sys.exit(main())"]
+)
+READY_LINE = "following "  # what `belayer events` writes on stderr once it is subscribed
+
+
+def clean_env() -> dict[str, str]:
+    """The environment minus the variables that would point a command at some other cluster."""
+    env = {k: v for k, v in os.environ.items() if k not in (NATS_URL_ENV, STATE_DIR_ENV)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def belayer(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*BELAYER, *args], capture_output=True, text=True, env=clean_env(), timeout=timeout_s, check=False
+    )
+
+
+class EventsProcess:
+    """A running `belayer events ...`, subscribed (its ready line was read) before it is handed out."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    async def output(self, timeout_s: float = 30) -> list[str]:
+        """Its stdout lines, once it has exited by itself (--count reached)."""
+        async with asyncio.timeout(timeout_s):
+            stdout, stderr = await self.process.communicate()
+        assert self.process.returncode == 0, stderr.decode()
+        return stdout.decode().splitlines()
+
+
+@contextlib.asynccontextmanager
+async def events_process(*args: str, timeout_s: float = 30) -> AsyncIterator[EventsProcess]:
+    process = await asyncio.create_subprocess_exec(
+        *BELAYER, "events", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=clean_env(),
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        async with asyncio.timeout(timeout_s):
+            line = (await process.stderr.readline()).decode()
+        assert line.startswith(READY_LINE), f"belayer events did not start: {line!r}"
+        yield EventsProcess(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+# kind -> (the id its publisher puts after the kind, a message of the kind's type)
+SAMPLES: dict[str, tuple[str, protocol.Message]] = {
+    "heartbeat": (
+        "e0",
+        protocol.Heartbeat(
+            engine_id="e0", epoch=3, pid=101, running=1, waiting=2, outstanding_tokens=40, weight_version="v1"
+        ),
+    ),
+    "worker_registered": (
+        "e1",
+        protocol.WorkerRegistration(engine_id="e1", epoch=4, pid=102, preset="tiny", weight_version="v1"),
+    ),
+    "worker_failed": (
+        "e0",
+        protocol.WorkerFailed(engine_id="e0", epoch=3, pid=101, reason="heartbeat-timeout", detail="1.2s"),
+    ),
+    "request_resumed": (
+        "r1",
+        protocol.RequestResumed(
+            request_id="r1", attempt=2, engine_id="e1", epoch=4, from_position=17, reason="worker-failed"
+        ),
+    ),
+    "request_failed": (
+        "r2",
+        protocol.RequestFailed(request_id="r2", code="no-workers", message="no engine within 30s"),
+    ),
+    "process": (
+        "router",
+        protocol.ProcessEvent(name="router", pid=103, state="restarting", exit_code=1, backoff_s=0.4),
+    ),
+    "router_started": ("104", protocol.RouterStarted(router_pid=104, rebuilt_requests=2, resumed_requests=1)),
+    "handover": (
+        "e1",
+        protocol.Handover(
+            engine_id="e1",
+            reason="exit",
+            path="shadow",
+            old_pid=102,
+            new_pid=105,
+            epoch=5,
+            detected_at=1_700_000_000.5,
+            phases_ms={"kill_confirmed": 1.5, "promoted": 3.25},
+        ),
+    ),
+    "engine_quarantined": ("e1", protocol.EngineQuarantined(engine_id="e1", failures=2, window_s=60.0)),
+    "weights_published": (
+        "v2",
+        protocol.WeightsPublished(version="v2", segment="belayer.w.v2", size=4096, previous="v1"),
+    ),
+    "checkpoint_ready": (
+        "t1",
+        protocol.CheckpointReady(
+            trajectory="t1",
+            sandbox="s1",
+            host_id="h1",
+            checkpoint_id="c1",
+            incarnation=0,
+            k=3,
+            context_digest=DIGEST,
+            bytes_written=1024,
+            freeze_s=0.1,
+            total_s=0.5,
+        ),
+    ),
+    "env_failure": (
+        "s2",
+        protocol.EnvFailure(
+            sandbox="s2", host_id="h1", container_id="abc123", reason="oom-killed", detail="137", step=4
+        ),
+    ),
+    "sandbox_restored": (
+        "t2",
+        protocol.SandboxRestored(
+            trajectory="t2",
+            sandbox="s3",
+            host_id="h1",
+            source="previous",
+            checkpoint_id="c0",
+            incarnation=1,
+            k=2,
+            rejected=["c1: digest mismatch"],
+            restore_s=0.3,
+        ),
+    ),
+}

@@ -1,0 +1,83 @@
+"""The event table (protocol.EVENT_TYPES) is the one place that says what each event subject
+carries; these check it against the code that publishes, read with `ast` (no service runs)."""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+
+import pytest
+
+from belayer_rl.shared import protocol, subjects
+from tests.cli.helpers import SAMPLES
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root is the package belayer_rl
+PROJECT_FOLDERS = ("cli", "services", "shared", "scripts")  # tests may subscribe to whatever they like
+
+
+def event_calls() -> list[tuple[str, str, ast.Call]]:
+    """(where, function, call) for every subjects.event(...) and subjects.weights_published(...) call
+    in the project's code."""
+    calls = []
+    for folder in PROJECT_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "subjects"
+                    and node.func.attr in ("event", "weights_published")
+                ):
+                    calls.append((f"{path.relative_to(ROOT)}:{node.lineno}", node.func.attr, node))
+    return calls
+
+
+def test_the_table_holds_exactly_the_kinds_the_code_uses() -> None:
+    used: set[str] = set()
+    for where, function, call in event_calls():
+        if function == "weights_published":
+            used.add("weights_published")
+            continue
+        kind = call.args[0] if call.args else None
+        # A kind computed at run time could not be checked here (subjects.event still refuses it).
+        assert isinstance(kind, ast.Constant) and isinstance(kind.value, str), f"{where}: kind not a literal"
+        used.add(kind.value)
+    assert used == set(protocol.EVENT_TYPES), "kinds used but not declared, or declared but never used"
+
+
+def test_the_union_and_the_samples_cover_the_table() -> None:
+    assert set(typing.get_args(protocol.AnyEvent)) == set(protocol.EVENT_TYPES.values())
+    assert len(set(protocol.EVENT_TYPES.values())) == len(protocol.EVENT_TYPES), "one type per kind"
+    assert set(SAMPLES) == set(protocol.EVENT_TYPES)
+    for kind, (_, message) in SAMPLES.items():
+        assert type(message) is protocol.EVENT_TYPES[kind]
+
+
+def test_a_kind_is_its_publishing_name_and_its_tag_but_for_one_documented_exception() -> None:
+    """The rule (protocol.py, "event kinds"): the kind is the name after `belayer.evt.`; it is also
+    the Struct's tag except for worker_registered, whose tag "register" predates the table. A new
+    mismatch must be a decision, recorded here and in that comment."""
+    mismatched = {k for k, t in protocol.EVENT_TYPES.items() if t.__struct_config__.tag != k}
+    assert mismatched == {"worker_registered"}
+
+
+def test_subjects_refuse_an_undeclared_kind_and_give_back_the_kind_of_a_subject() -> None:
+    with pytest.raises(ValueError, match="not declared"):
+        subjects.event("handovr", "e0")
+    for kind in protocol.EVENT_TYPES:
+        assert subjects.event_kind(subjects.event(kind, "x", "y")) == kind
+    assert subjects.event_kind(subjects.weights_published("v3")) == "weights_published"
+    assert subjects.event_kind(subjects.ROUTER_STATUS) == ""
+
+
+def test_each_kind_decodes_its_own_type_only() -> None:
+    for kind, (_, message) in SAMPLES.items():
+        payload = protocol.encode(message)
+        assert protocol.decode(protocol.decoder_for(protocol.EVENT_TYPES[kind]), payload) == message
+        assert protocol.decode(protocol.decoder_for(protocol.AnyEvent), payload) == message
+        for other, other_type in protocol.EVENT_TYPES.items():
+            if other != kind:
+                with pytest.raises(protocol.BadMessage):
+                    protocol.decode(protocol.decoder_for(other_type), payload)
