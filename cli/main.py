@@ -243,7 +243,8 @@ def read_shadows(state_dir: Path) -> dict[str, int]:
     path = state_dir / "workers" / "engines.json"
     if not path.exists():
         return {}
-    return {engine: int(pids["shadow"]) for engine, pids in json.loads(path.read_text()).items()}
+    state = protocol.decode(protocol.decoder_for(protocol.ShadowState), path.read_bytes())
+    return {engine: workers.shadow for engine, workers in state.items()}
 
 
 async def router_status(url: str) -> protocol.RouterStatus:

@@ -2,7 +2,8 @@
 
 Owns: every rollout-worker process of its engines (it alone starts, replaces and kills them), each
 engine's failure history and quarantine.
-Listens: its shadows' reports on stdout (`main-failed exit|hang`), its children's exits.
+Listens: its workers' reports on stdout (shared/protocol.py's shadow pipe: WorkerIdle, MainFailed,
+WorkerReady, WorkerUnhealthy, one per line), its children's exits.
 Publishes: `belayer.evt.handover.<engine>` with each phase's duration,
 `belayer.evt.engine_quarantined.<engine>`, process events; the registry's quarantine mark.
 
@@ -12,13 +13,15 @@ not reused; (3) the weight and KV servers must answer and the arena is flushed; 
 checks its device and installs itself under a new epoch (compare-and-set on the registry); (5) the
 router sees the new epoch and resumes the interrupted requests on it. Anything not proven healthy
 sends the engine down the cold path: a worker from scratch, with its own weights and arena.
+
+A worker's stdout line that does not decode as a report is logged and dropped; commands (only
+PromoteShadow so far) go to its stdin the same way, one encoded message per line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -26,7 +29,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, TypeVar
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
@@ -34,18 +39,33 @@ from belayer_rl.shared import bus, registry, subjects
 from belayer_rl.shared.config import ShadowSupervisorConfig
 from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
+    BadMessage,
     EngineQuarantined,
+    EngineWorkers,
     Handover,
     KvFlush,
     KvServerAlive,
+    MainFailed,
     ProcessEvent,
+    PromoteShadow,
     ServerPing,
+    ShadowCommand,
+    ShadowState,
     WeightServerAlive,
+    WorkerIdle,
+    WorkerReady,
+    WorkerReport,
+    WorkerUnhealthy,
+    decode,
+    decoder_for,
+    encode,
 )
 
 log = logging.getLogger("belayer.shadow_supervisor")
 
 SERVER_PING_TIMEOUT_S = 0.5
+REPORTS = decoder_for(WorkerReport)  # stateless: one decoder serves every worker's every line
+R = TypeVar("R", WorkerIdle, WorkerReady)
 
 
 class StartFailed(RuntimeError):
@@ -55,38 +75,60 @@ class StartFailed(RuntimeError):
 # ---------------------------------------------------------------- worker processes
 
 
+def parse_report(line: bytes, source: str) -> WorkerReport | None:
+    """The report on one line of a worker's stdout, or None (logged) when the line is not one: a
+    stray print or a corrupt line must not take the supervisor, or the engine, down."""
+    try:
+        return decode(REPORTS, line)
+    except BadMessage as exc:
+        log.warning("%s: ignored a stdout line that is not a report (%s): %.200r", source, exc, line)
+        return None
+
+
 @dataclass(eq=False)  # hashed by identity: the supervisor keeps a set of them
 class WorkerProcess:
     role: str  # "main", "shadow" or "cold"
     process: asyncio.subprocess.Process
     heartbeat_file: Path
-    lines: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
-    owners: dict[str, str] = field(default_factory=dict)  # shadow: "weights"/"kv" -> server instance
+    reports: asyncio.Queue[WorkerReport | None] = field(default_factory=asyncio.Queue)  # None: stdout closed
+    # A shadow's idle report: the server instances that own what it mapped (empty for the others).
+    idle: WorkerIdle = field(default_factory=WorkerIdle)
     reader: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    async def read_lines(self) -> None:
+    async def read_reports(self) -> None:
         assert self.process.stdout is not None
-        while line := await self.process.stdout.readline():
-            self.lines.put_nowait(line.decode().strip())
-        self.lines.put_nowait("exited")
+        source = f"{self.role} pid {self.pid}"
+        while True:
+            try:
+                line = await self.process.stdout.readline()
+            except ValueError:  # a line over the stream's limit: asyncio has dropped it
+                log.warning("%s: ignored an oversized stdout line", source)
+                continue
+            if not line:
+                break
+            if (report := parse_report(line, source)) is not None:
+                self.reports.put_nowait(report)
+        self.reports.put_nowait(None)
 
-    async def expect(self, *prefixes: str, timeout_s: float) -> str:
-        """The next line starting with one of `prefixes`; StartFailed on exit or `unhealthy`."""
+    async def expect(self, kind: type[R], timeout_s: float) -> R:
+        """The next report of `kind`; StartFailed once the worker exits or says it is unhealthy."""
         async with asyncio.timeout(timeout_s):
             while True:
-                line = await self.lines.get()
-                if line == "exited" or line.startswith("unhealthy"):
-                    raise StartFailed(f"{self.role} pid {self.pid}: {line}")
-                if line.startswith(prefixes):
-                    return line
+                report = await self.reports.get()
+                if report is None:
+                    raise StartFailed(f"{self.role} pid {self.pid}: exited")
+                if isinstance(report, WorkerUnhealthy):
+                    raise StartFailed(f"{self.role} pid {self.pid}: unhealthy {report.why}")
+                if isinstance(report, kind):
+                    return report
 
-    async def tell(self, command: str) -> None:
+    async def tell(self, command: ShadowCommand) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write(command.encode() + b"\n")
+        self.process.stdin.write(encode(command) + b"\n")
         await self.process.stdin.drain()
 
     async def kill_confirmed(self, timeout_s: float) -> bool:
@@ -180,16 +222,16 @@ class ShadowSupervisor:
             )
         worker = WorkerProcess(role, process, heartbeat_file)
         self.workers.add(worker)
-        worker.reader = asyncio.create_task(worker.read_lines())
+        worker.reader = asyncio.create_task(worker.read_reports())
         worker.reader.add_done_callback(lambda _: self.workers.discard(worker))
         await self.announce(
             ProcessEvent(name=f"worker-{slot.engine_id}-{role}", pid=worker.pid, state="started")
         )
         try:
-            line = await worker.expect(
-                "idle" if role == "shadow" else "ready", timeout_s=self.config.start_timeout_s
-            )
-            worker.owners = dict(word.split("=", 1) for word in line.split()[1:] if "=" in word)
+            if role == "shadow":
+                worker.idle = await worker.expect(WorkerIdle, timeout_s=self.config.start_timeout_s)
+            else:
+                await worker.expect(WorkerReady, timeout_s=self.config.start_timeout_s)
         except (StartFailed, TimeoutError):
             await worker.kill_confirmed(self.config.death_timeout_s)
             raise
@@ -223,18 +265,18 @@ class ShadowSupervisor:
                 continue
             await self.handover(slot, reason, detected_at)
 
-    async def shadow_report(self, slot: EngineSlot) -> str:
+    async def shadow_report(self, slot: EngineSlot) -> Literal["exit", "hang", "shadow-gone"]:
         """ "exit" or "hang" when the shadow reports its main failed; "shadow-gone" if it died."""
         while slot.shadow is None:  # a new shadow is starting: only the main's exit is watched
             slot.shadow_started.clear()
             await slot.shadow_started.wait()
         shadow = slot.shadow
         while True:
-            line = await shadow.lines.get()
-            if line == "exited":
+            report = await shadow.reports.get()
+            if report is None:
                 return "shadow-gone"
-            if line.startswith("main-failed"):
-                return line.split()[1]
+            if isinstance(report, MainFailed):
+                return report.reason
 
     async def replace_shadow(self, slot: EngineSlot) -> None:
         old = slot.shadow
@@ -291,9 +333,9 @@ class ShadowSupervisor:
             cold.append("no shadow")
         new: WorkerProcess | None = None
         if not cold and shadow is not None:
-            await shadow.tell("promote")
+            await shadow.tell(PromoteShadow())
             try:
-                await shadow.expect("ready", timeout_s=self.config.start_timeout_s)
+                await shadow.expect(WorkerReady, timeout_s=self.config.start_timeout_s)
                 new = shadow
             except (StartFailed, TimeoutError) as exc:
                 cold.append(f"shadow not promoted: {exc}")
@@ -331,16 +373,17 @@ class ShadowSupervisor:
         """Why the weight and KV servers cannot be trusted now: one does not answer, or it is a
         new instance that does not own what the shadow mapped. Empty when both are fit."""
         unfit = []
-        for name, key, subject, kind in (
-            ("weight server", "weights", subjects.WEIGHTS_PING, WeightServerAlive),
-            ("KV server", "kv", subjects.KV_PING, KvServerAlive),
+        mapped = shadow.idle if shadow is not None else WorkerIdle()
+        for name, owner, subject, kind in (
+            ("weight server", mapped.weights_instance, subjects.WEIGHTS_PING, WeightServerAlive),
+            ("KV server", mapped.kv_instance, subjects.KV_PING, KvServerAlive),
         ):
             try:
                 alive = await bus.request_struct(self.nc, subject, ServerPing(), kind, SERVER_PING_TIMEOUT_S)
             except bus.ServiceError as exc:
                 unfit.append(f"{name} not answering ({exc.code})")
                 continue
-            if shadow is not None and shadow.owners.get(key) not in (None, alive.instance):
+            if owner not in (None, alive.instance):
                 unfit.append(f"{name} restarted: instance {alive.instance} does not own the shadow's mapping")
         return unfit
 
@@ -361,16 +404,17 @@ class ShadowSupervisor:
 
     def write_state(self) -> None:
         """`<state-dir>/engines.json`: each engine's main and shadow pid, for status and tests."""
-        state = {
-            slot.engine_id: {
-                "main": slot.main.pid if slot.main else 0,
-                "shadow": slot.shadow.pid if slot.shadow else 0,
-                "quarantined": slot.quarantined,
-            }
+        state: ShadowState = {
+            slot.engine_id: EngineWorkers(
+                main=slot.main.pid if slot.main else 0,
+                shadow=slot.shadow.pid if slot.shadow else 0,
+                quarantined=slot.quarantined,
+            )
             for slot in self.slots.values()
         }
         path = self.config.state_dir / "engines.json"
-        path.with_suffix(".tmp").write_text(json.dumps(state))
+        # Written aside and renamed, so a reader never sees half a file.
+        path.with_suffix(".tmp").write_bytes(msgspec.json.encode(state))
         path.with_suffix(".tmp").replace(path)
 
     async def announce(self, event: ProcessEvent) -> None:

@@ -3,19 +3,20 @@
 A shadow has built everything it needs to serve (weights and KV arena mapped from the servers, the
 engine, its NATS connection) and then idles: it runs no inference, it only watches the main. The
 main's exit shows at once on a pidfd; a hang shows as a heartbeat file whose mtime stops moving.
-The shadow reports what it sees on stdout, one line each, and the shadow supervisor decides: it
-alone kills the main, checks the servers, flushes the arena and then writes `promote` on the
-shadow's stdin. The shadow checks its device with a small real operation and starts serving.
+The shadow reports what it sees on stdout and the shadow supervisor decides: it alone kills the
+main, checks the servers, flushes the arena and then commands a promotion on the shadow's stdin.
+The shadow checks its device with a small real operation and starts serving.
 
-Lines on stdout: `idle weights=<instance> kv=<instance>` (the server instances that own what it
-mapped), `main-failed exit`, `main-failed hang <age_s>`, `ready <epoch>`,
-`unhealthy <why>`.
+Both directions carry the shadow-pipe messages of shared/protocol.py, one encoded message per
+line: WorkerIdle, MainFailed, WorkerReady and WorkerUnhealthy on stdout (a main under the
+supervisor reports WorkerReady too), PromoteShadow on stdin.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -25,17 +26,61 @@ import torch
 
 from belayer_rl.services.worker.engine import Engine
 from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.protocol import (
+    BadMessage,
+    MainFailed,
+    PromoteShadow,
+    ShadowCommand,
+    WorkerIdle,
+    WorkerReady,
+    WorkerReport,
+    WorkerUnhealthy,
+    decode,
+    decoder_for,
+    encode,
+)
+
+log = logging.getLogger("belayer.worker.shadow")
 
 # How often the heartbeat file's mtime is read. A hang is declared only after seconds of
 # staleness, so 50 ms adds little to its detection and keeps an idle shadow near 0% CPU; an exit
 # wakes the shadow at once through the pidfd.
 HANG_POLL_S = 0.05
 INJECT_DEVICE_FAULT_ENV = "BELAYER_INJECT_DEVICE_FAULT"  # a path; while it exists the check fails
+COMMANDS = decoder_for(ShadowCommand)  # stateless: one decoder serves every line
 
 
-def report(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def report(message: WorkerReport) -> None:
+    """One line on stdout for the supervisor, sent at once: it may be waiting on it to hand over."""
+    sys.stdout.flush()  # anything printed before goes first, so lines never interleave
+    sys.stdout.buffer.write(encode(message) + b"\n")
+    sys.stdout.buffer.flush()
+
+
+def report_ready(epoch: int) -> None:
+    """The worker serves under `epoch` (a main or cold worker at start-up, a shadow once promoted)."""
+    report(WorkerReady(epoch=epoch))
+
+
+def report_unhealthy(why: str) -> None:
+    """The worker will not serve; the supervisor takes the cold path and gives `why` as the reason."""
+    report(WorkerUnhealthy(why=why))
+
+
+def idle_report(owners: str) -> WorkerIdle:
+    """The idle report for `owners` as build_engine names them: `weights=<instance> kv=<instance>`,
+    or "" when the worker owns its own weights and arena."""
+    named = dict(word.split("=", 1) for word in owners.split() if "=" in word)
+    return WorkerIdle(weights_instance=named.get("weights"), kv_instance=named.get("kv"))
+
+
+def parse_command(line: bytes) -> ShadowCommand | None:
+    """The command on one line of stdin, or None (logged) when the line is not one."""
+    try:
+        return decode(COMMANDS, line)
+    except BadMessage as exc:
+        log.warning("ignored a line on stdin that is not a command (%s): %.200r", exc, line)
+        return None
 
 
 def heartbeat_age(path: Path) -> float:
@@ -58,7 +103,7 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -
         loop.add_reader(pidfd, main_exited.set)
     except ProcessLookupError:
         main_exited.set()
-    report(f"idle {owners}")
+    report(idle_report(owners))
     command = asyncio.create_task(reader.readline())
     stop = asyncio.create_task(stopping.wait())
     exited = asyncio.create_task(main_exited.wait())
@@ -66,20 +111,24 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -
     try:
         while True:
             if command.done():
-                line = command.result().decode().strip()
-                if line == "promote":
-                    return True
-                if not line:  # stdin closed: the supervisor is gone
-                    return False
+                try:
+                    line = command.result()
+                except ValueError:  # a line over the reader's limit: asyncio has dropped it
+                    log.warning("ignored an oversized line on stdin")
+                else:
+                    if not line:  # stdin closed: the supervisor is gone
+                        return False
+                    if isinstance(parse_command(line), PromoteShadow):
+                        return True
                 command = asyncio.create_task(reader.readline())
             if stop.done():
                 return False
             if not reported:
                 if main_exited.is_set():
-                    report("main-failed exit")
+                    report(MainFailed(reason="exit"))
                     reported = True
                 elif (age := heartbeat_age(config.watch_file)) > config.hang_timeout_s:
-                    report(f"main-failed hang {age:.3f}")
+                    report(MainFailed(reason="hang", heartbeat_age_s=round(age, 3)))
                     reported = True
             wake_on = [command, stop] if reported else [command, stop, exited]
             await asyncio.wait(wake_on, timeout=HANG_POLL_S, return_when=asyncio.FIRST_COMPLETED)
