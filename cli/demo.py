@@ -17,10 +17,9 @@ from pathlib import Path
 
 import uvloop
 
-from belayer_rl.cli.cluster import local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, local_cluster
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import ClusterConfig
 from belayer_rl.shared.protocol import TokenChunk
 
 PROMPT = "The belayer holds the rope while the climber"

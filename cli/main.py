@@ -23,12 +23,14 @@ import msgspec
 import uvloop
 from nats.aio.msg import Msg
 
-from belayer_rl.cli.cluster import ClusterFile
+from belayer_rl.cli.cluster import ClusterConfig, ClusterFile
 from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import config as flags
 from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
 
 UP_TIMEOUT_S = 120.0
+UP_SKIP = ("state_dir", "nats_url")  # global flags of every command
 
 
 def pid_alive(pid: int) -> bool:
@@ -59,27 +61,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     (state_dir / "cluster.json").unlink(missing_ok=True)
-    argv = [
-        sys.executable, "-m", "belayer_rl.cli.cluster",
-        "--state-dir", str(state_dir),
-        "--engines", str(args.engines),
-        "--model", args.model,
-        "--weights-seed", str(args.weights_seed),
-        "--chunk-tokens", str(args.chunk_tokens),
-        "--heartbeat-timeout", str(args.heartbeat_timeout),
-        "--no-worker-deadline", str(args.no_worker_deadline),
-        "--client-timeout", str(args.client_timeout),
-    ]  # fmt: skip
-    if args.nats:
-        argv += ["--nats", args.nats]
-    if args.no_shadows:
-        argv.append("--no-shadows")
+    try:
+        cluster_config = flags.from_args(
+            ClusterConfig, args, skip=UP_SKIP, state_dir=state_dir, nats_url=args.nats or None
+        )
+    except ConfigError as exc:
+        print(f"belayer up: {exc}", file=sys.stderr)
+        return 2
+    argv = [sys.executable, "-m", "belayer_rl.cli.cluster", *flags.to_argv(cluster_config)]
     with (state_dir / "logs" / "cluster.log").open("ab") as out:
         supervisor = subprocess.Popen(
             argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True
         )
     try:
-        engines = uvloop.run(wait_until_serving(state_dir, args.engines, supervisor))
+        engines = uvloop.run(wait_until_serving(state_dir, cluster_config.engines, supervisor))
     except (TimeoutError, RuntimeError) as exc:
         print(f"belayer up failed: {exc}; logs in {state_dir / 'logs'}", file=sys.stderr)
         return 1
@@ -476,18 +471,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
 
     up = commands.add_parser("up", help="start a local cluster in the background")
-    up.add_argument("--engines", type=int, default=2, help="rollout workers to start")
-    up.add_argument("--model", default="tiny", help="model preset (tiny, small, medium, base)")
-    up.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights")
-    up.add_argument("--chunk-tokens", type=int, default=256, help="token-log chunk size k")
-    up.add_argument("--heartbeat-timeout", type=float, default=1.0, help="worker silence before failover (s)")
-    up.add_argument("--no-worker-deadline", type=float, default=30.0, help="wait for a healthy engine (s)")
-    up.add_argument(
-        "--client-timeout", type=float, default=60.0, help="cancel a request nobody follows this long (s)"
-    )
-    up.add_argument(
-        "--no-shadows", action="store_true", help="start workers directly: no shadows, weight or KV servers"
-    )
+    flags.add_flags(up, ClusterConfig, skip=UP_SKIP)  # --state-dir and --nats are global flags
     up.set_defaults(run=cmd_up)
 
     down = commands.add_parser("down", help="stop the local cluster")
