@@ -36,7 +36,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from belayer_rl.shared import bus, registry, subjects
-from belayer_rl.shared.config import ShadowSupervisorConfig
+from belayer_rl.shared.config import ShadowSupervisorConfig, WorkerConfig, to_argv
 from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
     BadMessage,
@@ -188,22 +188,20 @@ class ShadowSupervisor:
         self, slot: EngineSlot, role: str, heartbeat_file: Path, watch: WorkerProcess | None
     ) -> list[str]:
         c = self.config
-        argv = [
-            sys.executable, "-m", "belayer_rl.services.worker",
-            "--nats", c.nats_url,
-            "--engine-id", slot.engine_id,
-            "--preset", c.preset,
-            "--weights-seed", str(c.weights_seed),
-            "--num-blocks", str(c.num_blocks),
-            "--role", "main" if role == "cold" else role,
-            "--heartbeat-file", str(heartbeat_file),
-        ]  # fmt: skip
-        if role != "cold":
-            argv.append("--shared-memory")
-        if watch is not None:
-            argv += ["--watch-pid", str(watch.pid), "--watch-file", str(watch.heartbeat_file)]
-            argv += ["--hang-timeout", str(c.hang_timeout_s)]
-        return argv
+        worker = WorkerConfig(
+            nats_url=c.nats_url,
+            engine_id=slot.engine_id,
+            preset=c.preset,
+            weights_seed=c.weights_seed,
+            num_blocks=c.num_blocks,
+            role="main" if role == "cold" else role,  # type: ignore[arg-type]
+            heartbeat_file=heartbeat_file,
+            shared_memory=role != "cold",
+            watch_pid=watch.pid if watch is not None else 0,
+            watch_file=watch.heartbeat_file if watch is not None else None,
+            hang_timeout_s=c.hang_timeout_s,
+        )
+        return [sys.executable, "-m", "belayer_rl.services.worker", *to_argv(worker)]
 
     async def start_worker(
         self, slot: EngineSlot, role: str, watch: WorkerProcess | None = None
