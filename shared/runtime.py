@@ -84,6 +84,16 @@ class Endpoint:
         return EndpointInfo(subject=self.subject, accepts=[k.__name__ for k in kinds], reply=self.reply)
 
 
+def check_declared(endpoint: Endpoint) -> None:
+    """An event subject is decoded as protocol.EVENT_TYPES declares its kind, and nowhere else:
+    an endpoint that expects another type is a programming error, refused at start-up."""
+    if not endpoint.subject.startswith(subjects.EVENTS + "."):
+        return
+    declared = protocol.EVENT_TYPES[subjects.event_kind(endpoint.subject)]
+    if endpoint.accepts is not declared:
+        raise TypeError(f"{endpoint.subject} carries {declared.__name__}, not {endpoint.accepts}")
+
+
 class Runtime:
     """One per process. Built by `run()`; the service's setup receives it."""
 
@@ -152,6 +162,7 @@ class Runtime:
     async def serve(self, *endpoints: Endpoint) -> None:
         """Subscribe each endpoint; messages are decoded with the types it declares."""
         for endpoint in endpoints:
+            check_declared(endpoint)
             self._endpoints.append(endpoint)
             callback = self._callback(endpoint)
             sub = await self.nc.subscribe(
