@@ -34,6 +34,7 @@ from belayer_rl.shared.config import (
     ConfigError,
     KvServerConfig,
     RouterConfig,
+    ServiceConfig,
     ShadowSupervisorConfig,
     WeightServerConfig,
     WorkerConfig,
@@ -52,6 +53,7 @@ from belayer_rl.shared.protocol import ProcessEvent, WorkerFailed
 
 log = logging.getLogger("belayer.cluster")
 
+STOP_MARGIN_S = 5.0  # past a service's drain timeout: cancelling stragglers, closing, exiting
 STABLE_AFTER_S = 10.0  # a child that ran this long gets its backoff reset
 HANDOVER_GRACE_S = 1.0  # with shadows, a failed engine's requests wait this long for its shadow
 
@@ -114,6 +116,7 @@ class Child:
     started_at: float = 0.0
     state: str = "starting"
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    stop_grace_s: float = STOP_GRACE_S  # SIGTERM to SIGKILL
 
     @property
     def pid(self) -> int:
@@ -122,6 +125,12 @@ class Child:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def service(name: str, module: str, config: ServiceConfig, engine_id: str | None = None) -> Child:
+    """A service process started from its config; stopping it waits out its drain timeout."""
+    argv = python_module(module, *flags.to_argv(config))
+    return Child(name, argv, engine_id=engine_id, stop_grace_s=config.drain_timeout_s + STOP_MARGIN_S)
 
 
 class Supervisor:
@@ -146,7 +155,7 @@ class Supervisor:
             client_timeout_s=c.client_timeout_s,
             handover_grace_s=HANDOVER_GRACE_S if c.shadows else 0.0,
         )
-        router_child = Child("router", python_module("belayer_rl.services.router", *flags.to_argv(router)))
+        router_child = service("router", "belayer_rl.services.router", router)
         workers = self.shadowed_workers() if c.shadows else [self.worker(f"e{i}") for i in range(c.engines)]
         return [router_child, *workers, *self.checkpointer()]
 
@@ -164,10 +173,8 @@ class Supervisor:
         )
         arenas = KvServerConfig(nats_url=self.nats_url, shm_prefix=prefix)
         servers = [
-            Child(
-                "weight-server", python_module("belayer_rl.services.weight_server", *flags.to_argv(weights))
-            ),
-            Child("kv-server", python_module("belayer_rl.services.kv_server", *flags.to_argv(arenas))),
+            service("weight-server", "belayer_rl.services.weight_server", weights),
+            service("kv-server", "belayer_rl.services.kv_server", arenas),
         ]
         if not c.engines:
             return servers
@@ -180,10 +187,7 @@ class Supervisor:
             hang_timeout_s=c.hang_timeout_s,
             failure_window_s=c.failure_window_s,
         )
-        supervisor_child = Child(
-            "shadow-supervisor",
-            python_module("belayer_rl.services.shadow_supervisor", *flags.to_argv(supervisor)),
-        )
+        supervisor_child = service("shadow-supervisor", "belayer_rl.services.shadow_supervisor", supervisor)
         return [*servers, supervisor_child]
 
     def checkpointer(self) -> list[Child]:
@@ -198,18 +202,14 @@ class Supervisor:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
             return []
         checkpointer = CheckpointerConfig(nats_url=self.nats_url, state_dir=c.state_dir / "checkpointer")
-        child = Child(
-            "checkpointer", python_module("belayer_rl.services.checkpointer", *flags.to_argv(checkpointer))
-        )
-        return [child]
+        return [service("checkpointer", "belayer_rl.services.checkpointer", checkpointer)]
 
     def worker(self, engine_id: str) -> Child:
         c = self.config
         worker = WorkerConfig(
             nats_url=self.nats_url, engine_id=engine_id, preset=c.preset, weights_seed=c.weights_seed
         )
-        argv = python_module("belayer_rl.services.worker", *flags.to_argv(worker))
-        return Child(f"worker-{engine_id}", argv, engine_id=engine_id)
+        return service(f"worker-{engine_id}", "belayer_rl.services.worker", worker, engine_id=engine_id)
 
     async def start(self) -> None:
         for child in self.plan():
@@ -277,7 +277,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     child.process.terminate()
                 try:
-                    await asyncio.wait_for(child.process.wait(), STOP_GRACE_S)
+                    await asyncio.wait_for(child.process.wait(), child.stop_grace_s)
                 except TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         child.process.kill()

@@ -30,6 +30,7 @@ from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
 
 UP_TIMEOUT_S = 120.0
+DOWN_TIMEOUT_S = 90.0  # the local cluster stops its processes one by one, each within its drain timeout
 UP_SKIP = ("state_dir", "nats_url")  # global flags of every command
 
 
@@ -104,7 +105,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         print("not running")
         return 0
     os.kill(cluster.supervisor_pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + DOWN_TIMEOUT_S
     while pid_alive(cluster.supervisor_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if pid_alive(cluster.supervisor_pid):

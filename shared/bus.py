@@ -52,13 +52,23 @@ class BusOptions:
 
 class ServiceError(Exception):
     """An error that crosses the wire as an ErrorReply: `code` is one of protocol.ErrorCode (short
-    and stable, what callers match), `message` says why."""
+    and stable, what callers match), `message` says why. Raising one checks the code; one received
+    in a reply (`from_reply`) is taken as it came, since a newer service may know more codes."""
 
     def __init__(self, code: protocol.ErrorCode, message: str) -> None:
         if code not in ERROR_CODES:  # a typo here would otherwise reach callers as a bad reply
             raise ValueError(f"unknown error code {code!r}; add it to protocol.ErrorCode")
+        self._set(code, message)
+
+    @classmethod
+    def from_reply(cls, code: str, message: str) -> ServiceError:
+        error = cls.__new__(cls)
+        error._set(code, message)
+        return error
+
+    def _set(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code: str = code
         self.message = message
 
 
@@ -119,7 +129,7 @@ async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T]
         raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
     answer = protocol.decode(protocol.decoder_for(kind | ErrorReply), reply.data)
     if isinstance(answer, ErrorReply):
-        raise ServiceError(answer.code, answer.message)
+        raise ServiceError.from_reply(answer.code, answer.message)
     return answer
 
 

@@ -213,6 +213,14 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def placement(device: Literal["auto", "cpu", "cuda"]) -> Literal["cpu", "cuda"]:
+    """Where a server keeps its memory; "auto" is decided by the server process itself, so a
+    parent that only builds its argv (the local cluster) never loads torch or touches CUDA."""
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return device
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
     """What every service's config has: where the bus is and how long a drain may take."""
@@ -315,8 +323,6 @@ class WeightServerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.device == "auto":  # resolved once, so every reader sees cpu or cuda
-            object.__setattr__(self, "device", "cuda" if cuda_available() else "cpu")
         if self.preset not in PRESETS:  # the table of sizes, no torch
             raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
         if not shm_prefix_ok(self.shm_prefix):
@@ -345,8 +351,6 @@ class KvServerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.device == "auto":  # resolved once, so every reader sees cpu or cuda
-            object.__setattr__(self, "device", "cuda" if cuda_available() else "cpu")
         if not shm_prefix_ok(self.shm_prefix):
             raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {SHM_PREFIX_PATTERN}")
         if self.device == "cuda" and not cuda_available():

@@ -59,6 +59,9 @@ ErrorCode = Literal[
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
     "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
 ]  # fmt: skip
+# An ErrorCode as it crosses the wire: decoded as text, so a code that a newer version added is not
+# a decode failure for an older reader (nor a stored log end unreadable); raised only from ErrorCode.
+WireCode = Annotated[str, Meta(max_length=64)]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -86,13 +89,20 @@ class CarriesSampling(Message, frozen=True, kw_only=True):
     stop: StopStrings | None = None  # deprecated: version 1
 
     def __post_init__(self) -> None:
-        if self.v < SAMPLING_VERSION:
-            legacy = SamplingParams(
-                seed=self.seed if self.seed is not None else 0,
-                temperature=self.temperature if self.temperature is not None else 1.0,
-                stop=self.stop or [],
-            )
+        flat = (self.seed, self.temperature, self.stop)
+        if self.v >= SAMPLING_VERSION and flat == (None, None, None):
+            return
+        legacy = SamplingParams(
+            seed=self.seed if self.seed is not None else 0,
+            temperature=self.temperature if self.temperature is not None else 1.0,
+            stop=self.stop or [],
+        )
+        # Version 1, or a message that left `v` out (version 1 allowed that) and gave only the
+        # flat fields: they are the sampling. Both, disagreeing, is refused, never guessed.
+        if self.v < SAMPLING_VERSION or self.sampling == SamplingParams():
             msgspec.structs.force_setattr(self, "sampling", legacy)
+        elif self.sampling != legacy:
+            raise ValueError("give `sampling` or the deprecated seed/temperature/stop, not both")
 
 
 # ---------------------------------------------------------------- client <-> router
@@ -145,7 +155,7 @@ class GenerateEnd(Message, tag="end", kw_only=True):
 
 class GenerateError(Message, tag="error", kw_only=True):
     request_id: RequestId
-    code: ErrorCode
+    code: WireCode
     message: str
     num_tokens: Position = 0
 
@@ -158,7 +168,7 @@ class Ack(Message, tag="ack", kw_only=True):
 
 
 class ErrorReply(Message, tag="error_reply", kw_only=True):
-    code: ErrorCode
+    code: WireCode
     message: str
 
 
@@ -271,7 +281,7 @@ class RequestResumed(Message, tag="request_resumed", kw_only=True):
 
 class RequestFailed(Message, tag="request_failed", kw_only=True):
     request_id: RequestId
-    code: ErrorCode
+    code: WireCode
     message: str
 
 
@@ -323,18 +333,6 @@ class WeightsPublished(Message, tag="weights_published", kw_only=True):
     previous: str  # the version that was newest before
 
 
-Event = (
-    Heartbeat
-    | WorkerFailed
-    | RequestResumed
-    | RequestFailed
-    | ProcessEvent
-    | RouterStarted
-    | Handover
-    | EngineQuarantined
-    | WeightsPublished
-)
-
 # ---------------------------------------------------------------- JetStream records
 
 
@@ -361,7 +359,7 @@ class LogEnd(Message, tag="log_end", kw_only=True):
     finish_reason: FinishReason
     num_tokens: Position
     resumes: Position = 0
-    error_code: ErrorCode | Literal[""] = ""
+    error_code: WireCode = ""  # "" when the request did not end in an error
     error: str = ""
 
 

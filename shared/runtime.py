@@ -9,7 +9,8 @@ endpoints and timers on the runtime, and returns. The runtime owns everything ar
 - the one error envelope: a handler's `ServiceError` becomes an `ErrorReply` with its typed code,
   every decode failure (RecursionError included) becomes "bad-request", anything else becomes
   "internal", logged with its traceback; all of them are counted by code;
-- owned background tasks and timers, cancelled and awaited at shutdown;
+- owned background tasks and timers, cancelled and awaited at shutdown; an essential task that
+  ends on its own stops the process with exit status 1, so its supervisor restarts it;
 - logging set-up, readiness (`ready()`), and a stats endpoint per process,
   `belayer.svc.<name>.stats`, where the error counts can be read (and where metrics plug in).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -66,6 +68,9 @@ class Endpoint:
     """One subscription: the message types accepted on `subject` (a Struct or a union of them)
     and the handler that gets each decoded message.
 
+    No queue groups: every Belayer service that serves a subject owns the state behind it (the
+    active router, a host's servers, an engine's worker).
+
     `reply`: the handler's answer (or its error) goes back to the sender; one-way endpoints log and
     drop a failure. `concurrent`: each message runs as its own task, started in arrival order;
     otherwise messages are handled one after another, as they arrived. `with_subject`: the
@@ -77,7 +82,6 @@ class Endpoint:
     reply: bool = True
     concurrent: bool = False
     with_subject: bool = False
-    queue: str = ""
 
     def info(self) -> EndpointInfo:
         kinds = typing.get_args(self.accepts) or (self.accepts,)  # a union, or one Struct
@@ -89,7 +93,8 @@ def check_declared(endpoint: Endpoint) -> None:
     an endpoint that expects another type is a programming error, refused at start-up."""
     if not endpoint.subject.startswith(subjects.EVENTS + "."):
         return
-    declared = protocol.EVENT_TYPES[subjects.event_kind(endpoint.subject)]
+    kind = subjects.event_kind(endpoint.subject)
+    declared = protocol.EVENT_TYPES.get(kind, protocol.AnyEvent)  # a wildcard kind: any event
     if endpoint.accepts is not declared:
         raise TypeError(f"{endpoint.subject} carries {declared.__name__}, not {endpoint.accepts}")
 
@@ -114,6 +119,7 @@ class Runtime:
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._signals_captured = False
+        self.failure = ""  # why the process stops on its own (exit status 1); "" for a requested stop
 
     # ------------------------------------------------------------ connection
 
@@ -165,16 +171,21 @@ class Runtime:
             check_declared(endpoint)
             self._endpoints.append(endpoint)
             callback = self._callback(endpoint)
-            sub = await self.nc.subscribe(
-                endpoint.subject, queue=endpoint.queue, cb=callback, pending_bytes_limit=256 << 20
-            )
+            sub = await self.nc.subscribe(endpoint.subject, cb=callback, pending_bytes_limit=256 << 20)
             self._subscriptions.append(sub)
 
-    def spawn(self, work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """An owned background task: cancelled and awaited at shutdown; a crash is logged."""
+    def spawn(
+        self, work: Coroutine[Any, Any, Any], name: str, *, essential: bool = False
+    ) -> asyncio.Task[Any]:
+        """An owned background task: cancelled and awaited at shutdown; a crash is logged.
+
+        `essential`: the process cannot do its job without it (a worker's scheduling loop, the
+        router's log writer). If it ends before a stop was asked for, crashed or not, the process
+        drains and exits with status 1, so its supervisor restarts it instead of keeping a
+        process that heartbeats but serves nothing."""
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(functools.partial(self._task_done, essential=essential))
         return task
 
     def every(self, interval_s: float, tick: Callable[[], Awaitable[None] | None], name: str) -> None:
@@ -234,7 +245,7 @@ class Runtime:
             if endpoint.reply and msg.reply and answer is not None:
                 try:
                     await self.nc.publish(msg.reply, protocol.encode(answer))
-                except (nats.errors.Error, msgspec.ValidationError, ValueError) as exc:
+                except (nats.errors.Error, msgspec.EncodeError, ValueError) as exc:
                     log.warning("%s: could not reply on %s: %s", self.name, msg.subject, exc)
 
         async def on_message(msg: Msg) -> None:
@@ -243,8 +254,10 @@ class Runtime:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
             if not endpoint.concurrent:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(task)
+                # In order: the next message waits for this one. An unsubscribe cancels this wait
+                # (and with it nats-py's delivery loop, so no later message is taken); the handler
+                # itself goes on, shielded, and the drain waits for it.
+                await asyncio.shield(task)
 
         return on_message
 
@@ -263,10 +276,16 @@ class Runtime:
             endpoints=[endpoint.info() for endpoint in self._endpoints],
         )
 
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
+    def _task_done(self, task: asyncio.Task[Any], *, essential: bool) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
             log.error("%s: task %s crashed", self.name, task.get_name(), exc_info=task.exception())
+        if essential and not self.stopping.is_set():
+            self.failure = f"essential task {task.get_name()} ended"
+            log.error("%s: %s; stopping", self.name, self.failure)
+            self.stopping.set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -286,6 +305,12 @@ class Runtime:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        self.on_close(self._release_signals)
+
+    def _release_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
     async def shutdown(self) -> None:
         deadline = time.monotonic() + self.config.drain_timeout_s
@@ -293,8 +318,11 @@ class Runtime:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
         self._subscriptions.clear()
+        # In-flight handlers get the drain timeout, less half of it kept for the drain hooks (a
+        # router's log flush must not be starved by one slow request).
+        reserve = self.config.drain_timeout_s / 2 if self._drain_hooks else 0.0
         if self._in_flight:
-            await asyncio.wait(set(self._in_flight), timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait(set(self._in_flight), timeout=max(0.0, deadline - reserve - time.monotonic()))
         for hook in self._drain_hooks:
             try:
                 await asyncio.wait_for(hook(), max(0.01, deadline - time.monotonic()))
@@ -323,7 +351,7 @@ async def serve(
     setup: Callable[[Runtime, C], Awaitable[None]],
     *,
     signals_during_setup: bool = True,
-) -> None:
+) -> str:
     """Run one service until a stop request: setup, then wait, then drain.
 
     `signals_during_setup=False` leaves SIGTERM's default action (die at once) in place until the
@@ -337,11 +365,12 @@ async def serve(
             await runtime.unless_stopped(setup(runtime, config))
         except Stopped:
             log.info("%s: stopped before it was ready", name)
-            return
+            return runtime.failure
         runtime.capture_signals()  # if the setup has not already
         await runtime.stopping.wait()
     finally:
         await runtime.shutdown()
+    return runtime.failure
 
 
 def run(
@@ -356,6 +385,8 @@ def run(
     a config error or one of `exits_on` (start-up refusals such as a busy shared-memory prefix)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
-        uvloop.run(serve(name, config, setup, signals_during_setup=signals_during_setup))
+        failure = uvloop.run(serve(name, config, setup, signals_during_setup=signals_during_setup))
     except (ConfigError, *exits_on) as exc:
         sys.exit(f"{name}: {exc}")
+    if failure:
+        sys.exit(f"{name}: {failure}")

@@ -119,7 +119,7 @@ class EventLog:
     @classmethod
     async def start(cls, client: Client, kind: str) -> EventLog:
         log = cls()
-        decoder = protocol.decoder_for(protocol.Event)
+        decoder = protocol.decoder_for(protocol.EVENT_TYPES[kind])
 
         async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
             log.events.append(protocol.decode(decoder, msg.data))

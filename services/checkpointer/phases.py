@@ -45,7 +45,6 @@ from belayer_rl.services.checkpointer.store import (
 )
 from belayer_rl.services.checkpointer.store import digest_context as digest
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import CHECKPOINT_PHASES
 from belayer_rl.shared.protocol import (
     CheckpointResult,
     PrefixPointer,
@@ -56,7 +55,6 @@ from belayer_rl.shared.protocol import (
 
 log = logging.getLogger("belayer.checkpointer")
 
-PHASES = CHECKPOINT_PHASES
 CRIU_NAME = "criu"  # the checkpoint name under which the engine restores
 
 

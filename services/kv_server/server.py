@@ -22,7 +22,7 @@ import torch
 
 from belayer_rl.shared import segments
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import KvServerConfig
+from belayer_rl.shared.config import KvServerConfig, placement
 from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     Ack,
@@ -62,6 +62,7 @@ class KvServer:
 
     def __init__(self, config: KvServerConfig) -> None:
         self.config = config
+        self.device = placement(config.device)  # "auto" decided here, in the server's own process
         self.instance = secrets.token_hex(8)
         self.lock = segments.PrefixLock(f"{config.shm_prefix}.kv.")
         if self.lock.removed:
@@ -77,7 +78,7 @@ class KvServer:
     def build(self, request: KvArenaRequest, serial: int) -> Arena:
         """A zeroed arena for `request`; runs in a thread, touches no state."""
         shape = arena_shape(PRESETS[request.preset], request.num_blocks, request.block_size)
-        on_gpu = self.config.device == "cuda"
+        on_gpu = self.device == "cuda"
         manifest = segments.plan("kv", request.engine_id, self.instance, [("arena", shape, torch.float32)])
         # The name carries the instance and a serial: a handle of a dead instance, or of a released
         # arena, never maps the arena that replaced it.
@@ -174,6 +175,6 @@ class KvServer:
             pid=os.getpid(),
             instance=self.instance,
             engines=sorted(self.arenas),
-            device=self.config.device,
+            device=self.device,
             segments={engine_id: arena.segment.name for engine_id, arena in sorted(self.arenas.items())},
         )

@@ -16,7 +16,7 @@ from belayer_rl.shared.runtime import Endpoint, Runtime
 
 async def setup(rt: Runtime, config: KvServerConfig) -> None:
     server = KvServer(config)
-    rt.on_close(server.close)  # runs last: nothing stays in /dev/shm
+    rt.on_close(server.close)  # closed after every handler: nothing stays in /dev/shm
     await rt.connect()
     await rt.serve(
         Endpoint(subjects.KV_ARENA, KvArenaRequest, server.on_arena),
@@ -24,4 +24,4 @@ async def setup(rt: Runtime, config: KvServerConfig) -> None:
         Endpoint(subjects.KV_RELEASE, KvRelease, server.on_release),
         Endpoint(subjects.KV_PING, ServerPing, server.on_ping),
     )
-    rt.ready(f"{server.instance} serving from {server.lock.prefix}* ({config.device})")
+    rt.ready(f"{server.instance} serving from {server.lock.prefix}* ({server.device})")

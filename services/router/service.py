@@ -54,8 +54,8 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
         Endpoint(subjects.ROUTER_STATUS, StatusRequest, router.on_status),
         Endpoint(subjects.ROUTER_KEEPALIVE, ClientKeepAlive, router.on_keepalive, reply=False),
     )
-    rt.spawn(router.watchdog(), "watchdog")
-    rt.spawn(router.writer.run(), "log-writer")
+    rt.spawn(router.watchdog(), "watchdog", essential=True)
+    rt.spawn(router.writer.run(), "log-writer", essential=True)
     rt.on_drain(router.writer.drain)  # intake stopped: let the token log catch up
     await rt.publish(subjects.event("router_started", str(started.router_pid)), started)
     rt.ready(f"{started.rebuilt_requests} requests rebuilt, {started.resumed_requests} resumed")

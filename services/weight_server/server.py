@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.shared import bus, segments, subjects
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import WeightServerConfig
+from belayer_rl.shared.config import WeightServerConfig, placement
 from belayer_rl.shared.params import Params, check_params, init_params, load_params, seed_version
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
@@ -101,6 +101,7 @@ class WeightServer:
 
     def __init__(self, config: WeightServerConfig) -> None:
         self.config = config
+        self.device = placement(config.device)  # "auto" decided here, in the server's own process
         self.instance = secrets.token_hex(8)
         self.lock = segments.PrefixLock(f"{config.shm_prefix}.w.")
         if self.lock.removed:
@@ -127,7 +128,7 @@ class WeightServer:
             for name, tensor in params.items():
                 segment.tensors[name].copy_(tensor)
             gpu, cuda = None, None
-            if self.config.device == "cuda":
+            if self.device == "cuda":
                 gpu = segment.buffer.to("cuda")
                 cuda = segments.export_cuda(gpu)
         except BaseException:
@@ -261,6 +262,6 @@ class WeightServer:
             instance=self.instance,
             newest=self.newest,
             versions=list(self.versions),
-            device=self.config.device,
+            device=self.device,
             segments={version: entry.segment.name for version, entry in self.versions.items()},
         )

@@ -23,7 +23,7 @@ from belayer_rl.shared.runtime import Endpoint, Runtime
 
 async def setup(rt: Runtime, config: WeightServerConfig) -> None:
     server = WeightServer(config)
-    rt.on_close(server.close)  # runs last: nothing stays in /dev/shm
+    rt.on_close(server.close)  # closed after every handler: nothing stays in /dev/shm
     await server.load_initial()
     server.nc = await rt.connect()
     await rt.serve(
@@ -35,4 +35,4 @@ async def setup(rt: Runtime, config: WeightServerConfig) -> None:
         Endpoint(subjects.WEIGHTS_PING, ServerPing, server.on_ping),
     )
     rt.every(config.sweep_interval_s, server.sweep, "sweep")  # pins of dead holders
-    rt.ready(f"{server.instance} serving {server.newest} from {server.lock.prefix}* ({config.device})")
+    rt.ready(f"{server.instance} serving {server.newest} from {server.lock.prefix}* ({server.device})")

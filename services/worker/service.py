@@ -113,8 +113,8 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
         Endpoint(subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),
     )
     await rt.publish(subjects.event("worker_registered", config.engine_id), worker.registration())
-    rt.spawn(worker.run_engine(), "engine")
-    rt.spawn(worker.heartbeat(), "heartbeat")
+    rt.spawn(worker.run_engine(), "engine", essential=True)
+    rt.spawn(worker.heartbeat(), "heartbeat", essential=True)
     rt.on_drain(worker.wake_up)  # intake stopped: the scheduling loop sees `stopping` and ends
     if config.role != "standalone":
         shadow.report_ready(epoch)

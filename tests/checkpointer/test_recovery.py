@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.phases import PHASES
 from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import CHECKPOINT_PHASES
 from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
 
 from .conftest import Service
@@ -106,7 +106,7 @@ async def test_hostile_layer_rejected_and_clean_one_restores(
     await assert_restored_at_one(client, "h")  # the clean artifact beside it restores
 
 
-@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("phase", CHECKPOINT_PHASES)
 async def test_checkpointer_killed_at_each_phase(
     client: SandboxClient, service: Service, image: str, phase: str
 ) -> None:
