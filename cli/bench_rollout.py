@@ -31,6 +31,7 @@ from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
 from belayer_rl.shared.client import Client
+from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.protocol import Dispatch, LogChunk, SamplingParams, TokenChunk, WorkerChunk, WorkerDone
 
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
@@ -42,7 +43,12 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     rollout.add_argument("--requests", type=int, default=8, help="concurrent requests")
     rollout.add_argument("--max-tokens", type=int, default=96, help="tokens per request")
     rollout.add_argument("--rounds", type=int, default=5, help="rounds of each path, alternated")
-    rollout.add_argument("--chunk-tokens", type=int, default=256, help="k of the token log")
+    rollout.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=RouterConfig.chunk_tokens,
+        help="k of the token log (the router's default)",
+    )
     rollout.add_argument("--json", action="store_true", help="print one JSON object")
     rollout.set_defaults(run=run)
 
