@@ -31,6 +31,7 @@ from belayer_rl.shared.protocol import (
     WeightHandles,
     WeightsPin,
     WeightsPublished,
+    WorkerIdle,
 )
 from belayer_rl.shared.runtime import Endpoint, Runtime
 
@@ -63,11 +64,12 @@ async def ask_server(nc: NATS, subject: str, message: Message, kind: type[T]) ->
             await asyncio.sleep(0.1)
 
 
-async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str, PinnedWeights | None]:
+async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerIdle, PinnedWeights | None]:
     """The engine, with its own weights and arena or mapped from the weight and KV servers; the
-    instances of the servers that own the mapped memory ("" when it owns its own); its pins."""
+    instances of the servers that own the mapped memory (none when it owns its own), as a shadow
+    reports them; its pins."""
     if not config.shared_memory:
-        return await asyncio.to_thread(Engine, engine_config(config)), "", None
+        return await asyncio.to_thread(Engine, engine_config(config)), WorkerIdle(), None
     pins = PinnedWeights(nc, config.engine_id)
     pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
     weights = await ask_server(nc, subjects.WEIGHTS_PIN, pin, WeightHandles)
@@ -78,7 +80,7 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, str, Pin
     params = await asyncio.to_thread(segments.map_weights, weights)
     tensor = await asyncio.to_thread(segments.map_arena, arena)
     # Which server instances own what we mapped: a restarted server owns none of it.
-    owners = f"weights={weights.manifest.instance} kv={arena.manifest.instance}"
+    owners = WorkerIdle(weights_instance=weights.manifest.instance, kv_instance=arena.manifest.instance)
     engine = Engine(engine_config(config), params, tensor, weight_version=weights.version)
     pins.attach(engine)
     return engine, owners, pins

@@ -67,13 +67,6 @@ def report_unhealthy(why: str) -> None:
     report(WorkerUnhealthy(why=why))
 
 
-def idle_report(owners: str) -> WorkerIdle:
-    """The idle report for `owners` as build_engine names them: `weights=<instance> kv=<instance>`,
-    or "" when the worker owns its own weights and arena."""
-    named = dict(word.split("=", 1) for word in owners.split() if "=" in word)
-    return WorkerIdle(weights_instance=named.get("weights"), kv_instance=named.get("kv"))
-
-
 def parse_command(line: bytes) -> ShadowCommand | None:
     """The command on one line of stdin, or None (logged) when the line is not one."""
     try:
@@ -90,7 +83,7 @@ def heartbeat_age(path: Path) -> float:
         return 0.0  # the main has not written it yet
 
 
-async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -> bool:
+async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: WorkerIdle) -> bool:
     """Idle until `promote` arrives on stdin (True), or until stop or stdin closes (False)."""
     assert config.watch_file is not None
     loop = asyncio.get_running_loop()
@@ -103,7 +96,7 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: str) -
         loop.add_reader(pidfd, main_exited.set)
     except ProcessLookupError:
         main_exited.set()
-    report(idle_report(owners))
+    report(owners)
     command = asyncio.create_task(reader.readline())
     stop = asyncio.create_task(stopping.wait())
     exited = asyncio.create_task(main_exited.wait())

@@ -163,12 +163,13 @@ import asyncio, sys
 from pathlib import Path
 from belayer_rl.services.worker import shadow
 from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.protocol import WorkerIdle
 
 config = WorkerConfig(
     nats_url="nats://unused", engine_id="e0", role="shadow",
     watch_pid=int(sys.argv[1]), watch_file=Path(sys.argv[2]), hang_timeout_s=600.0,
 )
-if asyncio.run(shadow.stand_by(config, asyncio.Event(), "weights=ab kv=cd")):
+if asyncio.run(shadow.stand_by(config, asyncio.Event(), WorkerIdle(weights_instance="ab", kv_instance="cd"))):
     shadow.report_ready(1)
 else:
     shadow.report_unhealthy("not promoted")
