@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared.config import hostname_id
 from belayer_rl.shared.protocol import ErrorReply, ServiceStats, StatsRequest
+from tests.checkpointer.conftest import IN_CI
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import poll, reference_tokens, running_cluster
 
@@ -70,10 +72,13 @@ async def stats_of(nc: nats.NATS, name: str) -> ServiceStats:
 
 async def test_every_declared_endpoint_survives_hostile_input(nats_server, tmp_path, seed) -> None:
     rng = random.Random(seed)
-    async with running_cluster(nats_server, tmp_path, engines=1, shadows=True) as cluster:
+    async with running_cluster(nats_server, tmp_path, engines=1, shadows=True, sandboxes=True) as cluster:
         nc = cluster.client.nc
         main_pid = await cluster.engine_pid("e0")
         names = ["router", "weight-server", "kv-server", "shadow-supervisor", f"worker-e0-{main_pid}"]
+        if IN_CI or "checkpointer" in cluster.supervisor.children:  # off CI, Docker may be missing
+            assert "checkpointer" in cluster.supervisor.children, "no checkpointer: is Docker up?"
+            names.append(f"checkpointer-{hostname_id()}")
         before = {name: await stats_of(nc, name) for name in names}
         pids_before = {name: child.pid for name, child in cluster.supervisor.children.items()}
         declared = {concrete(e.subject): e.reply for stats in before.values() for e in stats.endpoints}
