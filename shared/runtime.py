@@ -84,8 +84,9 @@ class Endpoint:
     with_subject: bool = False
 
     def info(self) -> EndpointInfo:
-        kinds = typing.get_args(self.accepts) or (self.accepts,)  # a union, or one Struct
-        return EndpointInfo(subject=self.subject, accepts=[k.__name__ for k in kinds], reply=self.reply)
+        return EndpointInfo(
+            subject=self.subject, accepts=type_name(self.accepts).split(" | "), reply=self.reply
+        )
 
 
 def check_declared(endpoint: Endpoint) -> None:
@@ -96,7 +97,14 @@ def check_declared(endpoint: Endpoint) -> None:
     kind = subjects.event_kind(endpoint.subject)
     declared = protocol.EVENT_TYPES.get(kind, protocol.AnyEvent)  # a wildcard kind: any event
     if endpoint.accepts is not declared:
-        raise TypeError(f"{endpoint.subject} carries {declared.__name__}, not {endpoint.accepts}")
+        raise TypeError(
+            f"{endpoint.subject} carries {type_name(declared)}, not {type_name(endpoint.accepts)}"
+        )
+
+
+def type_name(kind: Any) -> str:
+    """A Struct's name, or a union's members joined by " | "."""
+    return " | ".join(k.__name__ for k in typing.get_args(kind) or (kind,))
 
 
 class Runtime:
