@@ -66,16 +66,10 @@ def resolve_nats_url(flag: str | None, state_dir: Path | None = None) -> str:
 
 
 def setting(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    flag: str = "",
-    cli: bool = True,
-    choices: tuple[str, ...] = (),
+    default: Any = dataclasses.MISSING, help: str = "", *, flag: str = "", choices: tuple[str, ...] = ()
 ) -> Any:
-    """A config field: its default, its help text, and optionally its flag's name. `cli=False`
-    keeps a field off the command line (set by code only)."""
-    metadata = {"help": help, "flag": flag, "cli": cli, "choices": choices}
+    """A config field: its default, its help text, and optionally its flag's name and choices."""
+    metadata = {"help": help, "flag": flag, "choices": choices}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -92,8 +86,7 @@ def same_as(owner: type, name: str, *, flag: str = "") -> Any:
 def flag_name(field: dataclasses.Field[Any]) -> str:
     if field.metadata.get("flag"):
         return str(field.metadata["flag"])
-    name = field.name.removesuffix("_s") if field.name.endswith("_s") else field.name
-    return "--" + name.replace("_", "-")
+    return "--" + field.name.removesuffix("_s").replace("_", "-")
 
 
 def _dest(field: dataclasses.Field[Any]) -> str:
@@ -107,22 +100,21 @@ def _cli_fields(cls: type, skip: tuple[str, ...]) -> list[tuple[dataclasses.Fiel
     return [
         (field, hints[field.name])
         for field in dataclasses.fields(cls)  # type: ignore[arg-type]
-        if field.name not in skip and field.metadata.get("cli", False)
+        if field.name not in skip and "help" in field.metadata  # made by setting() or same_as()
     ]
 
 
-def _base_type(annotation: Any) -> tuple[Any, bool]:
-    """(the type inside `X | None`, whether None is allowed)."""
+def _base_type(annotation: Any) -> Any:
+    """The type inside `X | None`, or the annotation itself."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0], True
-    return annotation, False
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of the config class `cls` (fields in `skip` left out)."""
     for field, annotation in _cli_fields(cls, skip):
-        kind, _ = _base_type(annotation)
+        kind = _base_type(annotation)
         required = field.default is dataclasses.MISSING
         help_text = field.metadata["help"]
         name = flag_name(field)
@@ -171,7 +163,7 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
         value = getattr(config, field.name)
         if field.default is not dataclasses.MISSING and value == field.default:
             continue
-        kind, _ = _base_type(annotation)
+        kind = _base_type(annotation)
         if kind is bool:
             argv.append(flag_name(field) if value else "--no-" + flag_name(field).removeprefix("--"))
         elif value is not None:
