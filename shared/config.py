@@ -300,16 +300,27 @@ class ShadowSupervisorConfig(ServiceConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class WeightServerConfig(ServiceConfig):
-    preset: str = setting("tiny", "model size preset the weights must fit")
-    shm_prefix: str = setting("belayer", "names of its /dev/shm segments start with <prefix>.w.")
-    weights_seed: int = setting(0, "seed of the random initial weights")
-    weights_path: Path | None = setting(
-        None, "initial weights file (overrides --weights-seed)", flag="--weights"
-    )
+class SharedMemoryServerConfig(ServiceConfig):
+    """What the weight and KV servers share: the prefix of their /dev/shm segments and the device."""
+
+    shm_prefix: str = setting("belayer", "names of its /dev/shm segments start with <prefix>.")
     device: Literal["auto", "cpu", "cuda"] = setting(
-        "auto", "where the weights live (auto: cuda if torch sees one)"
+        "auto", "where its memory lives (auto: cuda if torch sees one)"
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not shm_prefix_ok(self.shm_prefix):
+            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {SHM_PREFIX_PATTERN}")
+        if self.device == "cuda" and not cuda_available():
+            raise ConfigError("--device cuda: torch sees no CUDA device")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightServerConfig(SharedMemoryServerConfig):
+    preset: str = same_as(WorkerConfig, "preset")
+    weights_seed: int = same_as(WorkerConfig, "weights_seed")
+    weights_path: Path | None = same_as(WorkerConfig, "weights_path")
     sweep_interval_s: float = setting(1.0, "seconds between sweeps for the pins of dead holders")
     free_grace_s: float = setting(10.0, "seconds an unpinned version other than the newest is kept")
 
@@ -317,12 +328,8 @@ class WeightServerConfig(ServiceConfig):
         super().__post_init__()
         if self.preset not in PRESETS:  # the table of sizes, no torch
             raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
-        if not shm_prefix_ok(self.shm_prefix):
-            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {SHM_PREFIX_PATTERN}")
         if self.weights_path is not None and not self.weights_path.is_file():
             raise ConfigError(f"--weights {self.weights_path} is not a file")
-        if self.device == "cuda" and not cuda_available():
-            raise ConfigError("--device cuda: torch sees no CUDA device")
         if not self.sweep_interval_s > 0:
             raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
         if not self.free_grace_s >= 0:
@@ -330,11 +337,7 @@ class WeightServerConfig(ServiceConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class KvServerConfig(ServiceConfig):
-    shm_prefix: str = setting("belayer", "names of its /dev/shm segments start with <prefix>.kv.")
-    device: Literal["auto", "cpu", "cuda"] = setting(
-        "auto", "where arenas live (auto: cuda if torch sees one)"
-    )
+class KvServerConfig(SharedMemoryServerConfig):
     max_arena_mb: int = setting(16 << 10, "the largest arena of one engine; bigger requests are refused")
 
     @property
@@ -343,10 +346,6 @@ class KvServerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not shm_prefix_ok(self.shm_prefix):
-            raise ConfigError(f"--shm-prefix {self.shm_prefix!r} must match {SHM_PREFIX_PATTERN}")
-        if self.device == "cuda" and not cuda_available():
-            raise ConfigError("--device cuda: torch sees no CUDA device")
         if self.max_arena_mb <= 0:
             raise ConfigError(f"--max-arena-mb must be > 0, got {self.max_arena_mb}")
 
