@@ -100,8 +100,8 @@ async def call(args: argparse.Namespace, client: SandboxClient) -> Message:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    state_dir = getattr(args, "state_dir", None) or default_state_dir()
-    nc = await bus.connect(resolve_nats_url(getattr(args, "nats", None), Path(state_dir)), "belayer-sandbox")
+    # Both ways in (`belayer sandbox`, `python -m belayer_rl.cli.sandbox`) set both global flags.
+    nc = await bus.connect(resolve_nats_url(args.nats, args.state_dir), "belayer-sandbox")
     try:
         reply = await call(args, SandboxClient(nc, args.host))
     except ServiceError as exc:
