@@ -83,6 +83,12 @@ class Endpoint:
     concurrent: bool = False
     with_subject: bool = False
 
+    @classmethod
+    def event(cls, kind: str, handler: Callable[..., Awaitable[None]], *ids: str) -> Endpoint:
+        """A one-way endpoint on `belayer.evt.<kind>[.<id>...]` that decodes the type
+        protocol.EVENT_TYPES declares for the kind, so subject and type cannot disagree."""
+        return cls(subjects.event(kind, *ids), protocol.EVENT_TYPES[kind], handler, reply=False)
+
     def info(self) -> EndpointInfo:
         return EndpointInfo(
             subject=self.subject, accepts=type_name(self.accepts).split(" | "), reply=self.reply

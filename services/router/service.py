@@ -16,12 +16,8 @@ from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelRequest,
     ClientKeepAlive,
-    EngineQuarantined,
     GenerateRequest,
-    Heartbeat,
     StatusRequest,
-    WorkerFailed,
-    WorkerRegistration,
     WorkerStream,
 )
 from belayer_rl.shared.runtime import Endpoint, Runtime
@@ -37,14 +33,10 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     # Listen to workers before rebuilding, so no heartbeat of a serving engine is missed.
     await rt.serve(
         Endpoint(subjects.ROUTER_WORKER_STREAM, WorkerStream, router.on_worker_stream, reply=False),
-        Endpoint(subjects.event("heartbeat", "*"), Heartbeat, router.on_heartbeat, reply=False),
-        Endpoint(
-            subjects.event("worker_registered", "*"), WorkerRegistration, router.on_registration, reply=False
-        ),
-        Endpoint(subjects.event("worker_failed", "*"), WorkerFailed, router.on_worker_failed, reply=False),
-        Endpoint(
-            subjects.event("engine_quarantined", "*"), EngineQuarantined, router.on_quarantined, reply=False
-        ),
+        Endpoint.event("heartbeat", router.on_heartbeat, "*"),
+        Endpoint.event("worker_registered", router.on_registration, "*"),
+        Endpoint.event("worker_failed", router.on_worker_failed, "*"),
+        Endpoint.event("engine_quarantined", router.on_quarantined, "*"),
     )
     started = await router.rebuild()
     await rt.serve(

@@ -30,7 +30,6 @@ from belayer_rl.shared.protocol import (
     Message,
     WeightHandles,
     WeightsPin,
-    WeightsPublished,
     WorkerIdle,
 )
 from belayer_rl.shared.runtime import Endpoint, Runtime
@@ -94,8 +93,7 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     engine, owners, pins = await build_engine(config, nc)
     if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
         rt.on_close(pins.close)
-        published = Endpoint(subjects.weights_published("*"), WeightsPublished, pins.follow, reply=False)
-        await rt.serve(published)
+        await rt.serve(Endpoint.event("weights_published", pins.follow, "*"))
         await pins.follow()  # a publication before the subscription would be missed
     rt.capture_signals()
     if config.role == "shadow":
