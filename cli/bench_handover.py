@@ -28,7 +28,7 @@ import uvloop
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
@@ -72,7 +72,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 state_dir=Path(state), engines=1, preset=preset, failure_window_s=0.001, sandboxes=False
             )
             async with local_cluster(config) as supervisor:
-                async with Client(await bus.connect(supervisor.nats_url, "bench")) as client:
+                async with await Client.connect(supervisor.target(), "bench") as client:
                     await client.wait_for_engines(1, 600)
                     engines_file = Path(state) / "workers" / "engines.json"
                     killed: set[int] = set()
@@ -122,10 +122,8 @@ class Watch:
             self.registered.setdefault(event.pid, time.time())
             self.changed.set()
 
-        await bus.listen(client.nc, subjects.event("handover", "*"), Handover, on_handover)
-        await bus.listen(
-            client.nc, subjects.event("worker_registered", "*"), WorkerRegistration, on_registered
-        )
+        await bus.listen(client.nc, client.subjects.event("handover", "*"), Handover, on_handover)
+        await bus.listen(client.nc, client.subjects.event("worker_registered", "*"), WorkerRegistration, on_registered)
 
     async def until(self, done: object) -> None:
         while not done():  # type: ignore[operator]

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router import token_log
-from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
+from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.protocol import Dispatch, LogChunk, SamplingParams, TokenChunk, WorkerChunk, WorkerDone
@@ -71,7 +71,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 sandboxes=False,
             )
             async with local_cluster(config) as supervisor:
-                client = Client(await bus.connect(supervisor.nats_url, "bench"))
+                client = await Client.connect(supervisor.target(), "bench")
                 async with client:
                     await client.wait_for_engines(2, 300)
                     figures = {
@@ -90,7 +90,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
 async def overhead(client: Client, args: argparse.Namespace) -> dict[str, object]:
     status = await client.wait_for_engines(2, 60)
     engine = status.engines[0]
-    kv = await client.nc.jetstream().key_value(subjects.ENGINE_REGISTRY_BUCKET)
+    kv = await client.nc.jetstream().key_value(client.subjects.engine_registry_bucket)
     entry, _ = await registry.read(kv, engine.engine_id)
     assert entry is not None
     routed, direct = [], []
@@ -156,7 +156,7 @@ async def straight_to_worker(
             sampling=SamplingParams(seed=i, temperature=0.8),
             reply_to=inbox,
         )
-        await bus.request(client.nc, subjects.worker_dispatch(target), dispatch, 5.0)
+        await bus.request(client.nc, client.subjects.worker_dispatch(target), dispatch, 5.0)
     await done.wait()
     elapsed = time.perf_counter() - t0
     await sub.unsubscribe()
@@ -225,7 +225,7 @@ async def recovery(
         resumed_from.setdefault(event.request_id, event.from_position)
 
     sub = await bus.listen(
-        client.nc, subjects.event("request_resumed", "*"), protocol.RequestResumed, on_resumed
+        client.nc, client.subjects.event("request_resumed", "*"), protocol.RequestResumed, on_resumed
     )
     killed_at = time.perf_counter()
     os.kill(victim_pid, signal.SIGKILL)
@@ -289,7 +289,7 @@ async def log_cost(client: Client, k: int, chunks: int = 200) -> dict[str, float
             js, LogChunk(request_id=request_id, index=i, position=i * k, tokens=tokens, attempt=1)
         )
     elapsed = time.perf_counter() - t0
-    await js.purge_stream(subjects.TOKEN_LOG_STREAM, subject=subjects.token_log(request_id))
+    await js.purge_stream(client.subjects.token_log_stream, subject=client.subjects.token_log(request_id))
     return {
         "append_ms_per_chunk": round(1000 * elapsed / chunks, 3),
         "append_us_per_token": round(1e6 * elapsed / (chunks * k), 3),

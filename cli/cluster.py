@@ -22,13 +22,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import uvloop
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared import config as flags
+from belayer_rl.shared.access import Access
+from belayer_rl.shared.bus import Target
 from belayer_rl.shared.config import (
     CheckpointerConfig,
     ConfigError,
@@ -50,6 +53,8 @@ from belayer_rl.shared.processes import (
     stop_process,
 )
 from belayer_rl.shared.protocol import ProcessEvent, WorkerFailed
+from belayer_rl.shared.roles import Credentials
+from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects
 
 log = logging.getLogger("belayer.cluster")
 
@@ -71,6 +76,8 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     supervisor_pid: int
     nats_url: str
     processes: list[ProcessRecord]
+    cluster_id: str = DEFAULT_CLUSTER
+    creds_dir: str = ""  # where each role's credentials are; "" when the bus is open
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +91,14 @@ class ClusterConfig:
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
     nats_url: str | None = setting(None, "an external NATS to use instead of starting one", flag="--nats")
     nats_port: int = setting(0, "port of the embedded nats-server (0: a free one)")
+    cluster_id: str = same_as(ServiceConfig, "cluster_id")
+    auth: bool = setting(True, "the embedded nats-server checks credentials and per-role permissions")
+    creds_dir: Path | None = setting(
+        None, "each role's credentials (`belayer creds` writes them), for an external NATS with auth"
+    )
+    nats_ca: Path | None = same_as(ServiceConfig, "nats_ca")
+    nats_cert: Path | None = same_as(ServiceConfig, "nats_cert")
+    nats_key: Path | None = same_as(ServiceConfig, "nats_key")
     chunk_tokens: int = same_as(RouterConfig, "chunk_tokens")
     heartbeat_timeout_s: float = same_as(RouterConfig, "heartbeat_timeout_s")
     no_worker_deadline_s: float = same_as(RouterConfig, "no_worker_deadline_s")
@@ -136,19 +151,49 @@ def service(name: str, module: str, config: ServiceConfig, engine_id: str | None
 class Supervisor:
     """Starts, watches and restarts the router and workers. Used by `belayer up` and the tests."""
 
-    def __init__(self, config: ClusterConfig, nats_url: str, nc: NATS) -> None:
+    def __init__(self, config: ClusterConfig, nats_url: str, nc: NATS, creds_dir: Path | None) -> None:
         self.config = config
+        self.subjects = Subjects(config.cluster_id)
         self.nats_url = nats_url
+        self.creds_dir = creds_dir  # None: the bus is open
         self.nc = nc
         self.children: dict[str, Child] = {}
         self.others: list[ProcessRecord] = []  # processes it does not supervise (nats-server)
         self.stopping = False
         (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
 
+    def access(self, role: str) -> Access:
+        """How a process of `role` connects (`admin` for tests and benchmarks)."""
+        return Access(
+            creds=self.creds(role),
+            ca=self.config.nats_ca,
+            cert=self.config.nats_cert,
+            key=self.config.nats_key,
+        )
+
+    def target(self, role: str = "admin") -> Target:
+        """This cluster, as a process of `role` sees it (tests and benchmarks: `admin`)."""
+        return Target(self.nats_url, self.subjects, self.access(role))
+
+    def creds(self, role: str) -> Path | None:
+        return self.creds_dir / f"{role}.creds" if self.creds_dir is not None else None
+
+    def bus(self, role: str) -> dict[str, Any]:
+        """The bus settings of a service of `role`: this cluster's NATS, names and TLS, its own credential."""
+        c = self.config
+        return {
+            "nats_url": self.nats_url,
+            "cluster_id": c.cluster_id,
+            "nats_creds": self.creds(role),
+            "nats_ca": c.nats_ca,
+            "nats_cert": c.nats_cert,
+            "nats_key": c.nats_key,
+        }
+
     def plan(self) -> list[Child]:
         c = self.config
         router = RouterConfig(
-            nats_url=self.nats_url,
+            **self.bus("router"),
             chunk_tokens=c.chunk_tokens,
             heartbeat_timeout_s=c.heartbeat_timeout_s,
             no_worker_deadline_s=c.no_worker_deadline_s,
@@ -169,9 +214,9 @@ class Supervisor:
         c = self.config
         prefix = self.shm_prefix
         weights = WeightServerConfig(
-            nats_url=self.nats_url, preset=c.preset, weights_seed=c.weights_seed, shm_prefix=prefix
+            **self.bus("weight-server"), preset=c.preset, weights_seed=c.weights_seed, shm_prefix=prefix
         )
-        arenas = KvServerConfig(nats_url=self.nats_url, shm_prefix=prefix)
+        arenas = KvServerConfig(**self.bus("kv-server"), shm_prefix=prefix)
         servers = [
             service("weight-server", "belayer_rl.services.weight_server", weights),
             service("kv-server", "belayer_rl.services.kv_server", arenas),
@@ -179,7 +224,8 @@ class Supervisor:
         if not c.engines:
             return servers
         supervisor = ShadowSupervisorConfig(
-            nats_url=self.nats_url,
+            **self.bus("shadow-supervisor"),
+            engine_creds=self.creds_dir,
             engines=tuple(f"e{i}" for i in range(c.engines)),
             state_dir=c.state_dir / "workers",
             preset=c.preset,
@@ -201,13 +247,16 @@ class Supervisor:
         if unreachable is not None:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
             return []
-        checkpointer = CheckpointerConfig(nats_url=self.nats_url, state_dir=c.state_dir / "checkpointer")
+        checkpointer = CheckpointerConfig(**self.bus("checkpointer"), state_dir=c.state_dir / "checkpointer")
         return [service("checkpointer", "belayer_rl.services.checkpointer", checkpointer)]
 
     def worker(self, engine_id: str) -> Child:
         c = self.config
         worker = WorkerConfig(
-            nats_url=self.nats_url, engine_id=engine_id, preset=c.preset, weights_seed=c.weights_seed
+            **self.bus(f"engine-{engine_id}"),
+            engine_id=engine_id,
+            preset=c.preset,
+            weights_seed=c.weights_seed,
         )
         return service(f"worker-{engine_id}", "belayer_rl.services.worker", worker, engine_id=engine_id)
 
@@ -249,7 +298,7 @@ class Supervisor:
                     reason="exit",
                     detail=f"exit code {code}",
                 )
-                await self.publish(subjects.event("worker_failed", child.engine_id), failed)
+                await self.publish(self.subjects.event("worker_failed", child.engine_id), failed)
             ran = time.monotonic() - child.started_at
             child.backoff_s = (
                 self.config.restart_backoff_s
@@ -291,7 +340,7 @@ class Supervisor:
 
     async def announce(self, event: ProcessEvent) -> None:
         log.info("%s pid %d %s", event.name, event.pid, event.state)
-        await self.publish(subjects.event("process", event.name), event)
+        await self.publish(self.subjects.event("process", event.name), event)
         self.write_state()
 
     async def publish(self, subject: str, message: msgspec.Struct) -> None:
@@ -308,7 +357,11 @@ class Supervisor:
 
     def write_state(self) -> None:
         state = ClusterFile(
-            supervisor_pid=os.getpid(), nats_url=self.nats_url, processes=self.others + self.records()
+            supervisor_pid=os.getpid(),
+            nats_url=self.nats_url,
+            processes=self.others + self.records(),
+            cluster_id=self.config.cluster_id,
+            creds_dir=str(self.creds_dir or ""),
         )
         path = self.config.state_dir / "cluster.json"
         tmp = path.with_suffix(".tmp")
@@ -332,10 +385,18 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
     (config.state_dir / "logs").mkdir(parents=True, exist_ok=True)
     async with contextlib.AsyncExitStack() as stack:
         nats_process = None
+        creds_dir = config.creds_dir
         if config.nats_url is None:
             port = config.nats_port or free_port()
+            server_config = None
+            if config.auth:
+                creds_dir = config.state_dir / "creds"
+                server_config = write_credentials(config, creds_dir)
             nats_process = await start_nats_server(
-                config.state_dir / "jetstream", port, config.state_dir / "logs" / "nats-server.log"
+                config.state_dir / "jetstream",
+                port,
+                config.state_dir / "logs" / "nats-server.log",
+                server_config,
             )
             stack.push_async_callback(stop_process, nats_process)
             nats_url = f"nats://127.0.0.1:{port}"
@@ -343,9 +404,15 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             nats_url = config.nats_url
         (config.state_dir / "nats.url").write_text(nats_url + "\n")
         stack.callback((config.state_dir / "nats.url").unlink, missing_ok=True)
-        nc = await bus.connect(nats_url, "cluster")
+        supervisor_access = Access(
+            creds=creds_dir / "cluster.creds" if creds_dir else None,
+            ca=config.nats_ca,
+            cert=config.nats_cert,
+            key=config.nats_key,
+        )
+        nc = await bus.connect(nats_url, "cluster", access=supervisor_access)
         stack.push_async_callback(nc.close)
-        supervisor = Supervisor(config, nats_url, nc)
+        supervisor = Supervisor(config, nats_url, nc, creds_dir)
         if nats_process is not None:
             supervisor.others = [ProcessRecord(name="nats-server", pid=nats_process.pid, state="running")]
         await supervisor.start()
@@ -356,6 +423,16 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             for record in supervisor.others:
                 record.state = "stopped"
             supervisor.write_state()
+
+
+def write_credentials(config: ClusterConfig, creds_dir: Path) -> Path:
+    """Fresh credentials for every role and engine, and the embedded server's config that checks
+    them; returns that config's path. Regenerated at each start: the old keys stop working."""
+    engines = tuple(f"e{i}" for i in range(config.engines))
+    Credentials.generate(Subjects(config.cluster_id), engines).write(creds_dir)
+    server_config = creds_dir / "nats.conf"
+    server_config.write_text('include "auth.conf"\n')
+    return server_config
 
 
 async def run(config: ClusterConfig) -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 import uvloop
 
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
-from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import TokenChunk
 
@@ -56,7 +55,7 @@ def say(text: str) -> None:
 async def demo(config: ClusterConfig, args: argparse.Namespace) -> int:
     say(f"starting nats-server, the router and 2 workers ({args.model} model) ...")
     async with local_cluster(config) as supervisor:
-        async with Client(await bus.connect(supervisor.nats_url, "demo")) as client:
+        async with await Client.connect(supervisor.target(), "demo") as client:
             await client.wait_for_engines(2, 120)
             say("cluster up. streaming a generation; its worker is killed after "
                 f"{args.kill_at} tokens:\n")  # fmt: skip

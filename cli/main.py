@@ -24,14 +24,17 @@ import uvloop
 from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterConfig, ClusterFile
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.cli.target import add_target_flags, resolve_target
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared import config as flags
+from belayer_rl.shared.bus import Target
 from belayer_rl.shared.client import Client, GenerationError
-from belayer_rl.shared.config import ConfigError, default_state_dir, resolve_nats_url
+from belayer_rl.shared.config import CLUSTER_ID_ENV, ConfigError, default_state_dir
+from belayer_rl.shared.subjects import DEFAULT_CLUSTER, event_kind
 
 UP_TIMEOUT_S = 120.0
 DOWN_TIMEOUT_S = 90.0  # the local cluster stops its processes one by one, each within its drain timeout
-UP_SKIP = ("state_dir", "nats_url")  # global flags of every command
+UP_SKIP = ("state_dir", "nats_url", "cluster_id", "nats_ca", "nats_cert", "nats_key")  # global flags
 
 
 def pid_alive(pid: int) -> bool:
@@ -64,7 +67,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     (state_dir / "cluster.json").unlink(missing_ok=True)
     try:
         cluster_config = flags.from_args(
-            ClusterConfig, args, skip=UP_SKIP, state_dir=state_dir, nats_url=args.nats or None
+            ClusterConfig,
+            args,
+            skip=UP_SKIP,
+            state_dir=state_dir,
+            nats_url=args.nats or None,
+            cluster_id=args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or DEFAULT_CLUSTER,
+            nats_ca=args.nats_ca,
+            nats_cert=args.nats_cert,
+            nats_key=args.nats_key,
         )
     except ConfigError as exc:
         print(f"belayer up: {exc}", file=sys.stderr)
@@ -75,26 +86,30 @@ def cmd_up(args: argparse.Namespace) -> int:
             argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True
         )
     try:
-        engines = uvloop.run(wait_until_serving(state_dir, cluster_config.engines, supervisor))
-    except (TimeoutError, RuntimeError) as exc:
+        engines = uvloop.run(wait_until_serving(args, cluster_config.engines, supervisor))
+    except (TimeoutError, RuntimeError, ConfigError) as exc:
         print(f"belayer up failed: {exc}; logs in {state_dir / 'logs'}", file=sys.stderr)
         return 1
     cluster = read_cluster(state_dir)
     assert cluster is not None
     print(f"belayer is up: NATS {cluster.nats_url}, {engines} engine(s) serving, state in {state_dir}")
     print(f"  export BELAYER_NATS_URL={cluster.nats_url}")
+    if cluster.creds_dir:
+        print(f"  credentials in {cluster.creds_dir} (`belayer` commands use cli.creds from there)")
     return 0
 
 
-async def wait_until_serving(state_dir: Path, engines: int, supervisor: subprocess.Popen[bytes]) -> int:
+async def wait_until_serving(args: argparse.Namespace, engines: int, supervisor: subprocess.Popen[bytes]) -> int:
     deadline = time.monotonic() + UP_TIMEOUT_S
-    while (cluster := read_cluster(state_dir)) is None:
+    state_dir: Path = args.state_dir.resolve()
+    while read_cluster(state_dir) is None:
         if supervisor.poll() is not None:
             raise RuntimeError(f"the supervisor exited with {supervisor.returncode}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"no cluster within {UP_TIMEOUT_S:.0f}s")
         await asyncio.sleep(0.1)
-    async with Client(await bus.connect(cluster.nats_url, "belayer-up")) as client:
+    target = resolve_target(argparse.Namespace(**{**vars(args), "state_dir": state_dir}))
+    async with Client(await target.connect("belayer-up"), subjects=target.subjects) as client:
         status = await client.wait_for_engines(engines, deadline - time.monotonic())
     return sum(e.alive for e in status.engines)
 
@@ -147,14 +162,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     # while it tries would only repeat it on stderr.
     logging.getLogger("belayer.bus").setLevel(logging.ERROR)
     if args.watch is None:
-        print(render_status(status_report(args.state_dir, args.nats), args.json))
+        print(render_status(status_report(args), args.json))
         return 0
     if not args.watch > 0:
         print(f"belayer status: --watch takes seconds > 0, got {args.watch:g}", file=sys.stderr)
         return 2
     try:
         while True:
-            frame = render_status(status_report(args.state_dir, args.nats), args.json)
+            frame = render_status(status_report(args), args.json)
             if args.json:  # a program reading this gets one JSON line per refresh
                 print(frame, flush=True)
             else:
@@ -165,7 +180,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
-def status_report(state_dir: Path, nats: str | None) -> StatusReport:
+def status_report(args: argparse.Namespace) -> StatusReport:
+    state_dir: Path = args.state_dir
     cluster = read_cluster(state_dir)
     processes: list[ProcessRow] = []
     if cluster is not None and pid_alive(cluster.supervisor_pid):
@@ -173,11 +189,12 @@ def status_report(state_dir: Path, nats: str | None) -> StatusReport:
             ProcessRow(name=p.name, pid=p.pid, state=p.state) for p in cluster.processes
         ]
     try:
-        url = resolve_nats_url(nats, state_dir)
+        target = resolve_target(args)
     except ConfigError as exc:
         return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=str(exc))
+    url = target.url
     try:
-        status = uvloop.run(router_status(url))
+        status = uvloop.run(router_status(target))
     except TimeoutError:
         error = f"no answer from NATS at {url} within {ROUTER_STATUS_TIMEOUT_S:g}s"
         return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=error)
@@ -243,9 +260,9 @@ def read_shadows(state_dir: Path) -> dict[str, int]:
     return {engine: workers.shadow for engine, workers in state.items()}
 
 
-async def router_status(url: str) -> protocol.RouterStatus:
+async def router_status(target: Target) -> protocol.RouterStatus:
     async with asyncio.timeout(ROUTER_STATUS_TIMEOUT_S):
-        async with Client(await bus.connect(url, "belayer-status")) as client:
+        async with Client(await target.connect("belayer-status"), subjects=target.subjects) as client:
             return await client.status()
 
 
@@ -253,7 +270,7 @@ async def router_status(url: str) -> protocol.RouterStatus:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    url = resolve_nats_url(args.nats, args.state_dir)
+    target = resolve_target(args)
     kinds = frozenset(args.kind or ())
     selection = EventFilter(
         kinds=kinds,
@@ -262,7 +279,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         heartbeats=args.heartbeats or "heartbeat" in kinds,  # asking for the kind is asking to see it
     )
     try:
-        uvloop.run(follow_events(url, selection, args.json, args.count))
+        uvloop.run(follow_events(target, selection, args.json, args.count))
     except KeyboardInterrupt:
         pass
     return 0
@@ -303,17 +320,18 @@ def describe(kind: str, event: msgspec.Struct) -> str:
     return f"{kind:<18} {fields}"
 
 
-async def follow_events(url: str, selection: EventFilter, as_json: bool, count: int) -> None:
+async def follow_events(target: Target, selection: EventFilter, as_json: bool, count: int) -> None:
     # One decoder per kind: what a subject carries is declared by protocol.EVENT_TYPES, so a message
     # of another type on that subject is reported as undecodable, not shown as what it claims to be.
     decoders = {kind: protocol.decoder_for(kind_type) for kind, kind_type in protocol.EVENT_TYPES.items()}
-    nc = await bus.connect(url, "belayer-events")
+    nc = await target.connect("belayer-events")
+    names = target.subjects
     seen = 0
     done = asyncio.Event()
 
     async def on_message(msg: Msg) -> None:
         nonlocal seen
-        kind = subjects.event_kind(msg.subject)
+        kind = event_kind(msg.subject)
         # Messages already delivered are still handed over after the last one counted: not printed.
         if done.is_set() or not selection.wants_kind(kind):
             return
@@ -338,10 +356,10 @@ async def follow_events(url: str, selection: EventFilter, as_json: bool, count: 
         if count and seen >= count:
             done.set()
 
-    await nc.subscribe(subjects.EVENTS_ALL, cb=on_message)
+    await nc.subscribe(names.events_all, cb=on_message)
     await nc.flush()  # the server has the subscription: every event published from now on is seen
     # On stderr, so that --json output stays one JSON value per line; scripts may wait for it.
-    print(f"following {subjects.EVENTS_ALL} on {url}", file=sys.stderr, flush=True)
+    print(f"following {names.events_all} on {target.url}", file=sys.stderr, flush=True)
     try:
         await done.wait()
     finally:
@@ -352,9 +370,9 @@ async def follow_events(url: str, selection: EventFilter, as_json: bool, count: 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    url = resolve_nats_url(args.nats, args.state_dir)
+    target = resolve_target(args)
     try:
-        result = uvloop.run(generate(url, args))
+        result = uvloop.run(generate(target, args))
     except GenerationError as exc:
         print(
             json.dumps(
@@ -366,8 +384,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def generate(url: str, args: argparse.Namespace) -> dict[str, object]:
-    async with Client(await bus.connect(url, "belayer-generate")) as client:
+async def generate(target: Target, args: argparse.Namespace) -> dict[str, object]:
+    async with Client(await target.connect("belayer-generate"), subjects=target.subjects) as client:
         result = await client.generate_all(
             args.prompt,
             max_tokens=args.max_tokens,
@@ -393,9 +411,9 @@ def cmd_weights(args: argparse.Namespace) -> int:
     if args.action == "publish" and args.file is None:
         print("belayer weights publish: give the weights file", file=sys.stderr)
         return 2
-    url = resolve_nats_url(args.nats, args.state_dir)
+    target = resolve_target(args)
     try:
-        result = uvloop.run(weights(url, args))
+        result = uvloop.run(weights(target, args))
     except bus.ServiceError as exc:
         print(f"belayer weights {args.action}: {exc}", file=sys.stderr)
         return 2
@@ -403,12 +421,12 @@ def cmd_weights(args: argparse.Namespace) -> int:
     return 0
 
 
-async def weights(url: str, args: argparse.Namespace) -> str:
+async def weights(target: Target, args: argparse.Namespace) -> str:
     from belayer_rl.services.weight_server.client import WeightClient
 
-    nc = await bus.connect(url, "belayer-weights")
+    nc = await target.connect("belayer-weights")
     try:
-        client = WeightClient(nc)
+        client = WeightClient(nc, subjects=target.subjects)
         if args.action == "publish":
             handles = await client.publish(args.file.resolve())
             if args.json:
@@ -445,6 +463,7 @@ def add_global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None
         default=None if defaults else argparse.SUPPRESS,
         help="NATS URL of an external cluster (or $BELAYER_NATS_URL)",
     )
+    add_target_flags(parser, defaults=defaults)
 
 
 class SubcommandParser(argparse.ArgumentParser):

@@ -14,10 +14,10 @@ from pathlib import Path
 import msgspec
 import uvloop
 
+from belayer_rl.cli.target import add_target_flags, resolve_target
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import ConfigError, default_state_dir, hostname_id, resolve_nats_url
+from belayer_rl.shared.config import ConfigError, default_state_dir, hostname_id
 from belayer_rl.shared.protocol import ExecResult, Message, SandboxSpec
 
 
@@ -100,10 +100,11 @@ async def call(args: argparse.Namespace, client: SandboxClient) -> Message:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    # Both ways in (`belayer sandbox`, `python -m belayer_rl.cli.sandbox`) set both global flags.
-    nc = await bus.connect(resolve_nats_url(args.nats, args.state_dir), "belayer-sandbox")
+    # Both ways in (`belayer sandbox`, `python -m belayer_rl.cli.sandbox`) set every global flag.
+    target = resolve_target(args)
+    nc = await target.connect("belayer-sandbox")
     try:
-        reply = await call(args, SandboxClient(nc, args.host))
+        reply = await call(args, SandboxClient(nc, args.host, subjects=target.subjects))
     except ServiceError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
@@ -134,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--nats", help="NATS URL (default: $BELAYER_NATS_URL or the local cluster)")
     options.add_argument("--state-dir", type=Path, default=default_state_dir())
+    add_target_flags(options, defaults=True)
     known, rest = options.parse_known_args(argv if argv is not None else sys.argv[1:])
     parser = argparse.ArgumentParser(prog="belayer-sandbox", parents=[options])
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["sandbox", *rest])
-    args.nats, args.state_dir = known.nats, known.state_dir
+    for name, value in vars(known).items():
+        setattr(args, name, value)
     return args.run(args)
 
 

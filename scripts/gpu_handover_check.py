@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import Handover, TokenChunk, WeightHandles, WeightsHandlesRequest
 
@@ -37,11 +37,11 @@ async def check(preset: str) -> list[tuple[str, bool, str]]:
     with tempfile.TemporaryDirectory(prefix="belayer-gpu-") as state:
         config = ClusterConfig(state_dir=Path(state), engines=1, preset=preset, sandboxes=False)
         async with local_cluster(config) as supervisor:
-            client = Client(await bus.connect(supervisor.nats_url, "gpu-check"))
+            client = await Client.connect(supervisor.target(), "gpu-check")
             async with client:
                 await client.wait_for_engines(1, 600)
                 handles = await bus.request_struct(
-                    client.nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles, 10
+                    client.nc, client.subjects.weights_handles, WeightsHandlesRequest(), WeightHandles, 10
                 )
                 results.append(("weights are CUDA IPC handles", handles.cuda is not None, handles.version))
                 reference = await client.generate_all(PROMPT, max_tokens=96, seed=11, temperature=0.8)
@@ -51,7 +51,7 @@ async def check(preset: str) -> list[tuple[str, bool, str]]:
                 async def on_handover(event: Handover) -> None:
                     handovers.append(event)
 
-                await bus.listen(client.nc, subjects.event("handover", "*"), Handover, on_handover)
+                await bus.listen(client.nc, client.subjects.event("handover", "*"), Handover, on_handover)
                 tokens: list[int] = []
                 async for item in client.generate(PROMPT, max_tokens=96, seed=11, temperature=0.8):
                     if not isinstance(item, TokenChunk):

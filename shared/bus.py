@@ -12,7 +12,7 @@ import logging
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -25,8 +25,10 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
+from belayer_rl.shared.access import Access
 from belayer_rl.shared.protocol import Ack, ErrorReply, Message
+from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.bus")
 ERROR_CODES = frozenset(typing.get_args(protocol.ErrorCode))
@@ -48,6 +50,18 @@ class BusOptions:
     reconnect_wait_s: float = 0.2
     connect_timeout_s: float = 2.0
     pending_bytes: int = 64 << 20  # publishes buffered while reconnecting
+
+
+@dataclass(frozen=True)
+class Target:
+    """A cluster to talk to: where its NATS is, its names, and who we are there."""
+
+    url: str
+    subjects: Subjects = Subjects()
+    access: Access = Access()
+
+    async def connect(self, name: str, **kwargs: Any) -> NATS:
+        return await connect(self.url, name, access=self.access, **kwargs)
 
 
 class ServiceError(Exception):
@@ -76,10 +90,13 @@ async def connect(
     url: str,
     name: str,
     *,
+    access: Access = Access(),
     options: BusOptions = BusOptions(),
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
     nc = NATS()
+    # Options first: an unreadable credentials file is an error now, not an endless reconnect.
+    credentials = access.connect_options()
 
     async def disconnected() -> None:
         if not nc.is_closed:  # closing on purpose is not news
@@ -106,6 +123,7 @@ async def connect(
         disconnected_cb=disconnected,
         reconnected_cb=reconnected,
         error_cb=error,
+        **credentials,
     )
     return nc
 
@@ -161,11 +179,11 @@ async def publish(nc: NATS, subject: str, message: Message) -> None:
 # ---------------------------------------------------------------- JetStream
 
 
-async def declare_jetstream(js: JetStreamContext) -> KeyValue:
+async def declare_jetstream(js: JetStreamContext, names: Subjects) -> KeyValue:
     """Declare the token-log stream and the engine registry bucket; idempotent. Returns the bucket."""
     config = StreamConfig(
-        name=subjects.TOKEN_LOG_STREAM,
-        subjects=[subjects.TOKEN_LOG_ALL],
+        name=names.token_log_stream,
+        subjects=[names.token_log_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=TOKEN_LOG_MAX_AGE_S,
@@ -178,11 +196,21 @@ async def declare_jetstream(js: JetStreamContext) -> KeyValue:
     except nats.js.errors.BadRequestError:
         await js.update_stream(config)
     try:
-        return await js.key_value(subjects.ENGINE_REGISTRY_BUCKET)
+        return await js.key_value(names.engine_registry_bucket)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(
-            KeyValueConfig(bucket=subjects.ENGINE_REGISTRY_BUCKET, history=1, storage=StorageType.FILE)
+            KeyValueConfig(bucket=names.engine_registry_bucket, history=1, storage=StorageType.FILE)
         )
+
+
+async def engine_registry(js: JetStreamContext, names: Subjects, wait_s: float = 120.0) -> KeyValue:
+    """The engine registry bucket, once the router has declared it. Workers and the shadow
+    supervisor only look it up: their credentials may not create or change streams."""
+    return await with_retries(
+        "find the engine registry",
+        lambda: js.key_value(names.engine_registry_bucket),
+        attempts=int(wait_s / 0.25),
+    )
 
 
 def log_msg_id(request_id: str, index: int | str) -> str:

@@ -23,8 +23,8 @@ from types import TracebackType
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from belayer_rl.shared import bus, protocol, subjects, tokenizer
-from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared import bus, protocol, tokenizer
+from belayer_rl.shared.bus import ServiceError, Target
 from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelRequest,
@@ -38,6 +38,7 @@ from belayer_rl.shared.protocol import (
     StatusRequest,
     TokenChunk,
 )
+from belayer_rl.shared.subjects import Subjects
 
 _stream_decoder = protocol.decoder_for(ClientStream)
 
@@ -65,9 +66,16 @@ class Generation:
 
 class Client:
     def __init__(
-        self, nc: NATS, *, rpc_timeout_s: float = 5.0, stall_s: float = 1.0, keepalive_s: float = 5.0
+        self,
+        nc: NATS,
+        *,
+        subjects: Subjects = Subjects(),
+        rpc_timeout_s: float = 5.0,
+        stall_s: float = 1.0,
+        keepalive_s: float = 5.0,
     ) -> None:
         self.nc = nc
+        self.subjects = subjects  # the cluster it talks to
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_s = stall_s  # silence after which the stream re-attaches
         # How often a followed request is declared alive; the router cancels a request nobody
@@ -87,18 +95,21 @@ class Client:
             for queue in self.streams:
                 queue.put_nowait(None)
 
-        await self.nc.subscribe(subjects.event("router_started", "*"), cb=on_router_started)
+        await self.nc.subscribe(self.subjects.event("router_started", "*"), cb=on_router_started)
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: float) -> Client:
+    async def connect(cls, target: Target | str, name: str = "client", **kwargs: float) -> Client:
+        """A client of the cluster `target` names (a bare URL: the default cluster, no credentials)."""
+        if isinstance(target, str):
+            target = Target(target)
         holder: list[Client] = []
 
         async def on_reconnect() -> None:
             if holder:
                 holder[0].reconnects += 1
 
-        nc = await bus.connect(url, "client", on_reconnect=on_reconnect)
-        client = cls(nc, **kwargs)
+        nc = await target.connect(name, on_reconnect=on_reconnect)
+        client = cls(nc, subjects=target.subjects, **kwargs)
         holder.append(client)
         return client
 
@@ -124,11 +135,13 @@ class Client:
                 await asyncio.sleep(0.1)
 
     async def cancel(self, request_id: str, *, patience_s: float = 10.0) -> None:
-        await self._call(subjects.ROUTER_CANCEL, CancelRequest(request_id=request_id), patience_s=patience_s)
+        await self._call(
+            self.subjects.router_cancel, CancelRequest(request_id=request_id), patience_s=patience_s
+        )
 
     async def status(self) -> RouterStatus:
         return await bus.request_struct(
-            self.nc, subjects.ROUTER_STATUS, StatusRequest(), RouterStatus, self.rpc_timeout_s
+            self.nc, self.subjects.router_status, StatusRequest(), RouterStatus, self.rpc_timeout_s
         )
 
     async def wait_for_engines(self, count: int, timeout_s: float) -> RouterStatus:
@@ -174,7 +187,7 @@ class Client:
         )
         async with self._subscription(inbox) as queue:
             try:
-                await self._call(subjects.ROUTER_GENERATE, request, patience_s=patience_s)
+                await self._call(self.subjects.router_generate, request, patience_s=patience_s)
             except ServiceError as exc:
                 if exc.code != "duplicate-request":  # an earlier try did get through
                     raise
@@ -222,7 +235,7 @@ class Client:
 
     async def _attach(self, request_id: str, position: int, inbox: str, patience_s: float) -> None:
         attach = AttachRequest(request_id=request_id, from_position=position, reply_to=inbox)
-        await self._call(subjects.ROUTER_ATTACH, attach, patience_s=patience_s)
+        await self._call(self.subjects.router_attach, attach, patience_s=patience_s)
 
     async def _follow(
         self, request_id: str, inbox: str, queue: asyncio.Queue[Msg | None], position: int, patience_s: float
@@ -236,7 +249,7 @@ class Client:
                 kept_alive_at = time.monotonic()
                 with contextlib.suppress(Exception):  # reconnecting: the next one goes out
                     await bus.publish(
-                        self.nc, subjects.ROUTER_KEEPALIVE, ClientKeepAlive(request_ids=[request_id])
+                        self.nc, self.subjects.router_keepalive, ClientKeepAlive(request_ids=[request_id])
                     )
             try:
                 msg = await asyncio.wait_for(queue.get(), min(self.stall_s, self.keepalive_s))

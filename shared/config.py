@@ -25,9 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from belayer_rl.shared.access import Access
 from belayer_rl.shared.presets import PRESETS
+from belayer_rl.shared.subjects import CLUSTER_ID_PATTERN, DEFAULT_CLUSTER, Subjects, cluster_id_ok
 
 NATS_URL_ENV = "BELAYER_NATS_URL"
+NATS_CREDS_ENV = "BELAYER_NATS_CREDS"
+CLUSTER_ID_ENV = "BELAYER_CLUSTER_ID"
 STATE_DIR_ENV = "BELAYER_STATE_DIR"
 DEFAULT_STATE_DIR = Path(".belayer")
 
@@ -66,10 +70,16 @@ def resolve_nats_url(flag: str | None, state_dir: Path | None = None) -> str:
 
 
 def setting(
-    default: Any = dataclasses.MISSING, help: str = "", *, flag: str = "", choices: tuple[str, ...] = ()
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str = "",
+    choices: tuple[str, ...] = (),
+    env: str = "",
 ) -> Any:
-    """A config field: its default, its help text, and optionally its flag's name and choices."""
-    metadata = {"help": help, "flag": flag, "choices": choices}
+    """A config field: its default, its help text, and optionally its flag's name, its choices and
+    the environment variable that stands in for an absent flag."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "env": env}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -139,6 +149,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
             options["help"] = f"{help_text} (comma-separated)"
         elif kind in (int, float, Path):
             options["type"] = kind
+        if field.metadata.get("env"):
+            options["help"] = f"{options['help']}; ${field.metadata['env']} when absent"
         if not required:
             options["default"] = field.default
             if field.default not in (None, "", ()):
@@ -149,8 +161,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
 def from_args(cls: type[C], args: argparse.Namespace, *, skip: tuple[str, ...] = (), **values: Any) -> C:
     """The config built from parsed flags (plus `values` for fields set by code). A field named
     `nats_url` that no flag set is resolved as every command resolves it (resolve_nats_url)."""
-    for field, _ in _cli_fields(cls, skip):
-        values.setdefault(field.name, getattr(args, _dest(field)))
+    for field, annotation in _cli_fields(cls, skip):
+        value = getattr(args, _dest(field))
+        if value == field.default and (from_env := os.environ.get(field.metadata.get("env", ""), "")):
+            kind = _base_type(annotation)
+            value = kind(from_env) if kind in (int, float, Path) else from_env
+        values.setdefault(field.name, value)
     if values.get("nats_url") == "":  # a service config: the bus is found as every command finds it
         values["nats_url"] = resolve_nats_url(None)
     return cls(**values)
@@ -218,10 +234,42 @@ class ServiceConfig:
     """What every service's config has: where the bus is and how long a drain may take."""
 
     nats_url: str = setting("", "NATS URL (default: $BELAYER_NATS_URL or the local cluster)", flag="--nats")
+    cluster_id: str = setting(
+        DEFAULT_CLUSTER, "the Belayer cluster: prefixes every subject, stream and bucket", env=CLUSTER_ID_ENV
+    )
+    nats_creds: Path | None = setting(
+        None, "NATS credentials: an nkey seed file, or a .creds file with a user JWT", env=NATS_CREDS_ENV
+    )
+    nats_ca: Path | None = setting(None, "CA certificate that the NATS server's TLS certificate chains to")
+    nats_cert: Path | None = setting(None, "client certificate for NATS TLS (with --nats-key)")
+    nats_key: Path | None = setting(None, "private key of the client certificate")
+    metrics_port: int = setting(0, "port of the Prometheus metrics (0: a free one; -1: no metrics)")
+    metrics_host: str = setting("127.0.0.1", "address the metrics listen on")
     drain_timeout_s: float = setting(5.0, "seconds a first SIGTERM may take to finish in-flight work")
 
     def __post_init__(self) -> None:
         positive("--drain-timeout", self.drain_timeout_s)
+        if not cluster_id_ok(self.cluster_id):
+            raise ConfigError(f"--cluster-id must match {CLUSTER_ID_PATTERN}, got {self.cluster_id!r}")
+        if (self.nats_cert is None) != (self.nats_key is None):
+            raise ConfigError("--nats-cert and --nats-key go together")
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise ConfigError(f"--metrics-port must be -1, 0 or a port, got {self.metrics_port}")
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.cluster_id)
+
+    def bus_settings(self) -> dict[str, Any]:
+        """The fields a process passes on to the services it starts: same bus, same cluster, same
+        TLS. (Credentials are per role, so a parent that starts another role replaces them.)"""
+        names = ("nats_url", "cluster_id", "nats_creds", "nats_ca", "nats_cert", "nats_key", "metrics_host")
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def access(self) -> Access:
+        """How this service proves who it is to NATS."""
+        return Access(creds=self.nats_creds, ca=self.nats_ca, cert=self.nats_cert, key=self.nats_key)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +333,10 @@ class ShadowSupervisorConfig(ServiceConfig):
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
     num_blocks: int = same_as(WorkerConfig, "num_blocks")
     hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
+    engine_creds: Path | None = setting(
+        None,
+        "folder of engine-<id>.creds: each engine's workers connect with their own (default: --nats-creds)",
+    )
     failure_window_s: float = setting(60.0, "a second failure of one engine inside it quarantines it (s)")
     death_timeout_s: float = setting(2.0, "how long a SIGKILLed main may take to be reaped (s)")
     start_timeout_s: float = setting(120.0, "how long a worker's start-up may take, cold path included (s)")

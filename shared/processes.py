@@ -50,11 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def start_nats_server(store_dir: Path, port: int, log_file: Path) -> asyncio.subprocess.Process:
-    """Start nats-server with JetStream in `store_dir` on 127.0.0.1:`port`; wait until it accepts."""
+async def start_nats_server(
+    store_dir: Path, port: int, log_file: Path, config: Path | None = None
+) -> asyncio.subprocess.Process:
+    """Start nats-server with JetStream in `store_dir` on 127.0.0.1:`port` (and the settings of the
+    `config` file, such as authorization and TLS); wait until it accepts connections."""
+    settings = ["-c", str(config)] if config is not None else []
     with log_file.open("ab") as out:
         process = await asyncio.create_subprocess_exec(
-            nats_server_binary(),
+            nats_server_binary(), *settings,
             "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir),
             stdout=out, stderr=out, start_new_session=True, preexec_fn=dies_with_parent(),
         )  # fmt: skip

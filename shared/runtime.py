@@ -45,10 +45,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError, ServiceConfig
 from belayer_rl.shared.protocol import EndpointInfo, ErrorReply, Message, ServiceStats, StatsRequest
+from belayer_rl.shared.subjects import Subjects, event_kind
 
 log = logging.getLogger("belayer.runtime")
 
@@ -84,10 +85,12 @@ class Endpoint:
     with_subject: bool = False
 
     @classmethod
-    def event(cls, kind: str, handler: Callable[..., Awaitable[None]], *ids: str) -> Endpoint:
-        """A one-way endpoint on `belayer.evt.<kind>[.<id>...]` that decodes the type
+    def event(
+        cls, names: Subjects, kind: str, handler: Callable[..., Awaitable[None]], *ids: str
+    ) -> Endpoint:
+        """A one-way endpoint on `belayer.<cluster>.evt.<kind>[.<id>...]` that decodes the type
         protocol.EVENT_TYPES declares for the kind, so subject and type cannot disagree."""
-        return cls(subjects.event(kind, *ids), protocol.EVENT_TYPES[kind], handler, reply=False)
+        return cls(names.event(kind, *ids), protocol.EVENT_TYPES[kind], handler, reply=False)
 
     def info(self) -> EndpointInfo:
         return EndpointInfo(
@@ -98,9 +101,9 @@ class Endpoint:
 def check_declared(endpoint: Endpoint) -> None:
     """An event subject is decoded as protocol.EVENT_TYPES declares its kind, and nowhere else:
     an endpoint that expects another type is a programming error, refused at start-up."""
-    if not endpoint.subject.startswith(subjects.EVENTS + "."):
+    kind = event_kind(endpoint.subject)
+    if not kind:
         return
-    kind = subjects.event_kind(endpoint.subject)
     declared = protocol.EVENT_TYPES.get(kind, protocol.AnyEvent)  # a wildcard kind: any event
     if endpoint.accepts is not declared:
         raise TypeError(
@@ -119,6 +122,7 @@ class Runtime:
     def __init__(self, name: str, config: ServiceConfig) -> None:
         self.name = name
         self.config = config
+        self.subjects = config.subjects  # this cluster's names
         self.stopping = asyncio.Event()
         self.errors: Counter[str] = Counter()  # error replies and dropped messages, by code
         self.handled = 0
@@ -152,9 +156,12 @@ class Runtime:
             for callback in self._on_reconnect:
                 await callback()
 
-        nc = await self.unless_stopped(bus.connect(self.config.nats_url, self.name, on_reconnect=reconnected))
+        connecting = bus.connect(
+            self.config.nats_url, self.name, access=self.config.access, on_reconnect=reconnected
+        )
+        nc = await self.unless_stopped(connecting)
         self._nc = nc
-        await self.serve(Endpoint(subjects.service_stats(self.name), StatsRequest, self._on_stats))
+        await self.serve(Endpoint(self.subjects.service_stats(self.name), StatsRequest, self._on_stats))
         return nc
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:

@@ -1,102 +1,194 @@
-"""Subject names, stream and bucket names: data, not scattered literals.
+"""Subject names, stream and bucket names of one Belayer cluster: data, not scattered literals.
 
-Every subject starts with `belayer.<domain>`; events live under `belayer.evt.` so that
-`nats sub 'belayer.evt.>'` shows all of them. The schema version travels in the message.
+Every name carries the cluster id, so two Belayer clusters on one NATS never see each other's
+messages: subjects start with `belayer.<cluster>.<domain>`, streams, buckets and object stores
+end with `_<cluster>`. Events live under `belayer.<cluster>.evt.`, so that
+`nats sub 'belayer.default.evt.>'` shows all of one cluster's. The schema version travels in the
+message.
 """
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 from belayer_rl.shared.protocol import EVENT_TYPES
 
 PREFIX = "belayer"
+DEFAULT_CLUSTER = "default"
+# A subject token and a stream/bucket name at once: no dots, wildcards or spaces.
+CLUSTER_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 
-# Router RPC (one active router; it owns the in-flight state, so no queue group).
-ROUTER_GENERATE = f"{PREFIX}.router.generate"
-ROUTER_ATTACH = f"{PREFIX}.router.attach"
-ROUTER_CANCEL = f"{PREFIX}.router.cancel"
-ROUTER_REGISTER = f"{PREFIX}.router.register"
-ROUTER_STATUS = f"{PREFIX}.router.status"
-ROUTER_KEEPALIVE = f"{PREFIX}.router.keepalive"  # ClientKeepAlive: a client still follows these
-ROUTER_WORKER_STREAM = f"{PREFIX}.router.worker_stream"  # WorkerChunk / WorkerDone from workers
-
-# Every service process answers StatsRequest here (the runtime's endpoint): readiness, messages
-# handled, errors by code.
-SERVICE_PREFIX = f"{PREFIX}.svc"
+# Sandboxes: one checkpointer per Docker host, addressed by its host id (it owns that host's
+# containers, so no queue group).
+SANDBOX_VERBS = ("create", "exec", "checkpoint", "restore", "destroy", "list", "end")
 
 
-def service_stats(name: str) -> str:
-    return f"{SERVICE_PREFIX}.{name}.stats"
-
-
-EVENTS = f"{PREFIX}.evt"
-EVENTS_ALL = f"{EVENTS}.>"
-
-# Token log: one subject per request inside one stream.
-TOKEN_LOG_STREAM = "BELAYER_TOKENS"
-TOKEN_LOG_PREFIX = f"{PREFIX}.log.tokens"
-TOKEN_LOG_ALL = f"{TOKEN_LOG_PREFIX}.*"
-
-ENGINE_REGISTRY_BUCKET = "belayer_engines"
-
-
-def worker_dispatch(engine_id: str) -> str:
-    return f"{PREFIX}.worker.{engine_id}.dispatch"
-
-
-def worker_cancel(engine_id: str) -> str:
-    return f"{PREFIX}.worker.{engine_id}.cancel"
-
-
-def event(kind: str, *ids: str) -> str:
-    """`belayer.evt.<kind>[.<id>...]`, e.g. event("heartbeat", "e0"). The kind must be one of
-    protocol.EVENT_TYPES: a subject whose kind is declared nowhere could not be decoded by listeners."""
-    if kind not in EVENT_TYPES:
-        raise ValueError(f"event kind {kind!r} is not declared in protocol.EVENT_TYPES")
-    return ".".join((EVENTS, kind, *ids))
+def cluster_id_ok(cluster_id: str) -> bool:
+    return re.fullmatch(CLUSTER_ID_PATTERN, cluster_id) is not None
 
 
 def event_kind(subject: str) -> str:
-    """The kind of an event subject: the token after `belayer.evt.` ("" outside `belayer.evt.`)."""
-    head, _, rest = subject.partition(".evt.")
-    return rest.split(".", 1)[0] if head == PREFIX else ""
+    """The kind of an event subject, `belayer.<cluster>.evt.<kind>...` ("" for any other subject)."""
+    tokens = subject.split(".")
+    return tokens[3] if len(tokens) > 3 and tokens[0] == PREFIX and tokens[2] == "evt" else ""
 
 
-def token_log(request_id: str) -> str:
-    return f"{TOKEN_LOG_PREFIX}.{request_id}"
+@dataclass(frozen=True)
+class Subjects:
+    """The names of cluster `cluster_id`. No queue groups anywhere: whoever serves a subject owns
+    the state behind it (the active router, an engine's worker, a host's servers)."""
 
+    cluster_id: str = DEFAULT_CLUSTER
 
-# Sandboxes: one checkpointer per Docker host, addressed by its host id (it owns that host's
-# containers, so no queue group). Events: belayer.evt.checkpoint_ready.<trajectory>,
-# belayer.evt.env_failure.<sandbox>, belayer.evt.sandbox_restored.<trajectory>.
-SANDBOX_PREFIX = f"{PREFIX}.sandbox"
-SANDBOX_VERBS = ("create", "exec", "checkpoint", "restore", "destroy", "list", "end")
-PREFIX_POINTER_BUCKET = "belayer_prefix"
-CHECKPOINT_OBJECT_BUCKET = "belayer_checkpoints"  # checkpoint folders, for a restore on another host
+    def __post_init__(self) -> None:
+        if not cluster_id_ok(self.cluster_id):
+            raise ValueError(f"cluster id {self.cluster_id!r} does not match {CLUSTER_ID_PATTERN}")
 
+    @property
+    def root(self) -> str:
+        return f"{PREFIX}.{self.cluster_id}"
 
-def sandbox_rpc(host_id: str, verb: str) -> str:
-    """`belayer.sandbox.<host>.<verb>`, verb one of SANDBOX_VERBS."""
-    return f"{SANDBOX_PREFIX}.{host_id}.{verb}"
+    # ------------------------------------------------------------ router RPC
 
+    @property
+    def router_generate(self) -> str:
+        return f"{self.root}.router.generate"
 
-def sandbox_rpc_all(host_id: str) -> str:
-    return f"{SANDBOX_PREFIX}.{host_id}.*"
+    @property
+    def router_attach(self) -> str:
+        return f"{self.root}.router.attach"
 
+    @property
+    def router_cancel(self) -> str:
+        return f"{self.root}.router.cancel"
 
-# Weight and KV servers: one of each per host (they own that host's shared memory), so no queue
-# group. Events: belayer.evt.weights_published.<version>.
-WEIGHTS_PREFIX = f"{PREFIX}.weights"
-WEIGHTS_LIST = f"{WEIGHTS_PREFIX}.list"
-WEIGHTS_HANDLES = f"{WEIGHTS_PREFIX}.handles"
-WEIGHTS_PIN = f"{WEIGHTS_PREFIX}.pin"
-WEIGHTS_UNPIN = f"{WEIGHTS_PREFIX}.unpin"
-WEIGHTS_PUBLISH = f"{WEIGHTS_PREFIX}.publish"
-WEIGHTS_PING = f"{WEIGHTS_PREFIX}.ping"
+    @property
+    def router_status(self) -> str:
+        return f"{self.root}.router.status"
 
-KV_PREFIX = f"{PREFIX}.kv"
-KV_ARENA = f"{KV_PREFIX}.arena"
-KV_FLUSH = f"{KV_PREFIX}.flush"
-KV_RELEASE = f"{KV_PREFIX}.release"
-KV_PING = f"{KV_PREFIX}.ping"
+    @property
+    def router_keepalive(self) -> str:
+        """ClientKeepAlive: a client still follows these requests."""
+        return f"{self.root}.router.keepalive"
 
+    def worker_stream(self, engine_id: str) -> str:
+        """WorkerChunk / WorkerDone of one engine: the router reads the engine from the subject
+        (which the bus lets only that engine publish), never from the payload."""
+        return f"{self.root}.router.worker_stream.{engine_id}"
 
-def weights_published(version: str) -> str:
-    return event("weights_published", version)
+    @property
+    def worker_stream_all(self) -> str:
+        return f"{self.root}.router.worker_stream.*"
+
+    # ------------------------------------------------------------ workers
+
+    def worker_dispatch(self, engine_id: str) -> str:
+        return f"{self.root}.worker.{engine_id}.dispatch"
+
+    def worker_cancel(self, engine_id: str) -> str:
+        return f"{self.root}.worker.{engine_id}.cancel"
+
+    # ------------------------------------------------------------ every service
+
+    def service_stats(self, name: str) -> str:
+        """Every service process answers StatsRequest here (the runtime's endpoint)."""
+        return f"{self.root}.svc.{name}.stats"
+
+    # ------------------------------------------------------------ events
+
+    @property
+    def events(self) -> str:
+        return f"{self.root}.evt"
+
+    @property
+    def events_all(self) -> str:
+        return f"{self.events}.>"
+
+    def event(self, kind: str, *ids: str) -> str:
+        """`belayer.<cluster>.evt.<kind>[.<id>...]`, e.g. event("heartbeat", "e0"). The kind must be
+        one of protocol.EVENT_TYPES: a kind declared nowhere could not be decoded by listeners."""
+        if kind not in EVENT_TYPES:
+            raise ValueError(f"event kind {kind!r} is not declared in protocol.EVENT_TYPES")
+        return ".".join((self.events, kind, *ids))
+
+    def weights_published(self, version: str) -> str:
+        return self.event("weights_published", version)
+
+    # ------------------------------------------------------------ token log and engine registry
+
+    @property
+    def token_log_stream(self) -> str:
+        return f"BELAYER_TOKENS_{self.cluster_id}"
+
+    @property
+    def token_log_all(self) -> str:
+        return f"{self.root}.log.tokens.*"
+
+    def token_log(self, request_id: str) -> str:
+        return f"{self.root}.log.tokens.{request_id}"
+
+    @property
+    def engine_registry_bucket(self) -> str:
+        return f"belayer_engines_{self.cluster_id}"
+
+    # ------------------------------------------------------------ sandboxes
+
+    def sandbox_rpc(self, host_id: str, verb: str) -> str:
+        """`belayer.<cluster>.sandbox.<host>.<verb>`, verb one of SANDBOX_VERBS."""
+        return f"{self.root}.sandbox.{host_id}.{verb}"
+
+    def sandbox_rpc_all(self, host_id: str) -> str:
+        return f"{self.root}.sandbox.{host_id}.*"
+
+    @property
+    def prefix_pointer_bucket(self) -> str:
+        return f"belayer_prefix_{self.cluster_id}"
+
+    @property
+    def checkpoint_object_bucket(self) -> str:
+        """Checkpoint folders, for a restore on another host."""
+        return f"belayer_checkpoints_{self.cluster_id}"
+
+    # ------------------------------------------------------------ weight and KV servers
+    # One of each per host (they own that host's shared memory).
+
+    @property
+    def weights_list(self) -> str:
+        return f"{self.root}.weights.list"
+
+    @property
+    def weights_handles(self) -> str:
+        return f"{self.root}.weights.handles"
+
+    @property
+    def weights_pin(self) -> str:
+        return f"{self.root}.weights.pin"
+
+    @property
+    def weights_unpin(self) -> str:
+        return f"{self.root}.weights.unpin"
+
+    @property
+    def weights_publish(self) -> str:
+        return f"{self.root}.weights.publish"
+
+    @property
+    def weights_ping(self) -> str:
+        return f"{self.root}.weights.ping"
+
+    @property
+    def kv_arena(self) -> str:
+        return f"{self.root}.kv.arena"
+
+    @property
+    def kv_flush(self) -> str:
+        return f"{self.root}.kv.flush"
+
+    @property
+    def kv_release(self) -> str:
+        return f"{self.root}.kv.release"
+
+    @property
+    def kv_ping(self) -> str:
+        return f"{self.root}.kv.ping"

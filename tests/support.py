@@ -13,9 +13,12 @@ from typing import TypeVar
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
-from belayer_rl.shared import bus, protocol, subjects, tokenizer
+from belayer_rl.shared import bus, protocol, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import start_nats_server
+from belayer_rl.shared.subjects import Subjects
+
+NAMES = Subjects()  # the default cluster's names
 
 T = TypeVar("T")
 
@@ -125,7 +128,7 @@ class EventLog:
             log.events.append(protocol.decode(decoder, msg.data))
             log.arrived.set()
 
-        await client.nc.subscribe(subjects.event(kind, "*"), cb=on_message)
+        await client.nc.subscribe(NAMES.event(kind, "*"), cb=on_message)
         return log
 
 

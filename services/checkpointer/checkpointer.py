@@ -32,7 +32,7 @@ from belayer_rl.services.checkpointer import layer, objects, phases, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, dump_in_flight
 from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.protocol import (
@@ -71,6 +71,7 @@ class Sandbox:
 class Checkpointer:
     def __init__(self, config: CheckpointerConfig, engine: Engine, nc: NATS, kv: KeyValue) -> None:
         self.config = config
+        self.subjects = config.subjects
         self.engine = engine
         self.nc = nc
         self.kv = kv
@@ -201,7 +202,7 @@ class Checkpointer:
             sandbox=sb.record.sandbox, host_id=self.config.host_id, container_id=sb.record.container_id,
             reason=failure.reason, detail=failure.detail, step=sb.record.step,
         )  # fmt: skip
-        await self.publish(subjects.event("env_failure", sb.record.sandbox), event)
+        await self.publish(self.subjects.event("env_failure", sb.record.sandbox), event)
         return ServiceError("env-failure", f"{failure.reason}: {failure.detail}")
 
     async def publish(self, subject: str, message: msgspec.Struct) -> None:
@@ -316,7 +317,7 @@ class Checkpointer:
         finally:
             sb.fifo.release()
         await self.publish(
-            subjects.event("checkpoint_ready", req.trajectory),
+            self.subjects.event("checkpoint_ready", req.trajectory),
             CheckpointReady(
                 trajectory=result.trajectory, sandbox=result.sandbox, host_id=self.config.host_id,
                 checkpoint_id=result.checkpoint_id, incarnation=result.incarnation, k=result.k,
@@ -376,7 +377,7 @@ class Checkpointer:
             result = await phases.full_restore(self.host, sb.record, current, started)
             self.save(sb)
         await self.publish(
-            subjects.event("sandbox_restored", current.trajectory),
+            self.subjects.event("sandbox_restored", current.trajectory),
             SandboxRestored(
                 trajectory=result.trajectory, sandbox=result.sandbox, host_id=self.config.host_id,
                 source=result.source, checkpoint_id=result.checkpoint_id, incarnation=result.incarnation,

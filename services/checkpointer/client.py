@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.protocol import (
     Ack,
     CheckpointResult,
@@ -23,17 +23,19 @@ from belayer_rl.shared.protocol import (
     SandboxSpec,
     TrajectoryEnd,
 )
+from belayer_rl.shared.subjects import Subjects
 
 RPC_SLACK_S = 10.0  # on top of the operation's own timeout
 
 
 class SandboxClient:
-    def __init__(self, nc: NATS, host_id: str) -> None:
+    def __init__(self, nc: NATS, host_id: str, *, subjects: Subjects = Subjects()) -> None:
         self.nc = nc
+        self.subjects = subjects
         self.host_id = host_id
 
     def _subject(self, verb: str) -> str:
-        return subjects.sandbox_rpc(self.host_id, verb)
+        return self.subjects.sandbox_rpc(self.host_id, verb)
 
     async def create(self, spec: SandboxSpec, sandbox: str = "", timeout_s: float = 60.0) -> SandboxInfo:
         return await bus.request_struct(

@@ -12,8 +12,9 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
 from belayer_rl.shared.protocol import PrefixPointer
+from belayer_rl.shared.subjects import Subjects
 
 _decoder = protocol.decoder_for(PrefixPointer)
 MAX_CAS_TRIES = 16
@@ -21,13 +22,13 @@ HISTORY = 8  # kept per trajectory, for `nats kv history` when debugging
 MAX_BYTES = 1 << 30  # bounded: a full bucket fails checkpoints loudly rather than dropping pointers
 
 
-async def declare(js: JetStreamContext) -> KeyValue:
+async def declare(js: JetStreamContext, names: Subjects) -> KeyValue:
     try:
-        return await js.key_value(subjects.PREFIX_POINTER_BUCKET)
+        return await js.key_value(names.prefix_pointer_bucket)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(
             KeyValueConfig(
-                bucket=subjects.PREFIX_POINTER_BUCKET,
+                bucket=names.prefix_pointer_bucket,
                 history=HISTORY,
                 storage=StorageType.FILE,
                 max_bytes=MAX_BYTES,

@@ -16,7 +16,7 @@ from typing import Any
 from belayer_rl.services.checkpointer import objects, pointer
 from belayer_rl.services.checkpointer.checkpointer import Checkpointer
 from belayer_rl.services.checkpointer.sandbox import Engine
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.protocol import Message, SandboxRequest
 from belayer_rl.shared.runtime import Endpoint, Runtime
@@ -56,18 +56,20 @@ def router(checkpointer: Checkpointer) -> Callable[[SandboxRequest, str], Awaita
 
 async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
     nc = await rt.connect()
-    kv = await bus.with_retries("declare prefix pointers", lambda: pointer.declare(nc.jetstream()))
+    kv = await bus.with_retries(
+        "declare prefix pointers", lambda: pointer.declare(nc.jetstream(), rt.subjects)
+    )
     engine = await Engine.connect(config.docker_url)
     rt.on_close(engine.close)
     checkpointer = Checkpointer(config, engine, nc, kv)
     if config.object_store:
         checkpointer.objects = await bus.with_retries(
-            "declare checkpoint object store", lambda: objects.declare(nc.jetstream())
+            "declare checkpoint object store", lambda: objects.declare(nc.jetstream(), rt.subjects)
         )
     rt.on_close(checkpointer.close)
     await checkpointer.reconcile()
     rpc = Endpoint(
-        subjects.sandbox_rpc_all(config.host_id),
+        rt.subjects.sandbox_rpc_all(config.host_id),
         SandboxRequest,
         router(checkpointer),
         concurrent=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.protocol import (
     Ack,
     ArenaHandle,
@@ -16,16 +16,18 @@ from belayer_rl.shared.protocol import (
     KvServerAlive,
     ServerPing,
 )
+from belayer_rl.shared.subjects import Subjects
 
 
 class KvClient:
-    def __init__(self, nc: NATS, timeout_s: float = 5.0) -> None:
+    def __init__(self, nc: NATS, timeout_s: float = 5.0, *, subjects: Subjects = Subjects()) -> None:
         self.nc = nc
+        self.subjects = subjects
         self.timeout_s = timeout_s
 
     async def ping(self, timeout_s: float | None = None) -> KvServerAlive:
         return await bus.request_struct(
-            self.nc, subjects.KV_PING, ServerPing(), KvServerAlive, timeout_s or self.timeout_s
+            self.nc, self.subjects.kv_ping, ServerPing(), KvServerAlive, timeout_s or self.timeout_s
         )
 
     async def arena(
@@ -36,14 +38,16 @@ class KvClient:
         request = KvArenaRequest(
             engine_id=engine_id, preset=preset, num_blocks=num_blocks, block_size=block_size
         )
-        return await bus.request_struct(self.nc, subjects.KV_ARENA, request, ArenaHandle, timeout_s)
+        return await bus.request_struct(self.nc, self.subjects.kv_arena, request, ArenaHandle, timeout_s)
 
     async def flush(self, engine_id: str, timeout_s: float = 30.0) -> Ack:
         """Zero the engine's arena; returns once every byte is written."""
-        return await bus.request(self.nc, subjects.KV_FLUSH, KvFlush(engine_id=engine_id), timeout_s)
+        return await bus.request(self.nc, self.subjects.kv_flush, KvFlush(engine_id=engine_id), timeout_s)
 
     async def release(self, engine_id: str) -> Ack:
-        return await bus.request(self.nc, subjects.KV_RELEASE, KvRelease(engine_id=engine_id), self.timeout_s)
+        return await bus.request(
+            self.nc, self.subjects.kv_release, KvRelease(engine_id=engine_id), self.timeout_s
+        )
 
     async def why_not_owned(self, handle: ArenaHandle, timeout_s: float | None = None) -> str | None:
         """None if the server that made `handle` still answers and still owns that arena; else why

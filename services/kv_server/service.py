@@ -8,7 +8,6 @@ Stopping removes every arena segment; a start removes those a crashed predecesso
 from __future__ import annotations
 
 from belayer_rl.services.kv_server.server import KvServer
-from belayer_rl.shared import subjects
 from belayer_rl.shared.config import KvServerConfig
 from belayer_rl.shared.protocol import KvArenaRequest, KvFlush, KvRelease, ServerPing
 from belayer_rl.shared.runtime import Endpoint, Runtime
@@ -19,9 +18,9 @@ async def setup(rt: Runtime, config: KvServerConfig) -> None:
     rt.on_close(server.close)  # closed after every handler: nothing stays in /dev/shm
     await rt.connect()
     await rt.serve(
-        Endpoint(subjects.KV_ARENA, KvArenaRequest, server.on_arena),
-        Endpoint(subjects.KV_FLUSH, KvFlush, server.on_flush),
-        Endpoint(subjects.KV_RELEASE, KvRelease, server.on_release),
-        Endpoint(subjects.KV_PING, ServerPing, server.on_ping),
+        Endpoint(rt.subjects.kv_arena, KvArenaRequest, server.on_arena),
+        Endpoint(rt.subjects.kv_flush, KvFlush, server.on_flush),
+        Endpoint(rt.subjects.kv_release, KvRelease, server.on_release),
+        Endpoint(rt.subjects.kv_ping, ServerPing, server.on_ping),
     )
     rt.ready(f"{server.instance} serving from {server.lock.prefix}* ({server.device})")

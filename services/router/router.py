@@ -29,7 +29,8 @@ from nats.js.kv import KeyValue
 
 from belayer_rl.services.router import token_log
 from belayer_rl.services.router.token_log import LogWriter
-from belayer_rl.shared import bus, registry, subjects, tokenizer
+from belayer_rl.shared import bus, registry, tokenizer
+from belayer_rl.shared.access import INBOX
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.protocol import (
@@ -123,11 +124,12 @@ class Router:
         self, config: RouterConfig, nc: NATS, js: JetStreamContext, kv: KeyValue, spawn: Spawn
     ) -> None:
         self.config = config
+        self.subjects = config.subjects
         self.spawn = spawn  # the runtime's owned tasks: cancelled and awaited at shutdown
         self.nc = nc
         self.js = js
         self.kv = kv
-        self.writer = LogWriter(js)
+        self.writer = LogWriter(js, self.subjects)
         self.requests: dict[str, Request] = {}
         self.engines: dict[str, Engine] = {}
         # Attempt ids grow across router incarnations (milliseconds at start-up, times 1000), so
@@ -140,6 +142,7 @@ class Router:
     # ------------------------------------------------------------ client RPC
 
     async def on_generate(self, message: GenerateRequest) -> Ack:
+        check_inbox(message.reply_to)
         weight_version = message.weight_version or await self.newest_weights()
         if message.request_id in self.requests:
             raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
@@ -154,7 +157,9 @@ class Router:
         request = Request(start=start, watchers={message.reply_to})
         self.requests[message.request_id] = request
         try:
-            await token_log.append(self.js, start)  # durable before the client hears "accepted"
+            await token_log.append(
+                self.js, self.subjects, start
+            )  # durable before the client hears "accepted"
         except ServiceError:
             del self.requests[message.request_id]
             raise
@@ -162,6 +167,7 @@ class Router:
         return Ack(detail=f"request {message.request_id} accepted")
 
     async def on_attach(self, message: AttachRequest) -> Ack:
+        check_inbox(message.reply_to)
         request = self.requests.get(message.request_id)
         if request is None:
             raise ServiceError("unknown-request", f"no request {message.request_id}")
@@ -228,10 +234,14 @@ class Router:
 
     # ------------------------------------------------------------ worker stream
 
-    async def on_worker_stream(self, message: WorkerChunk | WorkerDone) -> None:
+    async def on_worker_stream(self, message: WorkerChunk | WorkerDone, subject: str) -> None:
+        # The engine is the one the subject names: the bus lets only that engine publish there,
+        # while the payload's engine id is whatever its sender wrote.
+        sender = subject.rsplit(".", 1)[1]
         request = self.requests.get(message.request_id)
         if (
             request is None
+            or message.engine_id != sender
             or request.end is not None
             or message.attempt != request.attempt
             or message.epoch != request.epoch
@@ -312,7 +322,7 @@ class Router:
         )
         await self.close(request, error, record)
         failed = RequestFailed(request_id=request.request_id, code=code, message=message)
-        await bus.publish(self.nc, subjects.event("request_failed", request.request_id), failed)
+        await bus.publish(self.nc, self.subjects.event("request_failed", request.request_id), failed)
 
     async def close(self, request: Request, end: GenerateEnd | GenerateError, record: LogEnd) -> None:
         self.detach(request)
@@ -386,7 +396,9 @@ class Router:
                     max_tokens=request.start.max_tokens,
                     sampling=request.start.sampling,
                     weight_version=request.start.weight_version,
-                    reply_to=subjects.ROUTER_WORKER_STREAM,
+                    reply_to=self.subjects.worker_stream(
+                        engine.engine_id
+                    ),  # informative: workers use their own
                 )
                 # Claim before the round trip: chunks can arrive before the ack does.
                 request.attempt, request.epoch, request.engine_id = (
@@ -399,7 +411,7 @@ class Router:
                 try:
                     await bus.request(
                         self.nc,
-                        subjects.worker_dispatch(engine.engine_id),
+                        self.subjects.worker_dispatch(engine.engine_id),
                         dispatch,
                         self.config.dispatch_timeout_s,
                     )
@@ -433,14 +445,16 @@ class Router:
                         from_position=len(dispatch.prefix_tokens),
                         reason="resume",
                     )
-                    await bus.publish(self.nc, subjects.event("request_resumed", request.request_id), resumed)
+                    await bus.publish(
+                        self.nc, self.subjects.event("request_resumed", request.request_id), resumed
+                    )
         finally:
             request.dispatching = False
 
     async def tell_worker(self, engine_id: str, cancel: CancelDispatch) -> None:
         try:
             await bus.request(
-                self.nc, subjects.worker_cancel(engine_id), cancel, self.config.dispatch_timeout_s
+                self.nc, self.subjects.worker_cancel(engine_id), cancel, self.config.dispatch_timeout_s
             )
         except ServiceError as exc:
             log.info("cancel on %s not delivered: %s", engine_id, exc)
@@ -466,7 +480,7 @@ class Router:
             return self.reported_weights
         try:
             versions = await bus.request_struct(
-                self.nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions, WEIGHTS_LIST_TIMEOUT_S
+                self.nc, self.subjects.weights_list, WeightsList(), WeightVersions, WEIGHTS_LIST_TIMEOUT_S
             )
         except ServiceError as exc:
             if exc.code == "timeout":  # generates are handled one by one: do not wait on every one
@@ -527,7 +541,7 @@ class Router:
                 reason=reason,  # type: ignore[arg-type]
                 detail=f"{detail}; {len(interrupted)} requests interrupted",
             )
-            await bus.publish(self.nc, subjects.event("worker_failed", engine.engine_id), failed)
+            await bus.publish(self.nc, self.subjects.event("worker_failed", engine.engine_id), failed)
         grace = self.config.handover_grace_s
         for request in interrupted:
             await self.resume(
@@ -606,7 +620,7 @@ class Router:
 
     async def rebuild(self) -> RouterStarted:
         """Rebuild every request from the token log; in-flight ones are resumed."""
-        logged = await token_log.read_all(self.js)
+        logged = await token_log.read_all(self.js, self.subjects)
         resumed = 0
         for request_id, entry in logged.items():
             request = Request(start=entry.start, tokens=entry.tokens)
@@ -627,6 +641,14 @@ class Router:
         for request in list(self.requests.values()):
             if request.end is None and request.engine_id is not None:
                 await self.resume(request, "bus reconnected")
+
+
+def check_inbox(reply_to: str) -> None:
+    """A client names where its chunks go; only an inbox is taken. The router may publish to any
+    client's inbox, so a payload naming another role's subject (a worker's dispatch, say) would
+    otherwise make the router forge messages for the sender."""
+    if not reply_to.startswith(INBOX + "."):
+        raise ServiceError("bad-request", f"reply_to must be an inbox ({INBOX}.*), got {reply_to!r}")
 
 
 def _end_message(start: LogStart, record: LogEnd) -> GenerateEnd | GenerateError:

@@ -10,7 +10,7 @@ request from it.
 from __future__ import annotations
 
 from belayer_rl.services.router.router import Router
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.protocol import (
     AttachRequest,
@@ -26,28 +26,34 @@ from belayer_rl.shared.runtime import Endpoint, Runtime
 async def setup(rt: Runtime, config: RouterConfig) -> None:
     nc = await rt.connect()
     js = nc.jetstream()
-    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(js))
+    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(js, rt.subjects))
     router = Router(config, nc, js, kv, rt.spawn)
     rt.on_reconnect(router.on_reconnect)
 
     # Listen to workers before rebuilding, so no heartbeat of a serving engine is missed.
     await rt.serve(
-        Endpoint(subjects.ROUTER_WORKER_STREAM, WorkerStream, router.on_worker_stream, reply=False),
-        Endpoint.event("heartbeat", router.on_heartbeat, "*"),
-        Endpoint.event("worker_registered", router.on_registration, "*"),
-        Endpoint.event("worker_failed", router.on_worker_failed, "*"),
-        Endpoint.event("engine_quarantined", router.on_quarantined, "*"),
+        Endpoint(
+            rt.subjects.worker_stream_all,
+            WorkerStream,
+            router.on_worker_stream,
+            reply=False,
+            with_subject=True,
+        ),
+        Endpoint.event(rt.subjects, "heartbeat", router.on_heartbeat, "*"),
+        Endpoint.event(rt.subjects, "worker_registered", router.on_registration, "*"),
+        Endpoint.event(rt.subjects, "worker_failed", router.on_worker_failed, "*"),
+        Endpoint.event(rt.subjects, "engine_quarantined", router.on_quarantined, "*"),
     )
     started = await router.rebuild()
     await rt.serve(
-        Endpoint(subjects.ROUTER_GENERATE, GenerateRequest, router.on_generate),
-        Endpoint(subjects.ROUTER_ATTACH, AttachRequest, router.on_attach),
-        Endpoint(subjects.ROUTER_CANCEL, CancelRequest, router.on_cancel),
-        Endpoint(subjects.ROUTER_STATUS, StatusRequest, router.on_status),
-        Endpoint(subjects.ROUTER_KEEPALIVE, ClientKeepAlive, router.on_keepalive, reply=False),
+        Endpoint(rt.subjects.router_generate, GenerateRequest, router.on_generate),
+        Endpoint(rt.subjects.router_attach, AttachRequest, router.on_attach),
+        Endpoint(rt.subjects.router_cancel, CancelRequest, router.on_cancel),
+        Endpoint(rt.subjects.router_status, StatusRequest, router.on_status),
+        Endpoint(rt.subjects.router_keepalive, ClientKeepAlive, router.on_keepalive, reply=False),
     )
     rt.spawn(router.watchdog(), "watchdog", essential=True)
     rt.spawn(router.writer.run(), "log-writer", essential=True)
     rt.on_drain(router.writer.drain)  # intake stopped: let the token log catch up
-    await rt.publish(subjects.event("router_started", str(started.router_pid)), started)
+    await rt.publish(rt.subjects.event("router_started", str(started.router_pid)), started)
     rt.ready(f"{started.rebuilt_requests} requests rebuilt, {started.resumed_requests} resumed")

@@ -19,8 +19,9 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import LogChunk, LogEnd, LogRecord, LogStart
+from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.router.log")
 
@@ -39,9 +40,9 @@ def record_id(record: LogRecord) -> str:
             return bus.log_msg_id(record.request_id, "end")
 
 
-async def append(js: JetStreamContext, record: LogRecord) -> None:
+async def append(js: JetStreamContext, names: Subjects, record: LogRecord) -> None:
     """Append one record and wait for the server's ack; retries (bounded) through reconnects."""
-    subject = subjects.token_log(record.request_id)
+    subject = names.token_log(record.request_id)
     data = protocol.encode(record)
     headers = {"Nats-Msg-Id": record_id(record)}
     for attempt in range(1, MAX_PUBLISH_TRIES + 1):
@@ -57,7 +58,8 @@ async def append(js: JetStreamContext, record: LogRecord) -> None:
 class LogWriter:
     """Appends records in the order they were queued, in one owned background task."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, names: Subjects) -> None:
+        self.names = names
         self.js = js
         self.queue: asyncio.Queue[LogRecord] = asyncio.Queue()
         self.appended = 0
@@ -69,7 +71,7 @@ class LogWriter:
         while True:
             record = await self.queue.get()
             try:
-                await append(self.js, record)
+                await append(self.js, self.names, record)
                 self.appended += 1
             except bus.ServiceError as exc:
                 log.error("dropped %s of %s: %s", type(record).__name__, record.request_id, exc)
@@ -98,13 +100,13 @@ class LoggedRequest:
         self.tokens.extend(chunk.tokens[len(self.tokens) - chunk.position :])
 
 
-async def read_all(js: JetStreamContext) -> dict[str, LoggedRequest]:
+async def read_all(js: JetStreamContext, names: Subjects) -> dict[str, LoggedRequest]:
     """Every request in the stream, rebuilt from its records (bad records are logged and skipped)."""
-    info = await js.stream_info(subjects.TOKEN_LOG_STREAM)
+    info = await js.stream_info(names.token_log_stream)
     requests: dict[str, LoggedRequest] = {}
     if info.state.messages == 0:
         return requests
-    sub = await js.subscribe(subjects.TOKEN_LOG_ALL, ordered_consumer=True)
+    sub = await js.subscribe(names.token_log_all, ordered_consumer=True)
     try:
         while True:
             msg = await sub.next_msg(timeout=5.0)

@@ -15,7 +15,7 @@ from belayer_rl.shared.runtime import Runtime
 
 async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
     nc = await rt.connect()
-    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
+    kv = await rt.unless_stopped(bus.engine_registry(nc.jetstream(), rt.subjects))
     supervisor = ShadowSupervisor(config, nc, kv)
     rt.on_close(supervisor.stop)
     await supervisor.start()

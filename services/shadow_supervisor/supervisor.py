@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -35,7 +36,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from belayer_rl.shared import bus, registry, subjects
+from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import ShadowSupervisorConfig, WorkerConfig, to_argv
 from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
@@ -168,6 +169,7 @@ class EngineSlot:
 class ShadowSupervisor:
     def __init__(self, config: ShadowSupervisorConfig, nc: NATS, kv: KeyValue) -> None:
         self.config = config
+        self.subjects = config.subjects
         self.nc = nc
         self.kv = kv
         self.slots = {engine_id: EngineSlot(engine_id) for engine_id in config.engines}
@@ -189,7 +191,7 @@ class ShadowSupervisor:
     ) -> list[str]:
         c = self.config
         worker = WorkerConfig(
-            nats_url=c.nats_url,
+            **c.bus_settings(),
             engine_id=slot.engine_id,
             preset=c.preset,
             weights_seed=c.weights_seed,
@@ -201,6 +203,8 @@ class ShadowSupervisor:
             watch_file=watch.heartbeat_file if watch is not None else None,
             hang_timeout_s=c.hang_timeout_s,
         )
+        if c.engine_creds is not None:  # the engine's own credential: its subjects only
+            worker = dataclasses.replace(worker, nats_creds=c.engine_creds / f"engine-{slot.engine_id}.creds")
         return [sys.executable, "-m", "belayer_rl.services.worker", *to_argv(worker)]
 
     async def start_worker(
@@ -323,7 +327,7 @@ class ShadowSupervisor:
         phase("servers_checked")
         if not cold:
             try:
-                await bus.request(self.nc, subjects.KV_FLUSH, KvFlush(engine_id=slot.engine_id), 2.0)
+                await bus.request(self.nc, self.subjects.kv_flush, KvFlush(engine_id=slot.engine_id), 2.0)
             except bus.ServiceError as exc:
                 cold.append(f"arena flush failed: {exc}")
         phase("arena_flushed")
@@ -363,7 +367,7 @@ class ShadowSupervisor:
             detected_at=detected_at,
             phases_ms=phases,
         )
-        await bus.publish(self.nc, subjects.event("handover", slot.engine_id), event)
+        await bus.publish(self.nc, self.subjects.event("handover", slot.engine_id), event)
         log.info("engine %s handover after %s (%s path): %s", slot.engine_id, reason, event.path, phases)
         self.spawn_task(self.replace_shadow(slot), f"shadow-{slot.engine_id}")
 
@@ -373,8 +377,8 @@ class ShadowSupervisor:
         unfit = []
         mapped = shadow.idle if shadow is not None else WorkerIdle()
         for name, owner, subject, kind in (
-            ("weight server", mapped.weights_instance, subjects.WEIGHTS_PING, WeightServerAlive),
-            ("KV server", mapped.kv_instance, subjects.KV_PING, KvServerAlive),
+            ("weight server", mapped.weights_instance, self.subjects.weights_ping, WeightServerAlive),
+            ("KV server", mapped.kv_instance, self.subjects.kv_ping, KvServerAlive),
         ):
             try:
                 alive = await bus.request_struct(self.nc, subject, ServerPing(), kind, SERVER_PING_TIMEOUT_S)
@@ -395,7 +399,7 @@ class ShadowSupervisor:
         alert = EngineQuarantined(
             engine_id=slot.engine_id, failures=len(slot.failures), window_s=self.config.failure_window_s
         )
-        await bus.publish(self.nc, subjects.event("engine_quarantined", slot.engine_id), alert)
+        await bus.publish(self.nc, self.subjects.event("engine_quarantined", slot.engine_id), alert)
         log.error("engine %s quarantined after %d failures", slot.engine_id, len(slot.failures))
 
     # ------------------------------------------------------------ events, state file and shutdown
@@ -417,7 +421,7 @@ class ShadowSupervisor:
 
     async def announce(self, event: ProcessEvent) -> None:
         with contextlib.suppress(Exception):
-            await bus.publish(self.nc, subjects.event("process", event.name), event)
+            await bus.publish(self.nc, self.subjects.event("process", event.name), event)
 
     async def stop(self) -> None:
         self.stopping = True

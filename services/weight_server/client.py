@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.protocol import (
     Ack,
     ServerPing,
@@ -22,45 +22,51 @@ from belayer_rl.shared.protocol import (
     WeightsUnpin,
     WeightVersions,
 )
+from belayer_rl.shared.subjects import Subjects
 
 
 class WeightClient:
-    def __init__(self, nc: NATS, timeout_s: float = 5.0) -> None:
+    def __init__(self, nc: NATS, timeout_s: float = 5.0, *, subjects: Subjects = Subjects()) -> None:
         self.nc = nc
+        self.subjects = subjects
         self.timeout_s = timeout_s
 
     async def ping(self, timeout_s: float | None = None) -> WeightServerAlive:
         return await bus.request_struct(
-            self.nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive, timeout_s or self.timeout_s
+            self.nc, self.subjects.weights_ping, ServerPing(), WeightServerAlive, timeout_s or self.timeout_s
         )
 
     async def versions(self) -> WeightVersions:
         return await bus.request_struct(
-            self.nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions, self.timeout_s
+            self.nc, self.subjects.weights_list, WeightsList(), WeightVersions, self.timeout_s
         )
 
     async def handles(self, version: str | None = None) -> WeightHandles:
         """Handles of `version` (None: the newest), without pinning: it may be freed before it is mapped."""
         request = WeightsHandlesRequest(version=version)
         return await bus.request_struct(
-            self.nc, subjects.WEIGHTS_HANDLES, request, WeightHandles, self.timeout_s
+            self.nc, self.subjects.weights_handles, request, WeightHandles, self.timeout_s
         )
 
     async def pin(self, holder: str, pid: int, version: str | None = None) -> WeightHandles:
         """Pin `version` (None: the newest) for `holder`, a live process `pid` on this host, and
         return its handles: pin, then map_weights, and the version cannot vanish in between."""
         request = WeightsPin(version=version, holder=holder, pid=pid)
-        return await bus.request_struct(self.nc, subjects.WEIGHTS_PIN, request, WeightHandles, self.timeout_s)
+        return await bus.request_struct(
+            self.nc, self.subjects.weights_pin, request, WeightHandles, self.timeout_s
+        )
 
     async def unpin(self, version: str, holder: str) -> Ack:
         return await bus.request(
-            self.nc, subjects.WEIGHTS_UNPIN, WeightsUnpin(version=version, holder=holder), self.timeout_s
+            self.nc, self.subjects.weights_unpin, WeightsUnpin(version=version, holder=holder), self.timeout_s
         )
 
     async def publish(self, path: Path, timeout_s: float = 120.0) -> WeightHandles:
         """Load the weights file at `path` (absolute, on the server's host) as the newest version."""
         request = WeightsPublish(path=str(path))
-        return await bus.request_struct(self.nc, subjects.WEIGHTS_PUBLISH, request, WeightHandles, timeout_s)
+        return await bus.request_struct(
+            self.nc, self.subjects.weights_publish, request, WeightHandles, timeout_s
+        )
 
     async def why_not_owned(self, handles: WeightHandles, timeout_s: float | None = None) -> str | None:
         """None if the server that made `handles` still answers and still holds that version; else

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus, segments, subjects
+from belayer_rl.shared import bus, segments
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import WeightServerConfig, placement
 from belayer_rl.shared.params import Params, check_params, init_params, load_params, seed_version
@@ -101,6 +101,7 @@ class WeightServer:
 
     def __init__(self, config: WeightServerConfig) -> None:
         self.config = config
+        self.subjects = config.subjects
         self.device = placement(config.device)  # "auto" decided here, in the server's own process
         self.instance = secrets.token_hex(8)
         self.lock = segments.PrefixLock(f"{config.shm_prefix}.w.")
@@ -253,7 +254,7 @@ class WeightServer:
             version=handles.version, segment=handles.segment, size=handles.manifest.size, previous=previous
         )
         if self.nc is not None:
-            await bus.publish(self.nc, subjects.weights_published(handles.version), published)
+            await bus.publish(self.nc, self.subjects.weights_published(handles.version), published)
         return handles
 
     async def on_ping(self, _: ServerPing) -> WeightServerAlive:

@@ -8,7 +8,6 @@ Stopping removes every segment it made; a start removes those a crashed predeces
 from __future__ import annotations
 
 from belayer_rl.services.weight_server.server import WeightServer
-from belayer_rl.shared import subjects
 from belayer_rl.shared.config import WeightServerConfig
 from belayer_rl.shared.protocol import (
     ServerPing,
@@ -27,12 +26,12 @@ async def setup(rt: Runtime, config: WeightServerConfig) -> None:
     await server.load_initial()
     server.nc = await rt.connect()
     await rt.serve(
-        Endpoint(subjects.WEIGHTS_LIST, WeightsList, server.on_list),
-        Endpoint(subjects.WEIGHTS_HANDLES, WeightsHandlesRequest, server.on_handles),
-        Endpoint(subjects.WEIGHTS_PIN, WeightsPin, server.on_pin),
-        Endpoint(subjects.WEIGHTS_UNPIN, WeightsUnpin, server.on_unpin),
-        Endpoint(subjects.WEIGHTS_PUBLISH, WeightsPublish, server.on_publish),
-        Endpoint(subjects.WEIGHTS_PING, ServerPing, server.on_ping),
+        Endpoint(rt.subjects.weights_list, WeightsList, server.on_list),
+        Endpoint(rt.subjects.weights_handles, WeightsHandlesRequest, server.on_handles),
+        Endpoint(rt.subjects.weights_pin, WeightsPin, server.on_pin),
+        Endpoint(rt.subjects.weights_unpin, WeightsUnpin, server.on_unpin),
+        Endpoint(rt.subjects.weights_publish, WeightsPublish, server.on_publish),
+        Endpoint(rt.subjects.weights_ping, ServerPing, server.on_ping),
     )
     rt.every(config.sweep_interval_s, server.sweep, "sweep")  # pins of dead holders
     rt.ready(f"{server.instance} serving {server.newest} from {server.lock.prefix}* ({server.device})")

@@ -20,7 +20,7 @@ from belayer_rl.services.worker import shadow
 from belayer_rl.services.worker.engine import Engine, EngineConfig
 from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.services.worker.worker import Worker
-from belayer_rl.shared import bus, registry, segments, subjects
+from belayer_rl.shared import bus, registry, segments
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.protocol import (
     ArenaHandle,
@@ -69,13 +69,13 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerId
     reports them; its pins."""
     if not config.shared_memory:
         return await asyncio.to_thread(Engine, engine_config(config)), WorkerIdle(), None
-    pins = PinnedWeights(nc, config.engine_id)
+    pins = PinnedWeights(nc, config.engine_id, config.subjects)
     pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
-    weights = await ask_server(nc, subjects.WEIGHTS_PIN, pin, WeightHandles)
+    weights = await ask_server(nc, config.subjects.weights_pin, pin, WeightHandles)
     ask = KvArenaRequest(
         engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE
     )
-    arena = await ask_server(nc, subjects.KV_ARENA, ask, ArenaHandle)
+    arena = await ask_server(nc, config.subjects.kv_arena, ask, ArenaHandle)
     params = await asyncio.to_thread(segments.map_weights, weights)
     tensor = await asyncio.to_thread(segments.map_arena, arena)
     # Which server instances own what we mapped: a restarted server owns none of it.
@@ -89,11 +89,11 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     # Until the engine is built SIGTERM keeps its default action (run() is told so): there is
     # nothing to drain, and a worker stuck waiting for a server must still go when its supervisor goes.
     nc = await rt.connect()
-    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(nc.jetstream()))
+    kv = await bus.engine_registry(nc.jetstream(), rt.subjects)
     engine, owners, pins = await build_engine(config, nc)
     if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
         rt.on_close(pins.close)
-        await rt.serve(Endpoint.event("weights_published", pins.follow, "*"))
+        await rt.serve(Endpoint.event(rt.subjects, "weights_published", pins.follow, "*"))
         await pins.follow()  # a publication before the subscription would be missed
     rt.capture_signals()
     if config.role == "shadow":
@@ -109,10 +109,10 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     epoch = await registry.install_worker(kv, config.engine_id, os.getpid())
     worker = Worker(config, nc, engine, epoch, rt.stopping, pins)
     await rt.serve(
-        Endpoint(subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
-        Endpoint(subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),
+        Endpoint(rt.subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
+        Endpoint(rt.subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),
     )
-    await rt.publish(subjects.event("worker_registered", config.engine_id), worker.registration())
+    await rt.publish(rt.subjects.event("worker_registered", config.engine_id), worker.registration())
     rt.spawn(worker.run_engine(), "engine", essential=True)
     rt.spawn(worker.heartbeat(), "heartbeat", essential=True)
     rt.on_drain(worker.wake_up)  # intake stopped: the scheduling loop sees `stopping` and ends

@@ -22,6 +22,7 @@ from belayer_rl.services.worker.engine import Engine
 from belayer_rl.shared import segments
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import WeightHandles, WeightsPublished
+from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.worker")
 
@@ -29,8 +30,8 @@ PIN_TIMEOUT_S = 10.0  # a pin maps nothing, but a big version may still be loadi
 
 
 class PinnedWeights:
-    def __init__(self, nc: NATS, engine_id: str) -> None:
-        self.client = WeightClient(nc, PIN_TIMEOUT_S)
+    def __init__(self, nc: NATS, engine_id: str, subjects: Subjects) -> None:
+        self.client = WeightClient(nc, PIN_TIMEOUT_S, subjects=subjects)
         self.holder = f"{engine_id}:{os.getpid()}"
         self.engine: Engine | None = None
         # Held while a version is pinned and mapped, or checked and unpinned: two requests for one

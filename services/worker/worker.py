@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.services.worker.engine import Engine, EngineRejected, SeqEvent, SeqSpec
 from belayer_rl.services.worker.weights import PinnedWeights
-from belayer_rl.shared import bus, subjects
+from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.protocol import (
@@ -63,6 +63,10 @@ class Worker:
         pins: PinnedWeights | None = None,  # None: the engine owns its one weight version
     ) -> None:
         self.config = config
+        self.subjects = config.subjects
+        # Chunks go to this engine's own stream, whatever a dispatch names: the bus lets this
+        # engine publish nowhere else, and the router reads the engine from the subject.
+        self.stream = self.subjects.worker_stream(config.engine_id)
         self.nc = nc
         self.engine = engine
         self.epoch = epoch
@@ -172,7 +176,6 @@ class Worker:
         attempt = self.attempts.get(request_id)
         if attempt is None or attempt.dispatch.attempt != attempt_id:
             return  # cancelled or superseded while the step ran
-        reply_to = attempt.dispatch.reply_to
         if event.new_tokens:
             chunk = WorkerChunk(
                 request_id=request_id,
@@ -182,7 +185,7 @@ class Worker:
                 position=event.position,
                 tokens=event.new_tokens,
             )
-            await bus.publish(self.nc, reply_to, chunk)
+            await bus.publish(self.nc, self.stream, chunk)
         if event.finished is not None:
             del self.attempts[request_id]
             await self._publish_done(attempt, event.finished, event.position + len(event.new_tokens), "")
@@ -197,12 +200,12 @@ class Worker:
             num_tokens=num_tokens,
             error=error,
         )
-        await bus.publish(self.nc, attempt.dispatch.reply_to, done)
+        await bus.publish(self.nc, self.stream, done)
 
     # ------------------------------------------------------------ heartbeat
 
     async def heartbeat(self) -> None:
-        subject = subjects.event("heartbeat", self.config.engine_id)
+        subject = self.subjects.event("heartbeat", self.config.engine_id)
         while not self.stopping.is_set():
             running, waiting, outstanding = self.engine.load()
             beat = Heartbeat(

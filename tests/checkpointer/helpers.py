@@ -12,8 +12,11 @@ import aiodocker
 import msgspec
 
 from belayer_rl.services.checkpointer.store import MANIFEST, FileSum, Manifest, sha256_file
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import SandboxEvent
+from belayer_rl.shared.subjects import Subjects
+
+NAMES = Subjects()  # the default cluster's names
 
 
 async def kill_container(container_id: str, docker_url: str | None = None) -> None:
@@ -53,7 +56,7 @@ def replace_layer(folder: Path, members: list[tuple[tarfile.TarInfo, bytes | Non
 
 
 @contextlib.asynccontextmanager
-async def events(nats_url: str, pattern: str = subjects.EVENTS_ALL) -> AsyncIterator[list[SandboxEvent]]:
+async def events(nats_url: str, pattern: str = NAMES.events_all) -> AsyncIterator[list[SandboxEvent]]:
     """Collect sandbox events published while the block runs."""
     nc = await bus.connect(nats_url, "test-events")
     seen: list[SandboxEvent] = []

@@ -10,9 +10,12 @@ import pytest
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
+from belayer_rl.shared.subjects import Subjects
 
 from .conftest import Service
 from .helpers import events, kill_container
+
+NAMES = Subjects()  # the default cluster's names
 
 
 async def test_exit_137_is_an_observation(client: SandboxClient, image: str) -> None:
@@ -191,7 +194,7 @@ async def test_oom_killed_init_is_an_oom_environment_failure(
 
 
 async def test_malformed_requests_get_error_replies(client: SandboxClient, service: Service) -> None:
-    from belayer_rl.shared import protocol, subjects
+    from belayer_rl.shared import protocol
     from belayer_rl.shared.protocol import ErrorReply, SandboxList
 
     decoder = protocol.decoder_for(ErrorReply)
@@ -201,6 +204,6 @@ async def test_malformed_requests_get_error_replies(client: SandboxClient, servi
         ("create", protocol.encode(SandboxList())),  # a valid message on the wrong verb
         ("exec", b'{"type":"sandbox_exec","v":99,"sandbox":"a","command":"true"}'),
     ]:
-        reply = await client.nc.request(subjects.sandbox_rpc(service.host_id, verb), payload, timeout=5)
+        reply = await client.nc.request(NAMES.sandbox_rpc(service.host_id, verb), payload, timeout=5)
         assert protocol.decode(decoder, reply.data).code == "bad-request"
     assert (await client.list()).sandboxes == []  # still serving

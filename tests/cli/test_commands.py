@@ -18,9 +18,12 @@ from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterFile, ProcessRecord
 from belayer_rl.cli.main import CLEAR_SCREEN, build_parser
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
+from belayer_rl.shared.subjects import Subjects
 from tests.cli.helpers import BELAYER, belayer, clean_env, events_process
 from tests.support import NatsServer
+
+NAMES = Subjects()  # the default cluster's names
 
 PROCESS_HEADER = ["PROCESS", "PID", "STATE"]
 ENGINE_HEADER = ["ENGINE", "WORKER PID", "EPOCH", "ALIVE", "SHADOW PID", "WEIGHTS"]
@@ -90,7 +93,7 @@ async def test_status_table_with_a_cluster_file_and_a_router_lines_up_its_column
     async def answer(msg: Msg) -> None:
         await msg.respond(protocol.encode(status))
 
-    await nc.subscribe(subjects.ROUTER_STATUS, cb=answer)
+    await nc.subscribe(NAMES.router_status, cb=answer)
     await nc.flush()
     try:
         done = await asyncio.to_thread(
@@ -173,7 +176,7 @@ async def test_events_takes_global_flags_after_the_subcommand(nats_server: NatsS
     ident, message = "e3", protocol.EngineQuarantined(engine_id="e3", failures=2, window_s=5.0)
     async with events_process("--count", "1", "--nats", nats_server.url) as events:
         nc = await bus.connect(nats_server.url, "test-publisher")
-        await bus.publish(nc, subjects.event("engine_quarantined", ident), message)
+        await bus.publish(nc, NAMES.event("engine_quarantined", ident), message)
         await nc.close()
         (line,) = await events.output()
     assert "engine_quarantined" in line and "engine_id=e3" in line and "failures=2" in line

@@ -9,33 +9,43 @@ from pathlib import Path
 
 import pytest
 
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
+from belayer_rl.shared.subjects import Subjects, event_kind
 from tests.cli.helpers import SAMPLES
+
+NAMES = Subjects()  # the default cluster's names
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root is the package belayer_rl
 PROJECT_FOLDERS = ("cli", "services", "shared", "scripts")  # tests may subscribe to whatever they like
 
 
-# Endpoint.event (shared/runtime.py) hands its `kind` parameter on to subjects.event: the kinds are
+# Endpoint.event (shared/runtime.py) hands its `kind` parameter on to Subjects.event: the kinds are
 # the literals of its callers, which are collected as calls of their own.
 FORWARDERS = {("shared/runtime.py", "kind")}
-CALLERS = {"subjects": ("event", "weights_published"), "Endpoint": ("event",)}
+# A cluster's names (a Subjects) are reached as `<x>.subjects`, or held as `names` or `s`.
+NAMES_HOLDERS = ("names", "s")
+
+
+def is_names(receiver: ast.expr) -> bool:
+    text = ast.unparse(receiver)
+    return text in NAMES_HOLDERS or text == "subjects" or text.endswith(".subjects")
 
 
 def event_calls() -> list[tuple[str, str, ast.Call]]:
-    """(where, function, call) for every subjects.event(...), subjects.weights_published(...) and
-    Endpoint.event(...) call in the project's code."""
+    """(where, function, call) for every <names>.event(...), <names>.weights_published(...) and
+    Endpoint.event(names, ...) call in the project's code; for Endpoint.event the kind is moved first."""
     calls = []
     for folder in PROJECT_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name)
-                    and node.func.attr in CALLERS.get(node.func.value.id, ())
-                ):
-                    calls.append((f"{path.relative_to(ROOT)}:{node.lineno}", node.func.attr, node))
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                receiver = node.func.value
+                if node.func.attr == "event" and isinstance(receiver, ast.Name) and receiver.id == "Endpoint":
+                    calls.append((where, "event", ast.Call(func=node.func, args=node.args[1:], keywords=[])))
+                elif node.func.attr in ("event", "weights_published") and is_names(receiver):
+                    calls.append((where, node.func.attr, node))
     return calls
 
 
@@ -72,11 +82,11 @@ def test_a_kind_is_its_publishing_name_and_its_tag_but_for_one_documented_except
 
 def test_subjects_refuse_an_undeclared_kind_and_give_back_the_kind_of_a_subject() -> None:
     with pytest.raises(ValueError, match="not declared"):
-        subjects.event("handovr", "e0")
+        NAMES.event("handovr", "e0")
     for kind in protocol.EVENT_TYPES:
-        assert subjects.event_kind(subjects.event(kind, "x", "y")) == kind
-    assert subjects.event_kind(subjects.weights_published("v3")) == "weights_published"
-    assert subjects.event_kind(subjects.ROUTER_STATUS) == ""
+        assert event_kind(NAMES.event(kind, "x", "y")) == kind
+    assert event_kind(NAMES.weights_published("v3")) == "weights_published"
+    assert event_kind(NAMES.router_status) == ""
 
 
 def test_each_kind_decodes_its_own_type_only() -> None:

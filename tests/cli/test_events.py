@@ -9,13 +9,16 @@ import json
 
 import msgspec
 
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
+from belayer_rl.shared.subjects import Subjects
 from tests.cli.helpers import SAMPLES, events_process
 from tests.support import NatsServer
 
+NAMES = Subjects()  # the default cluster's names
+
 
 def subject_of(kind: str, ident: str) -> str:
-    return subjects.event(kind, ident)
+    return NAMES.event(kind, ident)
 
 
 async def publish_all(url: str, items: list[tuple[str, protocol.Message]]) -> None:

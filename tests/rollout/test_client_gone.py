@@ -8,11 +8,14 @@ import asyncio
 import random
 import signal
 
-from belayer_rl.shared import bus, protocol, subjects, tokenizer
+from belayer_rl.shared import bus, protocol, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import GenerateEnd, GenerateRequest
+from belayer_rl.shared.subjects import Subjects
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import kill, reference_tokens, running_cluster
+
+NAMES = Subjects()  # the default cluster's names
 
 CLIENT_TIMEOUT_S = 2.0
 
@@ -28,7 +31,7 @@ async def test_abandoned_request_is_cancelled_followed_one_completes(nats_server
             abandoned = GenerateRequest(
                 request_id="abandoned", prompt="hello", max_tokens=64, reply_to="_INBOX.gone"
             )
-            await bus.request(cluster.client.nc, subjects.ROUTER_GENERATE, abandoned, 5.0)
+            await bus.request(cluster.client.nc, NAMES.router_generate, abandoned, 5.0)
             followed = make_job(rng, "followed", max_tokens=64)
             # Its client re-attaches only after a long silence, so keepalives alone show it is there.
             follower = await bus.connect(nats_server.url, "follower")

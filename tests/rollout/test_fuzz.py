@@ -16,24 +16,27 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
 from belayer_rl.shared.protocol import ErrorReply
+from belayer_rl.shared.subjects import Subjects
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import reference_tokens, running_cluster
 
+NAMES = Subjects()  # the default cluster's names
+
 INBOX = "_INBOX.fuzz"
 VALID = {
-    subjects.ROUTER_GENERATE: protocol.GenerateRequest(
+    NAMES.router_generate: protocol.GenerateRequest(
         request_id="fz",
         prompt="hi",
         max_tokens=4,
         sampling=protocol.SamplingParams(seed=1, temperature=0.5),
         reply_to=INBOX,
     ),
-    subjects.ROUTER_ATTACH: protocol.AttachRequest(request_id="fz", from_position=0, reply_to=INBOX),
-    subjects.ROUTER_CANCEL: protocol.CancelRequest(request_id="nope"),
-    subjects.ROUTER_STATUS: protocol.StatusRequest(),
-    subjects.worker_dispatch("e0"): protocol.Dispatch(
+    NAMES.router_attach: protocol.AttachRequest(request_id="fz", from_position=0, reply_to=INBOX),
+    NAMES.router_cancel: protocol.CancelRequest(request_id="nope"),
+    NAMES.router_status: protocol.StatusRequest(),
+    NAMES.worker_dispatch("e0"): protocol.Dispatch(
         request_id="fz",
         attempt=1,
         epoch=999,
@@ -43,28 +46,26 @@ VALID = {
         sampling=protocol.SamplingParams(seed=1, temperature=0.5),
         reply_to=INBOX,
     ),
-    subjects.worker_cancel("e0"): protocol.CancelDispatch(request_id="fz"),
-    subjects.ROUTER_WORKER_STREAM: protocol.WorkerChunk(
+    NAMES.worker_cancel("e0"): protocol.CancelDispatch(request_id="fz"),
+    NAMES.worker_stream("e0"): protocol.WorkerChunk(
         request_id="fz", attempt=1, epoch=1, engine_id="e0", position=0, tokens=[1]
     ),
-    subjects.event("heartbeat", "e0"): protocol.Heartbeat(
+    NAMES.event("heartbeat", "e0"): protocol.Heartbeat(
         engine_id="e0", epoch=99, pid=1, running=0, waiting=0, outstanding_tokens=0
     ),
-    subjects.event("worker_failed", "e0"): protocol.WorkerFailed(
-        engine_id="e0", epoch=99, pid=1, reason="exit"
-    ),
-    subjects.event("worker_registered", "e0"): protocol.WorkerRegistration(
+    NAMES.event("worker_failed", "e0"): protocol.WorkerFailed(engine_id="e0", epoch=99, pid=1, reason="exit"),
+    NAMES.event("worker_registered", "e0"): protocol.WorkerRegistration(
         engine_id="e0", epoch=99, pid=1, preset="tiny", weight_version="x"
     ),
-    subjects.ROUTER_KEEPALIVE: protocol.ClientKeepAlive(request_ids=["fz", "unknown-id"]),
+    NAMES.router_keepalive: protocol.ClientKeepAlive(request_ids=["fz", "unknown-id"]),
 }
 RPC_TYPES: dict[str, type] = {
-    subjects.ROUTER_GENERATE: protocol.GenerateRequest,
-    subjects.ROUTER_ATTACH: protocol.AttachRequest,
-    subjects.ROUTER_CANCEL: protocol.CancelRequest,
-    subjects.ROUTER_STATUS: protocol.StatusRequest,
-    subjects.worker_dispatch("e0"): protocol.Dispatch,
-    subjects.worker_cancel("e0"): protocol.CancelDispatch,
+    NAMES.router_generate: protocol.GenerateRequest,
+    NAMES.router_attach: protocol.AttachRequest,
+    NAMES.router_cancel: protocol.CancelRequest,
+    NAMES.router_status: protocol.StatusRequest,
+    NAMES.worker_dispatch("e0"): protocol.Dispatch,
+    NAMES.worker_cancel("e0"): protocol.CancelDispatch,
 }
 
 json_values = st.recursive(
@@ -141,12 +142,12 @@ async def test_hostile_messages_on_every_subject(nats_server, tmp_path, seed) ->
         # Unknown ids on RPC get their own error codes.
         for subject, message, code in [
             (
-                subjects.ROUTER_ATTACH,
+                NAMES.router_attach,
                 protocol.AttachRequest(request_id="never", reply_to=INBOX),
                 "unknown-request",
             ),
-            (subjects.ROUTER_CANCEL, protocol.CancelRequest(request_id="never"), "unknown-request"),
-            (subjects.worker_dispatch("e0"), VALID[subjects.worker_dispatch("e0")], "stale-epoch"),
+            (NAMES.router_cancel, protocol.CancelRequest(request_id="never"), "unknown-request"),
+            (NAMES.worker_dispatch("e0"), VALID[NAMES.worker_dispatch("e0")], "stale-epoch"),
         ]:
             reply = await nc.request(subject, protocol.encode(message), timeout=5)
             answer = protocol.decode(protocol.decoder_for(protocol.Reply), reply.data)
@@ -154,7 +155,7 @@ async def test_hostile_messages_on_every_subject(nats_server, tmp_path, seed) ->
         # Oversized for the bus itself: the client refuses to send it, nothing reaches a service.
         too_big = b"x" * (nc.max_payload + 1)
         try:
-            await nc.publish(subjects.ROUTER_GENERATE, too_big)
+            await nc.publish(NAMES.router_generate, too_big)
             refused = False
         except Exception:
             refused = True

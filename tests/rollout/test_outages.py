@@ -8,17 +8,20 @@ import signal
 
 import pytest
 
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
 from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.protocol import LogEnd, WorkerFailed
+from belayer_rl.shared.subjects import Subjects
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
+
+NAMES = Subjects()  # the default cluster's names
 
 
 async def log_end(client: Client, request_id: str) -> LogEnd | None:
     """The end record of a request's token log, read straight from JetStream; None before it."""
     js = client.nc.jetstream()
-    msg = await js.get_last_msg(subjects.TOKEN_LOG_STREAM, subjects.token_log(request_id))
+    msg = await js.get_last_msg(NAMES.token_log_stream, NAMES.token_log(request_id))
     record = protocol.decode(protocol.decoder_for(protocol.LogRecord), msg.data)
     return record if isinstance(record, LogEnd) else None
 

@@ -9,6 +9,7 @@ from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.runtime import Runtime
+from belayer_rl.shared.subjects import Subjects
 
 
 async def test_heartbeat_and_registration_together_install_the_engine_once(nats_server) -> None:
@@ -18,7 +19,7 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
     nc = await bus.connect(nats_server.url, "test-router")
     try:
         js = nc.jetstream()
-        kv = await bus.declare_jetstream(js)
+        kv = await bus.declare_jetstream(js, Subjects())
         config = RouterConfig(nats_url=nats_server.url)
         router = Router(config, nc, js, kv, Runtime("test-router", config).spawn)
         epoch = await registry.install_worker(kv, "e0", os.getpid())

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from belayer_rl.services.checkpointer.store import Store
 from belayer_rl.services.router import token_log
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import Dispatch, GenerateRequest, SamplingParams
+from belayer_rl.shared.subjects import Subjects
+
+NAMES = Subjects()  # the default cluster's names
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -19,11 +22,11 @@ async def test_a_token_log_written_by_the_previous_version_is_read_back(nats_ser
     nc = await bus.connect(nats_server.url, "test-compat")
     try:
         js = nc.jetstream()
-        await bus.declare_jetstream(js)
+        await bus.declare_jetstream(js, NAMES)
         for line in (FIXTURES / "token_log_v1.jsonl").read_bytes().splitlines():
             request_id = protocol.decode(protocol.decoder_for(protocol.LogRecord), line).request_id
-            await js.publish(subjects.token_log(request_id), line)
-        logged = await token_log.read_all(js)
+            await js.publish(NAMES.token_log(request_id), line)
+        logged = await token_log.read_all(js, NAMES)
     finally:
         await nc.close()
 

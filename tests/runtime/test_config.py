@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from belayer_rl.cli.cluster import ClusterConfig
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
 from belayer_rl.shared.config import (
     CheckpointerConfig,
     ConfigError,
@@ -24,6 +24,9 @@ from belayer_rl.shared.config import (
     to_argv,
 )
 from belayer_rl.shared.runtime import Endpoint, check_declared
+from belayer_rl.shared.subjects import Subjects
+
+NAMES = Subjects()  # the default cluster's names
 
 NATS = "nats://127.0.0.1:4222"
 CONFIGS = [
@@ -91,7 +94,7 @@ def test_a_bad_value_names_its_flag(cls, argv, flag) -> None:
 
 
 def test_an_event_endpoint_must_expect_the_type_its_kind_declares() -> None:
-    subject = subjects.event("heartbeat", "*")
+    subject = NAMES.event("heartbeat", "*")
     check_declared(Endpoint(subject, protocol.Heartbeat, handler=lambda m: None))  # type: ignore[arg-type]
     with pytest.raises(TypeError) as raised:
         check_declared(Endpoint(subject, protocol.WorkerFailed, handler=lambda m: None))  # type: ignore[arg-type]

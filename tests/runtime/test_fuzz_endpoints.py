@@ -17,12 +17,15 @@ import nats.errors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from belayer_rl.shared import protocol, subjects
+from belayer_rl.shared import protocol
 from belayer_rl.shared.config import hostname_id
 from belayer_rl.shared.protocol import ErrorReply, ServiceStats, StatsRequest
+from belayer_rl.shared.subjects import Subjects
 from tests.checkpointer.conftest import IN_CI
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import poll, reference_tokens, running_cluster
+
+NAMES = Subjects()  # the default cluster's names
 
 DEEP = b"[" * 1000 + b"]" * 1000
 DEEP_OBJECT = b'{"a":' * 1000 + b"1" + b"}" * 1000
@@ -66,7 +69,7 @@ def concrete(subject: str) -> str:
 
 
 async def stats_of(nc: nats.NATS, name: str) -> ServiceStats:
-    reply = await nc.request(subjects.service_stats(name), protocol.encode(StatsRequest()), timeout=5)
+    reply = await nc.request(NAMES.service_stats(name), protocol.encode(StatsRequest()), timeout=5)
     return protocol.decode(protocol.decoder_for(ServiceStats), reply.data)
 
 

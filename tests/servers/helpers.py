@@ -15,19 +15,22 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus, protocol, subjects
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.processes import stop_process
 from belayer_rl.shared.protocol import ErrorReply, KvServerAlive, Message, ServerPing, WeightServerAlive
 from belayer_rl.shared.segments import SHM_DIR
+from belayer_rl.shared.subjects import Subjects
+
+NAMES = Subjects()  # the default cluster's names
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 10.0
 
 PING = {
-    "weight_server": (subjects.WEIGHTS_PING, WeightServerAlive),
-    "kv_server": (subjects.KV_PING, KvServerAlive),
+    "weight_server": (NAMES.weights_ping, WeightServerAlive),
+    "kv_server": (NAMES.kv_ping, KvServerAlive),
 }
 
 

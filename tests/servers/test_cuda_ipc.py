@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from belayer_rl.shared import segments, subjects
+from belayer_rl.shared import segments
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
@@ -20,7 +20,10 @@ from belayer_rl.shared.protocol import (
     WeightServerAlive,
     WeightsHandlesRequest,
 )
+from belayer_rl.shared.subjects import Subjects
 from tests.servers.helpers import call, running
+
+NAMES = Subjects()  # the default cluster's names
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -31,11 +34,11 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         running("weight_server", url, shm_prefix, tmp_path, "--preset", "small", "--device", "cuda"),
         running("kv_server", url, shm_prefix, tmp_path, "--device", "cuda"),
     ):
-        assert (await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)).device == "cuda"
-        assert (await call(nc, subjects.KV_PING, ServerPing(), KvServerAlive)).device == "cuda"
-        weights = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
+        assert (await call(nc, NAMES.weights_ping, ServerPing(), WeightServerAlive)).device == "cuda"
+        assert (await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)).device == "cuda"
+        weights = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
         request = KvArenaRequest(engine_id="e0", preset="small", num_blocks=64, block_size=16)
-        arena_handle = await call(nc, subjects.KV_ARENA, request, ArenaHandle)
+        arena_handle = await call(nc, NAMES.kv_arena, request, ArenaHandle)
         assert weights.cuda is not None and arena_handle.cuda is not None
 
         params = segments.map_weights(weights)
@@ -50,5 +53,5 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         again = segments.map_arena(arena_handle)
         assert torch.all(again == 0.5)
 
-        await call(nc, subjects.KV_FLUSH, KvFlush(engine_id="e0"), Ack)
+        await call(nc, NAMES.kv_flush, KvFlush(engine_id="e0"), Ack)
         assert arena.abs().sum().item() == 0.0  # the server zeroed the same device memory

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from belayer_rl.services.kv_server.client import KvClient
-from belayer_rl.shared import segments, subjects
+from belayer_rl.shared import segments
 from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     Ack,
@@ -21,7 +21,10 @@ from belayer_rl.shared.protocol import (
     KvServerAlive,
     ServerPing,
 )
+from belayer_rl.shared.subjects import Subjects
 from tests.servers.helpers import call, encode_json, error_code, error_of, running, shm_names, start
+
+NAMES = Subjects()  # the default cluster's names
 
 
 def arena_request(engine_id: str = "e0", preset: str = "small", num_blocks: int = 32, block_size: int = 16):
@@ -29,7 +32,7 @@ def arena_request(engine_id: str = "e0", preset: str = "small", num_blocks: int 
 
 
 async def arena(nc, **fields) -> ArenaHandle:  # type: ignore[no-untyped-def]
-    return await call(nc, subjects.KV_ARENA, arena_request(**fields), ArenaHandle)
+    return await call(nc, NAMES.kv_arena, arena_request(**fields), ArenaHandle)
 
 
 async def test_arena_is_created_once_flushed_for_real_and_released(
@@ -49,15 +52,15 @@ async def test_arena_is_created_once_flushed_for_real_and_released(
         mapped.fill_(1.5)
         assert torch.equal(second_view, mapped)  # shared, not copied
 
-        flushed = await call(nc, subjects.KV_FLUSH, KvFlush(engine_id="e0"), Ack)
+        flushed = await call(nc, NAMES.kv_flush, KvFlush(engine_id="e0"), Ack)
         assert flushed.detail == f"zeroed {mapped.numel() * 4} bytes"
         assert mapped.abs().sum().item() == 0.0
         assert second_view.abs().sum().item() == 0.0
 
-        alive = await call(nc, subjects.KV_PING, ServerPing(), KvServerAlive)
+        alive = await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)
         assert (alive.pid, alive.engines) == (server.pid, ["e0", "e1"])
 
-        released = await call(nc, subjects.KV_RELEASE, KvRelease(engine_id="e1"), Ack)
+        released = await call(nc, NAMES.kv_release, KvRelease(engine_id="e1"), Ack)
         assert released.detail == "released"
         assert other.segment not in shm_names(shm_prefix)
         with pytest.raises(segments.MappingError):
@@ -78,13 +81,13 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
     async with running("kv_server", nats_server.url, shm_prefix, tmp_path, "--max-arena-mb", "64") as server:
         await arena(nc)
         raw = {
-            "malformed": (subjects.KV_ARENA, b"\xff\xfe"),
+            "malformed": (NAMES.kv_arena, b"\xff\xfe"),
             "wrong types": (
-                subjects.KV_ARENA,
+                NAMES.kv_arena,
                 encode_json({"type": "kv_arena", "engine_id": "e0", "preset": 1, "num_blocks": "many"}),
             ),
             "zero blocks": (
-                subjects.KV_ARENA,
+                NAMES.kv_arena,
                 encode_json(
                     {
                         "type": "kv_arena",
@@ -95,24 +98,24 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
                     }
                 ),
             ),
-            "bad engine id": (subjects.KV_FLUSH, encode_json({"type": "kv_flush", "engine_id": "../etc"})),
-            "wrong tag": (subjects.KV_FLUSH, encode_json({"type": "weights_list"})),
-            "not an object": (subjects.KV_PING, encode_json([1, 2, 3])),
+            "bad engine id": (NAMES.kv_flush, encode_json({"type": "kv_flush", "engine_id": "../etc"})),
+            "wrong tag": (NAMES.kv_flush, encode_json({"type": "weights_list"})),
+            "not an object": (NAMES.kv_ping, encode_json([1, 2, 3])),
         }
         for name, (subject, payload) in raw.items():
             reply = await error_of(nc, subject, payload)
             assert reply.code == "bad-request", name
 
         typed = {
-            "shape mismatch": (subjects.KV_ARENA, arena_request(num_blocks=64)),
-            "preset mismatch": (subjects.KV_ARENA, arena_request(preset="tiny")),
-            "unknown preset": (subjects.KV_ARENA, arena_request(engine_id="e9", preset="huge")),
+            "shape mismatch": (NAMES.kv_arena, arena_request(num_blocks=64)),
+            "preset mismatch": (NAMES.kv_arena, arena_request(preset="tiny")),
+            "unknown preset": (NAMES.kv_arena, arena_request(engine_id="e9", preset="huge")),
             "too large": (
-                subjects.KV_ARENA,
+                NAMES.kv_arena,
                 arena_request(engine_id="e9", preset="base", num_blocks=1 << 16),
             ),
-            "flush unknown": (subjects.KV_FLUSH, KvFlush(engine_id="nope")),
-            "release unknown": (subjects.KV_RELEASE, KvRelease(engine_id="nope")),
+            "flush unknown": (NAMES.kv_flush, KvFlush(engine_id="nope")),
+            "release unknown": (NAMES.kv_release, KvRelease(engine_id="nope")),
         }
         codes = {name: await error_code(nc, subject, message) for name, (subject, message) in typed.items()}
         assert codes == {
@@ -123,7 +126,7 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
             "flush unknown": "unknown-engine",
             "release unknown": "unknown-engine",
         }
-        alive = await call(nc, subjects.KV_PING, ServerPing(), KvServerAlive)
+        alive = await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)
         assert (alive.pid, alive.engines) == (server.pid, ["e0"])
         assert server.process.returncode is None
 
@@ -154,7 +157,7 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
 
     async with running("kv_server", nats_server.url, shm_prefix, tmp_path) as second:
         assert shm_names(shm_prefix) == [f"{shm_prefix}.kv.lock"]
-        alive = await call(nc, subjects.KV_PING, ServerPing(), KvServerAlive)
+        alive = await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)
         assert (alive.pid, alive.engines) == (second.pid, [])
         assert alive.instance != old.manifest.instance
         new = await arena(nc)

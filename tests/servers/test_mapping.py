@@ -17,7 +17,7 @@ import torch
 from belayer_rl.services.kv_server.client import KvClient
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
-from belayer_rl.shared import segments, subjects, tokenizer
+from belayer_rl.shared import segments, tokenizer
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
@@ -28,7 +28,10 @@ from belayer_rl.shared.protocol import (
     WeightsList,
     WeightVersions,
 )
+from belayer_rl.shared.subjects import Subjects
 from tests.servers.helpers import REPO, call, running, smaps_of
+
+NAMES = Subjects()  # the default cluster's names
 
 NUM_BLOCKS = 128
 
@@ -56,17 +59,17 @@ async def test_two_processes_share_the_weights_and_arena_pages(nats_server, nc, 
         mapper(url, "hold") as shadow,
     ):
         lines = [await asyncio.wait_for(p.stdout.readline(), 120) for p in (main, shadow)]  # type: ignore[union-attr]
-        weights = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
+        weights = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
         arena = await call(
             nc,
-            subjects.KV_ARENA,
+            NAMES.kv_arena,
             KvArenaRequest(engine_id="e0", preset="small", num_blocks=NUM_BLOCKS, block_size=16),
             ArenaHandle,
         )
         assert [line.split()[:3] for line in lines] == [
             [b"ready", weights.segment.encode(), arena.segment.encode()]
         ] * 2
-        listed = await call(nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions)
+        listed = await call(nc, NAMES.weights_list, WeightsList(), WeightVersions)
         assert listed.versions[0].holders == sorted(f"mapper-{p.pid}" for p in (main, shadow))
 
         weights_kb = weights.manifest.size // 1024
@@ -98,7 +101,7 @@ async def test_a_write_to_mapped_weights_kills_the_writer_and_changes_nothing(
         mapper(url, "write-weights") as writer,
     ):
         out, _ = await asyncio.wait_for(writer.communicate(), 120)
-        weights = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
+        weights = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
         mapped = segments.map_weights(weights)
 
     assert writer.returncode == -signal.SIGSEGV

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.shared import protocol, segments, subjects
+from belayer_rl.shared import protocol, segments
 from belayer_rl.shared.params import init_params, save_params, seed_version
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.processes import free_port
@@ -30,24 +30,27 @@ from belayer_rl.shared.protocol import (
     WeightsUnpin,
     WeightVersions,
 )
+from belayer_rl.shared.subjects import Subjects
 from tests.servers.helpers import REPO, call, encode_json, error_code, error_of, running, shm_names, start
 from tests.support import poll
+
+NAMES = Subjects()  # the default cluster's names
 
 V0 = seed_version(0, "tiny")
 
 
 async def versions(nc) -> WeightVersions:
-    return await call(nc, subjects.WEIGHTS_LIST, WeightsList(), WeightVersions)
+    return await call(nc, NAMES.weights_list, WeightsList(), WeightVersions)
 
 
 async def pin(nc, holder: str, pid: int, version: str | None = None) -> WeightHandles:
     return await call(
-        nc, subjects.WEIGHTS_PIN, WeightsPin(version=version, holder=holder, pid=pid), WeightHandles
+        nc, NAMES.weights_pin, WeightsPin(version=version, holder=holder, pid=pid), WeightHandles
     )
 
 
 async def publish(nc, path: Path) -> WeightHandles:
-    return await call(nc, subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(path)), WeightHandles)
+    return await call(nc, NAMES.weights_publish, WeightsPublish(path=str(path)), WeightHandles)
 
 
 def weights_file(
@@ -65,11 +68,11 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
     async def on_published(msg) -> None:  # type: ignore[no-untyped-def]
         announced.append(protocol.decode(protocol.decoder_for(WeightsPublished), msg.data))
 
-    await nc.subscribe(subjects.weights_published("*"), cb=on_published)
+    await nc.subscribe(NAMES.weights_published("*"), cb=on_published)
     async with running(
         "weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny", "--free-grace", "0"
     ) as server:
-        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        alive = await call(nc, NAMES.weights_ping, ServerPing(), WeightServerAlive)
         assert (alive.pid, alive.newest, alive.versions) == (server.pid, V0, [V0])
 
         old = await pin(nc, "worker-a", os.getpid())
@@ -94,14 +97,14 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         assert again.segment == new.segment
 
         # The newest version stays even unpinned; the old one goes once its last holder lets go.
-        unpinned = await call(nc, subjects.WEIGHTS_UNPIN, WeightsUnpin(version=V0, holder="worker-a"), Ack)
+        unpinned = await call(nc, NAMES.weights_unpin, WeightsUnpin(version=V0, holder="worker-a"), Ack)
         assert unpinned.detail == "unpinned"
         listed = await versions(nc)
         assert [v.version for v in listed.versions] == [new_version]
         assert old.segment not in shm_names(shm_prefix)
         # A mapping made before the free stays valid: freeing unlinks, it does not unmap.
         assert all(torch.equal(old_params[name], reference[name]) for name in reference)
-        assert await error_code(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(version=V0)) == (
+        assert await error_code(nc, NAMES.weights_handles, WeightsHandlesRequest(version=V0)) == (
             "unknown-version"
         )
         with pytest.raises(segments.MappingError):
@@ -111,10 +114,10 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         assert await client.why_not_owned(new) is None
 
         not_pinned = await call(
-            nc, subjects.WEIGHTS_UNPIN, WeightsUnpin(version=new_version, holder="worker-a"), Ack
+            nc, NAMES.weights_unpin, WeightsUnpin(version=new_version, holder="worker-a"), Ack
         )
         assert not_pinned.detail == "not pinned"
-        newest = await call(nc, subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(), WeightHandles)
+        newest = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
         assert newest == new
 
 
@@ -165,44 +168,44 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
         await dead.wait()
 
         raw = {
-            "malformed": (subjects.WEIGHTS_PIN, b"{not json"),
-            "empty": (subjects.WEIGHTS_HANDLES, b""),
+            "malformed": (NAMES.weights_pin, b"{not json"),
+            "empty": (NAMES.weights_handles, b""),
             "wrong types": (
-                subjects.WEIGHTS_PIN,
+                NAMES.weights_pin,
                 encode_json({"type": "weights_pin", "holder": 5, "pid": "x"}),
             ),
-            "wrong tag": (subjects.WEIGHTS_PIN, encode_json({"type": "kv_flush", "engine_id": "e0"})),
+            "wrong tag": (NAMES.weights_pin, encode_json({"type": "kv_flush", "engine_id": "e0"})),
             "bad holder": (
-                subjects.WEIGHTS_PIN,
+                NAMES.weights_pin,
                 encode_json({"type": "weights_pin", "holder": "a b/c", "pid": os.getpid()}),
             ),
             "negative pid": (
-                subjects.WEIGHTS_PIN,
+                NAMES.weights_pin,
                 encode_json({"type": "weights_pin", "holder": "h", "pid": -1}),
             ),
             "bad version": (
-                subjects.WEIGHTS_HANDLES,
+                NAMES.weights_handles,
                 encode_json({"type": "weights_handles", "version": "a.b"}),
             ),
-            "newer schema": (subjects.WEIGHTS_LIST, encode_json({"type": "weights_list", "v": 99})),
+            "newer schema": (NAMES.weights_list, encode_json({"type": "weights_list", "v": 99})),
         }
         for name, (subject, payload) in raw.items():
             reply = await error_of(nc, subject, payload)
             assert reply.code == "bad-request", name
 
         typed = {
-            "unknown version handles": (subjects.WEIGHTS_HANDLES, WeightsHandlesRequest(version="sha256:0")),
+            "unknown version handles": (NAMES.weights_handles, WeightsHandlesRequest(version="sha256:0")),
             "unknown version pin": (
-                subjects.WEIGHTS_PIN,
+                NAMES.weights_pin,
                 WeightsPin(version="nope", holder="h", pid=os.getpid()),
             ),
-            "unknown version unpin": (subjects.WEIGHTS_UNPIN, WeightsUnpin(version="nope", holder="h")),
-            "dead holder": (subjects.WEIGHTS_PIN, WeightsPin(holder="h", pid=dead.pid)),
-            "relative path": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path="weights.pt")),
-            "missing file": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(tmp_path / "none.pt"))),
-            "not weights": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(garbage))),
-            "other preset": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(other_preset))),
-            "a directory": (subjects.WEIGHTS_PUBLISH, WeightsPublish(path=str(tmp_path))),
+            "unknown version unpin": (NAMES.weights_unpin, WeightsUnpin(version="nope", holder="h")),
+            "dead holder": (NAMES.weights_pin, WeightsPin(holder="h", pid=dead.pid)),
+            "relative path": (NAMES.weights_publish, WeightsPublish(path="weights.pt")),
+            "missing file": (NAMES.weights_publish, WeightsPublish(path=str(tmp_path / "none.pt"))),
+            "not weights": (NAMES.weights_publish, WeightsPublish(path=str(garbage))),
+            "other preset": (NAMES.weights_publish, WeightsPublish(path=str(other_preset))),
+            "a directory": (NAMES.weights_publish, WeightsPublish(path=str(tmp_path))),
         }
         codes = {name: await error_code(nc, subject, message) for name, (subject, message) in typed.items()}
         assert codes == {
@@ -217,7 +220,7 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
             "a directory": "bad-weights",
         }
 
-        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        alive = await call(nc, NAMES.weights_ping, ServerPing(), WeightServerAlive)
         assert (alive.pid, alive.versions) == (server.pid, [V0])
         assert server.process.returncode is None
         assert len(shm_names(f"{shm_prefix}.w.")) == 2  # the one version and the lock
@@ -250,7 +253,7 @@ async def test_sigkill_then_restart_removes_the_dead_instances_segments(
     assert len(left) == 3  # a SIGKILL leaves the segments: the restart must clean them
 
     async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "small") as second:
-        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        alive = await call(nc, NAMES.weights_ping, ServerPing(), WeightServerAlive)
         assert alive.pid == second.pid and alive.versions == [seed_version(0, "small")]
         now = shm_names(shm_prefix)
         assert not set(now) & (set(left) - {f"{shm_prefix}.w.lock"})
@@ -269,7 +272,7 @@ async def test_a_second_server_on_a_live_prefix_is_refused(nats_server, nc, shm_
         with pytest.raises(RuntimeError, match="exited with 1"):
             await start("weight_server", nats_server.url, shm_prefix, tmp_path)
         assert shm_names(shm_prefix) == before
-        alive = await call(nc, subjects.WEIGHTS_PING, ServerPing(), WeightServerAlive)
+        alive = await call(nc, NAMES.weights_ping, ServerPing(), WeightServerAlive)
         assert alive.pid == server.pid
 
 

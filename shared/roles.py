@@ -1,0 +1,259 @@
+"""Who may do what on the bus: one role per kind of process, as nats-server permissions.
+
+The bus enforces this, not the receivers' goodwill: a worker's credential can publish only its own
+engine's chunks and heartbeats, only the checkpointer writes prefix pointers and checkpoint
+objects, only the rollout side reaches the sandboxes, and no worker or CLI credential can purge,
+delete or update a stream, a bucket or an object store. Every role subscribes to its own inbox
+only (`_INBOX.<its public key>.>`, shared/access.py), so nobody reads another's replies, and
+replies to requests go back through `allow_responses`, which needs no publish right on inboxes.
+
+The table is data: a later service (policy, trainer, reward) adds its role here. `{engine}` in a
+role's subjects is filled per engine: each engine has its own credential.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nkeys
+
+from belayer_rl.shared.access import inbox_prefix, public_key
+from belayer_rl.shared.subjects import Subjects
+
+
+@dataclass(frozen=True)
+class Role:
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    replies: bool = False  # may answer requests it received (services)
+    # Streams (by their JetStream name) it may create, read, consume and update through $JS.API.
+    streams: tuple[str, ...] = ()
+    # Streams it may only read (stream info and direct/last-message gets).
+    reads: tuple[str, ...] = ()
+    everything: bool = False  # the operator's own credential
+
+
+def _js_api(stream: str) -> list[str]:
+    """The $JS.API subjects that manage and consume one stream: STREAM.{INFO,CREATE,UPDATE,...}
+    and CONSUMER.CREATE take the stream as their third token, the rest as a prefix."""
+    return [
+        f"$JS.API.*.*.{stream}",
+        f"$JS.API.*.*.{stream}.>",
+        f"$JS.API.CONSUMER.*.*.{stream}.>",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def _js_read(stream: str) -> list[str]:
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+    ]
+
+
+def kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def object_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def role_table(s: Subjects) -> dict[str, Role]:
+    """Every role of cluster `s.cluster_id`."""
+    r = s.root
+    tokens = s.token_log_stream
+    engines = s.engine_registry_bucket
+    pointers = s.prefix_pointer_bucket
+    objects = s.checkpoint_object_bucket
+    return {
+        "router": Role(
+            publish=(
+                "_INBOX.>",  # chunks stream to the clients' inboxes (the router checks reply_to is one)
+                f"{r}.worker.*.dispatch",
+                f"{r}.worker.*.cancel",
+                s.weights_list,
+                s.event("request_failed", "*"),
+                s.event("request_resumed", "*"),
+                s.event("worker_failed", "*"),
+                s.event("router_started", "*"),
+                s.token_log_all,
+            ),
+            subscribe=(
+                f"{r}.router.>",
+                s.event("heartbeat", "*"),
+                s.event("worker_registered", "*"),
+                s.event("worker_failed", "*"),
+                s.event("engine_quarantined", "*"),
+            ),
+            replies=True,
+            streams=(tokens, kv_stream(engines)),
+        ),
+        "engine": Role(  # one credential per engine: its workers, main and shadow
+            publish=(
+                s.worker_stream("{engine}"),
+                s.event("heartbeat", "{engine}"),
+                s.event("worker_registered", "{engine}"),
+                s.weights_pin,
+                s.weights_unpin,
+                s.weights_list,
+                s.weights_handles,
+                s.kv_arena,
+                f"$KV.{engines}.{{engine}}",  # its own registry entry, nobody else's
+            ),
+            subscribe=(
+                s.worker_dispatch("{engine}"),
+                s.worker_cancel("{engine}"),
+                s.event("weights_published", "*"),
+            ),
+            replies=True,
+            reads=(kv_stream(engines),),
+        ),
+        "shadow-supervisor": Role(
+            publish=(
+                s.kv_flush,
+                s.kv_ping,
+                s.weights_ping,
+                s.event("handover", "*"),
+                s.event("engine_quarantined", "*"),
+                s.event("process", "*"),
+                s.event("worker_failed", "*"),
+                f"$KV.{engines}.*",  # quarantines an engine it runs
+            ),
+            replies=True,
+            reads=(kv_stream(engines),),
+        ),
+        "weight-server": Role(
+            publish=(s.event("weights_published", "*"),),
+            subscribe=(f"{r}.weights.*",),
+            replies=True,
+        ),
+        "kv-server": Role(subscribe=(f"{r}.kv.*",), replies=True),
+        "checkpointer": Role(
+            publish=(
+                s.event("env_failure", "*"),
+                s.event("checkpoint_ready", "*"),
+                s.event("sandbox_restored", "*"),
+                f"$KV.{pointers}.>",
+                f"$O.{objects}.>",
+            ),
+            subscribe=(f"{r}.sandbox.*.*",),
+            replies=True,
+            streams=(kv_stream(pointers), object_stream(objects)),
+        ),
+        "cluster": Role(  # the `belayer up` daemon: reports its children's exits
+            publish=(s.event("process", "*"), s.event("worker_failed", "*")),
+        ),
+        "cli": Role(  # a user, the rollout driver: the rollout side
+            publish=(
+                s.router_generate,
+                s.router_attach,
+                s.router_cancel,
+                s.router_status,
+                s.router_keepalive,
+                f"{r}.sandbox.*.*",
+                s.weights_list,
+                s.weights_handles,
+                s.weights_publish,
+                f"{r}.svc.*.stats",
+            ),
+            subscribe=(s.events_all,),
+            reads=(kv_stream(engines), kv_stream(pointers)),
+        ),
+        "admin": Role(everything=True),  # benchmarks and operators: may purge and delete
+    }
+
+
+@dataclass(frozen=True)
+class User:
+    name: str  # the role, or engine-<id>
+    role: str
+    seed: str
+    engine: str = ""
+
+    @property
+    def public_key(self) -> str:
+        return public_key(self.seed)
+
+
+@dataclass
+class Credentials:
+    """The users of one cluster, each with a fresh nkey."""
+
+    subjects: Subjects
+    engines: tuple[str, ...]
+    users: list[User] = field(default_factory=list)
+
+    @classmethod
+    def generate(cls, subjects: Subjects, engines: tuple[str, ...]) -> Credentials:
+        creds = cls(subjects, engines)
+        for role in role_table(subjects):
+            if role == "engine":
+                creds.users += [User(f"engine-{e}", role, new_seed(), engine=e) for e in engines]
+            else:
+                creds.users.append(User(role, role, new_seed()))
+        return creds
+
+    def authorization(self) -> str:
+        """An nats-server config block; include it from the server's config."""
+        table = role_table(self.subjects)
+        users = [permissions(user, table[user.role], self.subjects) for user in self.users]
+        # JSON is a valid nats-server config value, so the users are written without escaping rules of our own.
+        return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
+
+    def write(self, folder: Path) -> dict[str, Path]:
+        """auth.conf and one `<user>.creds` seed file per user, all mode 0600; returns the seeds' paths."""
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
+        paths = {}
+        for user in self.users:
+            paths[user.name] = private_file(folder / f"{user.name}.creds", user.seed + "\n")
+        private_file(folder / "auth.conf", self.authorization())
+        return paths
+
+
+def permissions(user: User, role: Role, s: Subjects) -> dict[str, object]:
+    entry: dict[str, object] = {"nkey": user.public_key}
+    if role.everything:
+        return entry
+    fill = lambda subject: subject.replace("{engine}", user.engine)  # noqa: E731
+    publish = [fill(p) for p in role.publish]
+    for stream in role.streams:
+        publish += _js_api(stream)
+    for stream in role.reads:
+        publish += _js_read(stream)
+    subscribe = [fill(p) for p in role.subscribe]
+    subscribe.append(f"{inbox_prefix(user.public_key)}.>")
+    if role.replies:  # a service answers the runtime's stats endpoint
+        subscribe.append(s.service_stats("*"))
+    entry["permissions"] = {
+        # An empty allow list would allow everything: a role that publishes nothing of its own
+        # (it only replies) gets one subject nobody listens to.
+        "publish": {"allow": sorted(set(publish)) or [f"{s.root}.nothing"]},
+        "subscribe": {"allow": sorted(set(subscribe))},
+    }
+    if role.replies:
+        entry["permissions"]["allow_responses"] = True  # type: ignore[index]
+    return entry
+
+
+def new_seed() -> str:
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def private_file(path: Path, text: str) -> Path:
+    """Written mode 0600 from the start: a secret is never readable by others, even briefly."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    tmp.replace(path)
+    return path
