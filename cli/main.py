@@ -30,7 +30,8 @@ from belayer_rl.shared import config as flags
 from belayer_rl.shared.bus import Target
 from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import CLUSTER_ID_ENV, ConfigError, default_state_dir
-from belayer_rl.shared.subjects import DEFAULT_CLUSTER, event_kind
+from belayer_rl.shared.roles import Credentials
+from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects, cluster_id_ok, event_kind
 
 UP_TIMEOUT_S = 120.0
 DOWN_TIMEOUT_S = 90.0  # the local cluster stops its processes one by one, each within its drain timeout
@@ -99,7 +100,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def wait_until_serving(args: argparse.Namespace, engines: int, supervisor: subprocess.Popen[bytes]) -> int:
+async def wait_until_serving(
+    args: argparse.Namespace, engines: int, supervisor: subprocess.Popen[bytes]
+) -> int:
     deadline = time.monotonic() + UP_TIMEOUT_S
     state_dir: Path = args.state_dir.resolve()
     while read_cluster(state_dir) is None:
@@ -444,6 +447,25 @@ async def weights(target: Target, args: argparse.Namespace) -> str:
         await nc.close()
 
 
+# ---------------------------------------------------------------- creds
+
+
+def cmd_creds(args: argparse.Namespace) -> int:
+    cluster_id = args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or DEFAULT_CLUSTER
+    engines = tuple(e for e in args.engines.split(",") if e)
+    if not cluster_id_ok(cluster_id) or not all(cluster_id_ok(e) for e in engines):
+        print(
+            f"belayer creds: ids are lowercase letters, digits, - and _: {cluster_id!r}, {engines}",
+            file=sys.stderr,
+        )
+        return 2
+    written = Credentials.generate(Subjects(cluster_id), engines).write(args.out)
+    print(f"cluster {cluster_id}: {args.out / 'auth.conf'} (include it from the nats-server config)")
+    for name, path in written.items():
+        print(f"  {name:<18} {path}")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -539,6 +561,15 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     weights_cmd.add_argument("file", nargs="?", type=Path, help="publish: a weights file on this host")
     weights_cmd.add_argument("--json", action="store_true")
     weights_cmd.set_defaults(run=cmd_weights)
+
+    creds = commands.add_parser(
+        "creds", help="credentials and nats-server permissions for a cluster (compose, an external NATS)"
+    )
+    creds.add_argument("--out", type=Path, required=True, help="folder for auth.conf and <role>.creds")
+    creds.add_argument(
+        "--engines", default="e0,e1", help="engine ids, each with its own credential (default e0,e1)"
+    )
+    creds.set_defaults(run=cmd_creds)
 
     from belayer_rl.cli import bench, demo
 

@@ -38,10 +38,11 @@ class Role:
 
 def _js_api(stream: str) -> list[str]:
     """The $JS.API subjects that manage and consume one stream: STREAM.{INFO,CREATE,UPDATE,...}
-    and CONSUMER.CREATE take the stream as their third token, the rest as a prefix."""
+    and CONSUMER.CREATE name the stream after two tokens, STREAM.MSG.GET after three."""
     return [
         f"$JS.API.*.*.{stream}",
         f"$JS.API.*.*.{stream}.>",
+        f"$JS.API.*.*.*.{stream}",
         f"$JS.API.CONSUMER.*.*.{stream}.>",
         f"$JS.API.DIRECT.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}.>",
