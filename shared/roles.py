@@ -203,12 +203,12 @@ class Credentials:
                 creds.users.append(User(role, role, new_seed()))
         return creds
 
-    def authorization(self) -> str:
-        """An nats-server config block; include it from the server's config."""
+    def users_entries(self) -> list[dict[str, object]]:
         table = role_table(self.subjects)
-        users = [permissions(user, table[user.role], self.subjects) for user in self.users]
-        # JSON is a valid nats-server config value, so the users are written without escaping rules of our own.
-        return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
+        return [permissions(user, table[user.role], self.subjects) for user in self.users]
+
+    def authorization(self) -> str:
+        return authorization(self)
 
     def write(self, folder: Path) -> dict[str, Path]:
         """auth.conf and one `<user>.creds` seed file per user, all mode 0600; returns the seeds' paths."""
@@ -219,6 +219,14 @@ class Credentials:
             paths[user.name] = private_file(folder / f"{user.name}.creds", user.seed + "\n")
         private_file(folder / "auth.conf", self.authorization())
         return paths
+
+
+def authorization(*clusters: Credentials) -> str:
+    """An nats-server config block for the users of one or more clusters on one server; include it
+    from the server's config."""
+    users = [entry for cluster in clusters for entry in cluster.users_entries()]
+    # JSON is a valid nats-server config value: no quoting rules of our own.
+    return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
 
 
 def permissions(user: User, role: Role, s: Subjects) -> dict[str, object]:

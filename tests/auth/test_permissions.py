@@ -1,0 +1,175 @@
+"""The bus refuses what a role may not do: nats-server's permissions, not the receivers' goodwill.
+
+A local cluster with its embedded, authorizing nats-server (what `belayer up` runs). Each forged
+publish or subscription below is made with real credentials of the wrong role; nats-server must
+answer it with a permissions violation (to the client and in its own log), and the cluster must
+go on serving token-exact generations. The admin credential makes the same publishes unrefused:
+the control that shows the check can tell a refusal from silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.shared import protocol
+from belayer_rl.shared.access import Access
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.protocol import WorkerChunk
+from tests.support import Job, reference_tokens
+
+VIOLATION_WAIT_S = 2.0
+
+
+class Refusals:
+    """A connection as one role, collecting the errors the server sends it."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.arrived = asyncio.Event()
+
+    async def on_error(self, exc: Exception) -> None:
+        self.errors.append(str(exc))
+        self.arrived.set()
+
+    async def wait_for(self, subject: str) -> str:
+        """The server's violation naming `subject`; fails after VIOLATION_WAIT_S without one."""
+        async with asyncio.timeout(VIOLATION_WAIT_S):
+            while True:
+                for error in self.errors:
+                    # nats-py hands the server's -ERR line on lowercased.
+                    if "permissions violation" in error.lower() and f'"{subject.lower()}"' in error.lower():
+                        return error
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+@contextlib.asynccontextmanager
+async def connected(url: str, access: Access) -> AsyncIterator[tuple[NATS, Refusals]]:
+    refusals = Refusals()
+    nc = await nats.connect(
+        url, error_cb=refusals.on_error, allow_reconnect=False, **access.connect_options()
+    )
+    try:
+        yield nc, refusals
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Supervisor]:
+    config = ClusterConfig(state_dir=tmp_path / "state", engines=2, shadows=False, sandboxes=False)
+    async with local_cluster(config) as supervisor:
+        async with await Client.connect(supervisor.target("cli"), "test-cli") as client:
+            await client.wait_for_engines(2, 120)
+        yield supervisor
+
+
+def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
+    s = supervisor.subjects
+    stream_api = f"$JS.API.STREAM.%s.{s.token_log_stream}"
+    return {
+        "engine-e0": [
+            s.sandbox_rpc("somehost", "create"),  # only the rollout side makes sandboxes
+            s.worker_stream("e1"),  # a chunk for another engine
+            f"$KV.{s.prefix_pointer_bucket}.t1",  # a prefix pointer: the checkpointer's alone
+            f"$KV.{s.engine_registry_bucket}.e1",  # another engine's registry entry
+            stream_api % "PURGE",
+            stream_api % "DELETE",
+            stream_api % "UPDATE",
+            f"$JS.API.STREAM.DELETE.KV_{s.engine_registry_bucket}",
+            s.event("heartbeat", "e1"),
+            s.router_generate,
+        ],
+        "cli": [
+            s.worker_dispatch("e0"),  # clients go through the router
+            f"$KV.{s.prefix_pointer_bucket}.t1",
+            stream_api % "PURGE",
+            f"$JS.API.STREAM.DELETE.KV_{s.engine_registry_bucket}",
+            f"$JS.API.STREAM.DELETE.OBJ_{s.checkpoint_object_bucket}",
+            s.event("handover", "e0"),
+        ],
+    }
+
+
+async def test_an_unauthenticated_connection_is_refused(cluster: Supervisor) -> None:
+    with pytest.raises(nats.errors.Error, match=r"(?i)authorization"):
+        await nats.connect(cluster.nats_url, allow_reconnect=False, max_reconnect_attempts=0)
+    # A key the server does not know is refused the same way.
+    with pytest.raises(nats.errors.Error, match=r"(?i)authorization"):
+        stranger = Path(cluster.config.state_dir) / "stranger.creds"
+        from belayer_rl.shared.roles import new_seed
+
+        stranger.write_text(new_seed())
+        await nats.connect(
+            cluster.nats_url, allow_reconnect=False, **Access(creds=stranger).connect_options()
+        )
+
+
+@pytest.mark.parametrize("role", ["engine-e0", "cli"])
+async def test_a_wrong_role_is_refused_by_the_server_and_the_cluster_keeps_serving(
+    cluster: Supervisor, role: str
+) -> None:
+    subjects = forbidden_publishes(cluster)[role]
+    payload = protocol.encode(
+        WorkerChunk(request_id="forged", attempt=1, epoch=1, engine_id="e1", position=0, tokens=[1, 2, 3])
+    )
+    async with connected(cluster.nats_url, cluster.access(role)) as (nc, refusals):
+        for subject in subjects:
+            await nc.publish(subject, payload)
+        await nc.flush()
+        for subject in subjects:
+            await refusals.wait_for(subject)
+        # Other clients' inboxes and other engines' dispatches cannot be read.
+        for pattern in ("_INBOX.>", cluster.subjects.worker_dispatch("e1")):
+            await nc.subscribe(pattern)
+            await nc.flush()
+            await refusals.wait_for(pattern)
+        assert not nc.is_closed, "a refused publish must not cost the connection"
+
+    server_log = (cluster.config.state_dir / "logs" / "nats-server.log").read_text()
+    for subject in subjects:
+        assert f'Publish Violation - Subject "{subject}"' in server_log, subject
+
+    # The cluster still serves, token-exact, with the rightful credential.
+    job = Job("after-refusals", "the bus held", max_tokens=24, seed=5)
+    async with await Client.connect(cluster.target("cli"), "test-cli") as client:
+        result = await client.generate_all(
+            job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=0.8
+        )
+    assert result.tokens == (await asyncio.to_thread(reference_tokens, [job]))[job.request_id]
+
+
+async def test_the_admin_control_is_not_refused(cluster: Supervisor) -> None:
+    """The same publishes with the admin credential draw no violation: the refusals above are
+    the permissions' doing, not something every publish gets."""
+    subjects = forbidden_publishes(cluster)["engine-e0"][:2]
+    async with connected(cluster.nats_url, cluster.access("admin")) as (nc, refusals):
+        for subject in subjects:
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        with pytest.raises(TimeoutError):
+            await refusals.wait_for(subjects[0])
+        assert refusals.errors == []
+
+
+async def test_each_engine_credential_serves_only_its_own_engine(cluster: Supervisor) -> None:
+    """engine-e0 may publish e0's chunks and heartbeats and read e0's dispatches: what it needs."""
+    s = cluster.subjects
+    async with connected(cluster.nats_url, cluster.access("engine-e0")) as (nc, refusals):
+        await nc.subscribe(s.worker_dispatch("e0") + ".probe")  # not its subject either: refused
+        await nc.flush()
+        await refusals.wait_for(s.worker_dispatch("e0") + ".probe")
+        refusals.errors.clear()
+        await nc.publish(s.worker_stream("e0"), b"{}")
+        await nc.flush()
+        with pytest.raises(TimeoutError):
+            await refusals.wait_for(s.worker_stream("e0"))
