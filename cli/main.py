@@ -151,12 +151,22 @@ class EngineRow(msgspec.Struct, kw_only=True):
     weight_version: str | None
 
 
+class ServiceRow(msgspec.Struct, kw_only=True):
+    """A service's own account (its stats endpoint): readiness and where its metrics are."""
+
+    name: str
+    pid: int
+    ready: bool
+    metrics_port: int  # 0: none
+
+
 class StatusReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What `belayer status` shows; `--json` prints it as one object (router_error only when set)."""
 
     processes: list[ProcessRow]
     engines: list[EngineRow]
     requests_in_flight: int
+    services: list[ServiceRow] = []
     router_error: str = ""
 
 
@@ -205,6 +215,19 @@ def status_report(args: argparse.Namespace) -> StatusReport:
         error = f"router via {url}: {exc}"
         return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=error)
     shadows = read_shadows(state_dir)
+    # Services answer under their runtime names; a worker's carries its engine and pid.
+    names = [
+        p.name
+        for p in processes
+        if p.name not in ("supervisor", "nats-server") and not p.name.startswith("worker-")
+    ]
+    names += [
+        f"worker-{e.engine_id}-{pid}"
+        for e in status.engines
+        for pid in (e.pid, shadows.get(e.engine_id, 0))
+        if pid
+    ]
+    services = uvloop.run(service_rows(target, names))
     engines = [
         EngineRow(
             id=e.engine_id,
@@ -216,7 +239,38 @@ def status_report(args: argparse.Namespace) -> StatusReport:
         )
         for e in status.engines
     ]
-    return StatusReport(processes=processes, engines=engines, requests_in_flight=len(status.requests))
+    return StatusReport(
+        processes=processes, engines=engines, requests_in_flight=len(status.requests), services=services
+    )
+
+
+SERVICE_STATS_TIMEOUT_S = 1.0
+
+
+async def service_rows(target: Target, names: list[str]) -> list[ServiceRow]:
+    """Each named service's stats, asked at once; one that does not answer is left out."""
+    nc = await target.connect("belayer-status")
+    try:
+
+        async def ask(name: str) -> ServiceRow | None:
+            try:
+                stats = await bus.request_struct(
+                    nc,
+                    target.subjects.service_stats(name),
+                    protocol.StatsRequest(),
+                    protocol.ServiceStats,
+                    SERVICE_STATS_TIMEOUT_S,
+                )
+            except bus.ServiceError:
+                return None
+            return ServiceRow(
+                name=stats.name, pid=stats.pid, ready=stats.ready, metrics_port=stats.metrics_port
+            )
+
+        rows = await asyncio.gather(*(ask(name) for name in names))
+    finally:
+        await nc.close()
+    return [row for row in rows if row is not None]
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
@@ -247,6 +301,20 @@ def render_status(report: StatusReport, as_json: bool) -> str:
     )
     if not report.engines:
         lines.append("(unknown: no answer from the router, see below)" if report.router_error else "(none)")
+    if report.services:
+        lines.append("")
+        lines += table(
+            ["SERVICE", "PID", "READY", "METRICS"],
+            [
+                (
+                    s.name,
+                    s.pid,
+                    yes_no(s.ready),
+                    f"http://127.0.0.1:{s.metrics_port}/metrics" if s.metrics_port else "-",
+                )
+                for s in report.services
+            ],
+        )
     lines.append("")
     lines.append(f"requests in flight: {report.requests_in_flight if not report.router_error else '-'}")
     if report.router_error:

@@ -186,7 +186,7 @@ class EndpointInfo(Message, tag="endpoint_info", kw_only=True):
 
 
 class ServiceStats(Message, tag="service_stats", kw_only=True):
-    """A service process's own account (the runtime answers it on `belayer.svc.<name>.stats`)."""
+    """A service process's own account (the runtime answers it on `belayer.<cluster>.svc.<name>.stats`)."""
 
     name: str
     pid: int
@@ -195,6 +195,7 @@ class ServiceStats(Message, tag="service_stats", kw_only=True):
     handled: int  # messages taken off its endpoints
     errors: dict[str, int]  # error replies and dropped messages, by ErrorCode
     endpoints: list[EndpointInfo] = []  # what it serves, as declared
+    metrics_port: int = 0  # where it serves /metrics and /healthz; 0: none (--metrics-port -1)
 
 
 # ---------------------------------------------------------------- router <-> worker
@@ -249,7 +250,7 @@ class WorkerRegistration(Message, tag="register", kw_only=True):
     weight_version: str
 
 
-# ---------------------------------------------------------------- events (belayer.evt.>)
+# ---------------------------------------------------------------- events (belayer.<cluster>.evt.>)
 
 
 class Heartbeat(Message, tag="heartbeat", kw_only=True):
@@ -325,7 +326,7 @@ class EngineQuarantined(Message, tag="engine_quarantined", kw_only=True):
 
 
 class WeightsPublished(Message, tag="weights_published", kw_only=True):
-    """Event `belayer.evt.weights_published.<version>`: a new newest version is mapped and ready."""
+    """Event `belayer.<cluster>.evt.weights_published.<version>`: a new newest version is mapped and ready."""
 
     version: WeightVersion
     segment: SegmentName
@@ -445,8 +446,8 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
 
 
 # ---------------------------------------------------------------- sandboxes
-# The checkpointer's contract: RPC on `belayer.sandbox.<host>.<verb>`, events under
-# `belayer.evt.`, prefix pointers in a JetStream KV bucket. Outputs of actions are text (UTF-8,
+# The checkpointer's contract: RPC on `belayer.<cluster>.sandbox.<host>.<verb>`, events under
+# `belayer.<cluster>.evt.`, prefix pointers in a JetStream KV bucket. Outputs of actions are text (UTF-8,
 # undecodable bytes replaced) and capped; a cap that was hit is flagged, never silent.
 
 SandboxId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -651,9 +652,9 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
 
 
 # ---------------------------------------------------------------- event kinds
-# What a listener decodes follows from the subject: `belayer.evt.<kind>.<id>...` carries exactly
+# What a listener decodes follows from the subject: `belayer.<cluster>.evt.<kind>.<id>...` carries exactly
 # EVENT_TYPES[kind], declared here once for every event the project publishes. The rule for a kind:
-# it is the name the publisher puts after `belayer.evt.` (subjects.event(kind, ...), which refuses
+# it is the name the publisher puts after `belayer.<cluster>.evt.` (subjects.event(kind, ...), which refuses
 # a kind missing here). That name equals the Struct's tag for every kind but `worker_registered`,
 # whose WorkerRegistration keeps its older tag "register" (tags and subjects are wire contract).
 # Placed after the sandbox section because the table names its Structs at import time.
