@@ -20,11 +20,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
-from belayer_rl.shared import protocol
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import WorkerChunk
-from tests.support import Job, reference_tokens
+from belayer_rl.shared.protocol import Heartbeat, ServiceStats, StatsRequest, WorkerChunk
+from tests.support import Job, poll, reference_tokens
 
 VIOLATION_WAIT_S = 2.0
 
@@ -173,3 +173,34 @@ async def test_each_engine_credential_serves_only_its_own_engine(cluster: Superv
         await nc.flush()
         with pytest.raises(TimeoutError):
             await refusals.wait_for(s.worker_stream("e0"))
+
+
+async def test_a_payload_naming_another_engine_is_dropped_by_the_receiver(cluster: Supervisor) -> None:
+    """engine-e0 may publish on its own heartbeat subject, but a heartbeat there that claims to be
+    e1 (a newer epoch, another pid) would make the router send e1's requests to the forger. The
+    subject is what the bus vouches for: the router drops it and counts a bad-request."""
+    s = cluster.subjects
+    async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
+        before = await admin.status()
+        real = next(e for e in before.engines if e.engine_id == "e1")
+        stats_before = await bus.request_struct(
+            admin.nc, s.service_stats("router"), StatsRequest(), ServiceStats, 5.0
+        )
+        forged = Heartbeat(
+            engine_id="e1", epoch=real.epoch + 5, pid=1, running=0, waiting=0, outstanding_tokens=0
+        )
+        async with connected(cluster.nats_url, cluster.access("engine-e0")) as (nc, refusals):
+            await nc.publish(s.event("heartbeat", "e0"), protocol.encode(forged))
+            await nc.flush()
+            assert refusals.errors == []  # the bus let it through: its own subject
+
+        async def counted() -> ServiceStats | None:
+            stats = await bus.request_struct(
+                admin.nc, s.service_stats("router"), StatsRequest(), ServiceStats, 5.0
+            )
+            bad = stats.errors.get("bad-request", 0) - stats_before.errors.get("bad-request", 0)
+            return stats if bad == 1 else None
+
+        await poll(counted, timeout_s=10, every_s=0.05)
+        after = next(e for e in (await admin.status()).engines if e.engine_id == "e1")
+        assert (after.pid, after.epoch) == (real.pid, real.epoch)
