@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import Heartbeat, ServiceStats, StatsRequest, WorkerChunk
+from belayer_rl.shared.protocol import Heartbeat, ServiceStats, StatsRequest, TokenChunk, WorkerChunk
 from tests.support import Job, poll, reference_tokens
 
 VIOLATION_WAIT_S = 2.0
@@ -204,3 +206,48 @@ async def test_a_payload_naming_another_engine_is_dropped_by_the_receiver(cluste
         await poll(counted, timeout_s=10, every_s=0.05)
         after = next(e for e in (await admin.status()).engines if e.engine_id == "e1")
         assert (after.pid, after.epoch) == (real.pid, real.epoch)
+
+
+async def test_a_chunk_claiming_another_engine_is_fenced_off(tmp_path: Path) -> None:
+    """The forger knows everything about a request on the other engine (id, attempt, epoch,
+    position) and publishes on its own stream, which the bus allows. The router reads the sender
+    from the subject, so the chunk is dropped and the generation stays token-exact."""
+    config = ClusterConfig(
+        state_dir=tmp_path / "state", engines=2, shadows=False, sandboxes=False, heartbeat_timeout_s=60.0
+    )
+    job = Job("forged-chunk", "whose tokens are these", max_tokens=480, seed=9)
+    async with local_cluster(config) as cluster:
+        async with await Client.connect(cluster.target("cli"), "test-cli") as client:
+            engines = {e.engine_id: e for e in (await client.wait_for_engines(2, 120)).engines}
+            stream = client.generate(job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=0.8)
+            first = await anext(stream)
+            assert isinstance(first, TokenChunk), "the request must still run when it is held"
+            tokens = list(first.tokens)
+            for engine in engines.values():  # hold the request where it is while we forge
+                os.kill(engine.pid, signal.SIGSTOP)
+            try:
+                held = next(r for r in (await client.status()).requests if r.request_id)
+                victim = engines[held.engine_id]
+                forger = "e0" if victim.engine_id == "e1" else "e1"
+                chunk = WorkerChunk(
+                    request_id=held.request_id,
+                    attempt=held.attempt,
+                    epoch=victim.epoch,
+                    engine_id=victim.engine_id,
+                    position=held.num_tokens,
+                    tokens=[7] * 8,
+                )
+                async with connected(cluster.nats_url, cluster.access(f"engine-{forger}")) as (nc, refusals):
+                    await nc.publish(cluster.subjects.worker_stream(forger), protocol.encode(chunk))
+                    await nc.flush()
+                    assert refusals.errors == []  # its own stream: the bus lets it through
+                await asyncio.sleep(0.5)
+                after = next(r for r in (await client.status()).requests if r.request_id == held.request_id)
+                assert after.num_tokens == held.num_tokens, "the forged chunk was taken"
+            finally:
+                for engine in engines.values():
+                    os.kill(engine.pid, signal.SIGCONT)
+            async for item in stream:
+                if isinstance(item, TokenChunk):
+                    tokens += item.tokens
+    assert tokens == (await asyncio.to_thread(reference_tokens, [job]))[job.request_id]
