@@ -126,7 +126,7 @@ async def straight_to_worker(
     The router spreads requests over both engines, so this path splits them round robin."""
     status = await client.status()
     engines = [(e.engine_id, e.epoch) for e in status.engines if e.alive] or [(engine_id, epoch)]
-    inbox = client.nc.new_inbox()
+    mine = {uuid.uuid4().hex for _ in range(n)}
     done = asyncio.Event()
     tokens = 0
     finished = 0
@@ -135,6 +135,8 @@ async def straight_to_worker(
     async def on_message(msg: Msg) -> None:
         nonlocal tokens, finished
         item = protocol.decode(decoder, msg.data)
+        if item.request_id not in mine:
+            return
         if isinstance(item, WorkerChunk):
             tokens += len(item.tokens)
         elif isinstance(item, WorkerDone):
@@ -142,19 +144,21 @@ async def straight_to_worker(
             if finished == n:
                 done.set()
 
-    sub = await client.nc.subscribe(inbox, cb=on_message)
+    # Workers publish on their engine's stream whatever a dispatch names (the router sees these
+    # chunks too, and drops them: requests it does not know).
+    sub = await client.nc.subscribe(client.subjects.worker_stream_all, cb=on_message)
     t0 = time.perf_counter()
-    for i in range(n):
+    for i, request_id in enumerate(sorted(mine)):
         target, target_epoch = engines[i % len(engines)]
         dispatch = Dispatch(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             attempt=1,
             epoch=target_epoch,
             engine_id=target,
             prompt_tokens=tokenizer.encode(PROMPT),
             max_tokens=args.max_tokens,
             sampling=SamplingParams(seed=i, temperature=0.8),
-            reply_to=inbox,
+            reply_to=client.subjects.worker_stream(target),
         )
         await bus.request(client.nc, client.subjects.worker_dispatch(target), dispatch, 5.0)
     await done.wait()
