@@ -251,3 +251,32 @@ async def test_a_chunk_claiming_another_engine_is_fenced_off(tmp_path: Path) -> 
                 if isinstance(item, TokenChunk):
                     tokens += item.tokens
     assert tokens == (await asyncio.to_thread(reference_tokens, [job]))[job.request_id]
+
+
+async def test_the_router_takes_only_an_inbox_as_a_reply_subject(cluster: Supervisor) -> None:
+    """The router may publish into any client's inbox; were it to take any reply_to, a client could
+    make it publish onto a worker's dispatch subject. Such a request is refused and nothing is sent."""
+    s = cluster.subjects
+    async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
+        landed: list[bytes] = []
+
+        async def on_dispatch(msg: nats.aio.msg.Msg) -> None:
+            landed.append(msg.data)
+
+        await admin.nc.subscribe(s.worker_dispatch("e9"), cb=on_dispatch)
+        async with await Client.connect(cluster.target("cli"), "test-cli") as client:
+            for request in (
+                protocol.GenerateRequest(
+                    request_id="r1", prompt="x", max_tokens=4, reply_to=s.worker_dispatch("e9")
+                ),
+                protocol.AttachRequest(request_id="r1", from_position=0, reply_to=s.worker_dispatch("e9")),
+            ):
+                subject = (
+                    s.router_generate if isinstance(request, protocol.GenerateRequest) else s.router_attach
+                )
+                with pytest.raises(bus.ServiceError) as refused:
+                    await bus.request(client.nc, subject, request, 5.0)
+                assert refused.value.code == "bad-request" and "inbox" in refused.value.message
+        await admin.nc.flush()
+        await asyncio.sleep(0.3)
+        assert landed == []
