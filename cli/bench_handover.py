@@ -123,7 +123,9 @@ class Watch:
             self.changed.set()
 
         await bus.listen(client.nc, client.subjects.event("handover", "*"), Handover, on_handover)
-        await bus.listen(client.nc, client.subjects.event("worker_registered", "*"), WorkerRegistration, on_registered)
+        await bus.listen(
+            client.nc, client.subjects.event("worker_registered", "*"), WorkerRegistration, on_registered
+        )
 
     async def until(self, done: object) -> None:
         while not done():  # type: ignore[operator]

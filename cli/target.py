@@ -32,12 +32,18 @@ def add_target_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None
     def default(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
-    parser.add_argument("--cluster-id", default=default(None), help=f"the Belayer cluster (or ${CLUSTER_ID_ENV})")
+    parser.add_argument(
+        "--cluster-id", default=default(None), help=f"the Belayer cluster (or ${CLUSTER_ID_ENV})"
+    )
     parser.add_argument(
         "--nats-creds", type=Path, default=default(None), help=f"NATS credentials file (or ${NATS_CREDS_ENV})"
     )
-    parser.add_argument("--nats-ca", type=Path, default=default(None), help="CA of the NATS server's TLS certificate")
-    parser.add_argument("--nats-cert", type=Path, default=default(None), help="client certificate for NATS TLS")
+    parser.add_argument(
+        "--nats-ca", type=Path, default=default(None), help="CA of the NATS server's TLS certificate"
+    )
+    parser.add_argument(
+        "--nats-cert", type=Path, default=default(None), help="client certificate for NATS TLS"
+    )
     parser.add_argument("--nats-key", type=Path, default=default(None), help="key of the client certificate")
 
 
@@ -55,7 +61,9 @@ def resolve_target(args: argparse.Namespace, *, role: str = "cli") -> Target:
     local = recorded(args.state_dir)
     cluster_id = args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or local.cluster_id
     if not cluster_id_ok(cluster_id):
-        raise ConfigError(f"--cluster-id {cluster_id!r} is not a cluster id (lowercase letters, digits, - and _)")
+        raise ConfigError(
+            f"--cluster-id {cluster_id!r} is not a cluster id (lowercase letters, digits, - and _)"
+        )
     creds = args.nats_creds or (Path(env) if (env := os.environ.get(NATS_CREDS_ENV)) else None)
     if creds is None and local.creds_dir and (Path(local.creds_dir) / f"{role}.creds").exists():
         creds = Path(local.creds_dir) / f"{role}.creds"
