@@ -12,7 +12,10 @@ endpoints and timers on the runtime, and returns. The runtime owns everything ar
 - owned background tasks and timers, cancelled and awaited at shutdown; an essential task that
   ends on its own stops the process with exit status 1, so its supervisor restarts it;
 - logging set-up, readiness (`ready()`), and a stats endpoint per process,
-  `belayer.svc.<name>.stats`, where the error counts can be read (and where metrics plug in).
+  `belayer.svc.<name>.stats`, where the error counts can be read;
+- the process's metrics (shared/metrics.py): its registry (`metrics`, on which a service builds
+  its group) and the HTTP endpoint with `/metrics` and `/healthz`, started before the setup (so a
+  health check sees "starting" while NATS is still unreachable) and closed last.
 
 The drain, in order: stop intake (unsubscribe every endpoint), let in-flight handlers finish and
 run the service's drain hooks within `--drain-timeout`, cancel what is left (handlers, tasks,
@@ -45,9 +48,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from belayer_rl.shared import bus, protocol
+from belayer_rl.shared import bus, metrics, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError, ServiceConfig
+from belayer_rl.shared.metrics import Metrics, MetricsServer, ServiceCounts
 from belayer_rl.shared.protocol import EndpointInfo, ErrorReply, Message, ServiceStats, StatsRequest
 from belayer_rl.shared.subjects import Subjects, event_kind
 
@@ -138,6 +142,9 @@ class Runtime:
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._signals_captured = False
         self.failure = ""  # why the process stops on its own (exit status 1); "" for a requested stop
+        self.metrics = Metrics(enabled=config.metrics_port != -1)
+        self.metrics.export_service(self._counts)  # the counts above, read at each scrape
+        self.metrics_port = 0  # where /metrics is served; 0 until then, and with metrics off
 
     # ------------------------------------------------------------ connection
 
@@ -240,6 +247,29 @@ class Runtime:
         self.is_ready = True
         log.info("%s ready: %s", self.name, detail)
 
+    def health(self) -> tuple[bool, str]:
+        """What /healthz says: serving only between `ready()` and the start of a drain."""
+        if self.stopping.is_set():
+            return False, "draining"
+        return (True, "ok") if self.is_ready else (False, "starting")
+
+    async def start_metrics(self) -> None:
+        """Serve /metrics and /healthz (unless --metrics-port is -1), until the very end."""
+        registry = self.metrics.registry
+        if registry is None or self.metrics_port:
+            return
+        server = MetricsServer(registry, self.health)
+        host, port = self.config.metrics_host, self.config.metrics_port
+        try:
+            self.metrics_port = await server.start(host, port)
+        except OSError as exc:  # the port is taken, or the address is not this host's
+            raise ConfigError(f"--metrics-port {port} on --metrics-host {host}: {exc}") from None
+        self.on_close(server.close)
+        log.info("%s: metrics on %s", self.name, metrics.url(host, self.metrics_port))
+
+    def _counts(self) -> ServiceCounts:
+        return ServiceCounts(errors=self.errors, handled=self.handled, ready=self.health()[0])
+
     # ------------------------------------------------------------ the error envelope
 
     def _callback(self, endpoint: Endpoint) -> Callable[[Msg], Awaitable[None]]:
@@ -295,6 +325,7 @@ class Runtime:
             handled=self.handled,
             errors=dict(self.errors),
             endpoints=[endpoint.info() for endpoint in self._endpoints],
+            metrics_port=self.metrics_port,
         )
 
     def _task_done(self, task: asyncio.Task[Any], *, essential: bool) -> None:
@@ -382,6 +413,7 @@ async def serve(
     if signals_during_setup:
         runtime.capture_signals()
     try:
+        await runtime.start_metrics()
         try:
             await runtime.unless_stopped(setup(runtime, config))
         except Stopped:
