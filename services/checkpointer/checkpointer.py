@@ -35,6 +35,7 @@ from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CheckpointerConfig
+from belayer_rl.shared.metrics import CheckpointerMetrics, Metrics
 from belayer_rl.shared.protocol import (
     Ack,
     CheckpointReady,
@@ -69,8 +70,16 @@ class Sandbox:
 
 
 class Checkpointer:
-    def __init__(self, config: CheckpointerConfig, engine: Engine, nc: NATS, kv: KeyValue) -> None:
+    def __init__(
+        self,
+        config: CheckpointerConfig,
+        engine: Engine,
+        nc: NATS,
+        kv: KeyValue,
+        metrics: CheckpointerMetrics | None = None,  # None: counts nothing (outside a runtime)
+    ) -> None:
         self.config = config
+        self.metrics = metrics or CheckpointerMetrics(Metrics(enabled=False))
         self.subjects = config.subjects
         self.engine = engine
         self.nc = nc
@@ -197,6 +206,7 @@ class Checkpointer:
             return ServiceError("destroyed", f"sandbox {sb.record.sandbox} was destroyed")
         sb.record.state = "failed"
         self.save(sb)
+        self.metrics.env_failures.labels(failure.reason).inc()
         log.warning("sandbox %s: environment failure: %s", sb.record.sandbox, failure)
         event = EnvFailure(
             sandbox=sb.record.sandbox, host_id=self.config.host_id, container_id=sb.record.container_id,
@@ -316,6 +326,10 @@ class Checkpointer:
             self.save(sb)
         finally:
             sb.fifo.release()
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_bytes.inc(result.bytes_written)
+        self.metrics.freeze.observe(result.freeze_s)
+        self.metrics.checkpoint_duration.observe(result.total_s)
         await self.publish(
             self.subjects.event("checkpoint_ready", req.trajectory),
             CheckpointReady(
@@ -348,6 +362,7 @@ class Checkpointer:
         if current is None:
             raise ServiceError("no-checkpoint", f"trajectory {req.trajectory} has no prefix pointer")
         here = self.store.trajectory_dir(req.trajectory) / current.checkpoint_id
+        store = "local"
         if current.host_id != self.config.host_id and not here.is_dir():
             why = f"trajectory {req.trajectory} is checkpointed on host {current.host_id}"
             if self.objects is None:
@@ -359,11 +374,12 @@ class Checkpointer:
                 await objects.download(self.objects, self.store, req.trajectory, current.checkpoint_id)
             except (nats.js.errors.Error, CorruptCheckpoint, layer.HostileLayer, OSError) as exc:
                 raise ServiceError("wrong-host", f"{why}, and fetching it failed: {exc}") from None
+            store = "object-store"
         sb = self.sandboxes.get(current.sandbox)
         if sb is None or sb.record.state == "destroyed":
             sb = Sandbox(self.base_record(req.trajectory, current))
             self.sandboxes[current.sandbox] = sb
-        task = asyncio.create_task(self.restore(sb, current))
+        task = asyncio.create_task(self.restore(sb, current, store))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         try:
@@ -371,11 +387,14 @@ class Checkpointer:
         except TimeoutError:
             raise ServiceError("timeout", f"restore of {req.trajectory} exceeded {req.timeout_s}s") from None
 
-    async def restore(self, sb: Sandbox, current: PrefixPointer) -> RestoreResult:
+    async def restore(self, sb: Sandbox, current: PrefixPointer, store: str) -> RestoreResult:
+        """`store`: where the pointed checkpoint came from, "local" or "object-store" (fetched)."""
         started = time.monotonic()
         async with sb.fifo:
             result = await phases.full_restore(self.host, sb.record, current, started)
             self.save(sb)
+        self.metrics.restores.labels(result.source, store).inc()
+        self.metrics.restore_duration.observe(result.restore_s)
         await self.publish(
             self.subjects.event("sandbox_restored", current.trajectory),
             SandboxRestored(

@@ -18,6 +18,7 @@ from belayer_rl.services.checkpointer.checkpointer import Checkpointer
 from belayer_rl.services.checkpointer.sandbox import Engine
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.config import CheckpointerConfig
+from belayer_rl.shared.metrics import CheckpointerMetrics
 from belayer_rl.shared.protocol import Message, SandboxRequest
 from belayer_rl.shared.runtime import Endpoint, Runtime
 
@@ -61,7 +62,7 @@ async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
     )
     engine = await Engine.connect(config.docker_url)
     rt.on_close(engine.close)
-    checkpointer = Checkpointer(config, engine, nc, kv)
+    checkpointer = Checkpointer(config, engine, nc, kv, CheckpointerMetrics(rt.metrics))
     if config.object_store:
         checkpointer.objects = await bus.with_retries(
             "declare checkpoint object store", lambda: objects.declare(nc.jetstream(), rt.subjects)

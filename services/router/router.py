@@ -33,6 +33,7 @@ from belayer_rl.shared import bus, registry, tokenizer
 from belayer_rl.shared.access import INBOX
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.metrics import Metrics, ResumeCause, RouterMetrics
 from belayer_rl.shared.protocol import (
     Ack,
     AttachRequest,
@@ -72,6 +73,8 @@ FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
 WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
 WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
+# The resume cause of an engine's failure, by WorkerFailed.reason.
+FAILURE_CAUSE: dict[str, ResumeCause] = {"exit": "worker-exit", "heartbeat-timeout": "heartbeat-timeout"}
 
 
 # ---------------------------------------------------------------- state
@@ -96,6 +99,13 @@ class Request:
     watchers: set[str] = field(default_factory=set)  # client inboxes
     followed_at: float = field(default_factory=time.monotonic)  # a client's last sign of interest
     refused_by: dict[tuple[str, int], str] = field(default_factory=dict)  # (engine, epoch) -> why
+    # Since when, and why first, it waits for the first token of a resumed attempt (metrics).
+    interrupted: tuple[float, ResumeCause] | None = None
+    # A request rebuilt from the token log: positions from here up to what a re-attaching client
+    # says it had were relayed by the previous router, so producing them again is regeneration.
+    # None for a request this router started: its clients have only what it relayed.
+    replayed_to: int | None = None
+    client_had: int = 0  # the most tokens a client re-attaching to a rebuilt request reported
 
     @property
     def request_id(self) -> str:
@@ -121,9 +131,16 @@ class Engine:
 
 class Router:
     def __init__(
-        self, config: RouterConfig, nc: NATS, js: JetStreamContext, kv: KeyValue, spawn: Spawn
+        self,
+        config: RouterConfig,
+        nc: NATS,
+        js: JetStreamContext,
+        kv: KeyValue,
+        spawn: Spawn,
+        metrics: RouterMetrics | None = None,  # None: counts nothing (a router outside a runtime)
     ) -> None:
         self.config = config
+        self.metrics = metrics or RouterMetrics(Metrics(enabled=False))
         self.subjects = config.subjects
         self.spawn = spawn  # the runtime's owned tasks: cancelled and awaited at shutdown
         self.nc = nc
@@ -163,6 +180,7 @@ class Router:
         except ServiceError:
             del self.requests[message.request_id]
             raise
+        self.metrics.requests.inc()
         self.enqueue(request)
         return Ack(detail=f"request {message.request_id} accepted")
 
@@ -172,6 +190,9 @@ class Router:
         if request is None:
             raise ServiceError("unknown-request", f"no request {message.request_id}")
         request.followed_at = time.monotonic()
+        if request.replayed_to is not None and message.from_position > request.client_had:
+            request.client_had = message.from_position
+            self.count_replayed(request)
         if message.from_position < len(request.tokens):
             chunk = TokenChunk(
                 request_id=request.request_id,
@@ -248,29 +269,49 @@ class Router:
             or message.engine_id != request.engine_id
         ):
             self.dropped_chunks += 1  # a stale attempt, epoch or engine: fenced off
+            self.metrics.fenced.inc()
             return
         if isinstance(message, WorkerChunk):
             await self.accept(request, message)
         elif message.finish_reason == "error":
             await self.fail(request, "engine-rejected", message.error)
         elif message.num_tokens != len(request.tokens):
-            await self.resume(request, f"lost tokens: worker ended at {message.num_tokens}")
+            await self.resume(request, "lost-tokens", f"worker ended at {message.num_tokens}")
         else:
             await self.finish(request, message.finish_reason)
 
     async def accept(self, request: Request, chunk: WorkerChunk) -> None:
         have = len(request.tokens)
         if chunk.position > have:
-            await self.resume(request, f"gap: chunk at {chunk.position}, have {have}")
+            await self.resume(request, "gap", f"chunk at {chunk.position}, have {have}")
             return
         fresh = chunk.tokens[have - chunk.position :]
+        self.metrics.tokens_accepted.inc(len(chunk.tokens))
+        if len(fresh) < len(chunk.tokens):  # positions it holds already: computed twice
+            self.metrics.tokens_regenerated.inc(len(chunk.tokens) - len(fresh))
         if not fresh:
             return
+        if request.interrupted is not None:  # the first token since the failure
+            noticed_at, cause = request.interrupted
+            self.metrics.next_token.labels(cause).observe(time.monotonic() - noticed_at)
+            request.interrupted = None
         request.tokens.extend(fresh)
+        self.metrics.tokens_generated.inc(len(fresh))
+        if request.replayed_to is not None:
+            self.count_replayed(request)
         relay = TokenChunk(request_id=request.request_id, position=have, tokens=fresh)
         for inbox in request.watchers:
             await bus.publish(self.nc, inbox, relay)
         self.log_full_chunks(request)
+
+    def count_replayed(self, request: Request) -> None:
+        """Count as regenerated the positions of a rebuilt request that a client had already
+        received from the previous router and that this one now holds again, each once."""
+        assert request.replayed_to is not None
+        upto = min(request.client_had, len(request.tokens))
+        if upto > request.replayed_to:
+            self.metrics.tokens_regenerated.inc(upto - request.replayed_to)
+            request.replayed_to = upto
 
     def log_full_chunks(self, request: Request, *, with_tail: bool = False) -> None:
         """Queue every whole chunk not yet logged; `with_tail` (at the end) also the partial last one."""
@@ -329,6 +370,8 @@ class Router:
         request.end = end
         request.ended_at = time.monotonic()
         request.waiting_since = None
+        request.interrupted = None  # ended before its next token: no time to the next token
+        self.metrics.ends.labels(record.finish_reason).inc()
         self.log_full_chunks(request, with_tail=True)
         self.writer.put(record)
         for inbox in request.watchers:
@@ -353,19 +396,33 @@ class Router:
             self.spawn(self.dispatch(request), f"dispatch-{request.request_id}")
 
     async def resume(
-        self, request: Request, reason: str, *, prefer: str | None = None, for_s: float = 0.0
+        self,
+        request: Request,
+        cause: ResumeCause,
+        detail: str = "",
+        *,
+        prefer: str | None = None,
+        for_s: float = 0.0,
     ) -> None:
         """Re-place the request from the tokens it has. With `prefer`, only that engine is used
         for `for_s` seconds (the grace period in which a shadow takes over a failed engine)."""
         if request.end is not None:
             return
-        log.info("resuming %s at %d: %s", request.request_id, len(request.tokens), reason)
+        log.info("resuming %s at %d: %s %s", request.request_id, len(request.tokens), cause, detail)
         request.prefer_engine = prefer
         request.prefer_until = time.monotonic() + for_s
         self.detach(request)
+        self.interrupt(request, cause)
         request.resumes += 1
         request.attempt = 0  # nothing from the interrupted attempt is accepted any more
         self.enqueue(request)
+
+    def interrupt(self, request: Request, cause: ResumeCause) -> None:
+        """Count a resume; the time to the next token runs from the first failure it has not yet
+        recovered from (a quarantine after an exit does not restart the clock)."""
+        self.metrics.resumes.labels(cause).inc()
+        if request.interrupted is None:
+            request.interrupted = (time.monotonic(), cause)
 
     async def dispatch(self, request: Request) -> None:
         request.dispatching = True
@@ -545,7 +602,11 @@ class Router:
         grace = self.config.handover_grace_s
         for request in interrupted:
             await self.resume(
-                request, f"engine {engine.engine_id} {reason}", prefer=engine.engine_id, for_s=grace
+                request,
+                FAILURE_CAUSE[reason],
+                f"engine {engine.engine_id}",
+                prefer=engine.engine_id,
+                for_s=grace,
             )
 
     async def on_quarantined(self, alert: EngineQuarantined) -> None:
@@ -566,7 +627,7 @@ class Router:
         log.error("engine %s quarantined: moving %d requests", alert.engine_id, len(interrupted))
         for i, request in enumerate(interrupted):
             target = healthy[i % len(healthy)].engine_id if healthy else None
-            await self.resume(request, f"engine {alert.engine_id} quarantined", prefer=target, for_s=60.0)
+            await self.resume(request, "quarantine", f"engine {alert.engine_id}", prefer=target, for_s=60.0)
 
     def dispatch_waiting(self) -> None:
         for request in self.requests.values():
@@ -607,7 +668,7 @@ class Router:
                         request.request_id,
                         request.engine_id,
                     )
-                    await self.resume(request, "orphaned")
+                    await self.resume(request, "orphaned", f"not held by {request.engine_id}")
                     continue
                 if request.engine_id is None and request.waiting_since is not None:
                     waited = now - request.waiting_since
@@ -628,6 +689,8 @@ class Router:
             self.requests[request_id] = request
             if entry.end is None:
                 request.resumes = 1
+                request.replayed_to = len(entry.tokens)  # its clients may have had more
+                self.interrupt(request, "router-restart")
                 self.enqueue(request)
                 resumed += 1
             else:
@@ -640,7 +703,7 @@ class Router:
         """Messages in flight while the server was away are lost: resume everything running."""
         for request in list(self.requests.values()):
             if request.end is None and request.engine_id is not None:
-                await self.resume(request, "bus reconnected")
+                await self.resume(request, "reconnect")
 
 
 def check_inbox(reply_to: str) -> None:

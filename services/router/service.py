@@ -12,6 +12,7 @@ from __future__ import annotations
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.metrics import RouterMetrics
 from belayer_rl.shared.protocol import (
     AttachRequest,
     CancelRequest,
@@ -27,7 +28,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     nc = await rt.connect()
     js = nc.jetstream()
     kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(js, rt.subjects))
-    router = Router(config, nc, js, kv, rt.spawn)
+    router = Router(config, nc, js, kv, rt.spawn, RouterMetrics(rt.metrics))
     rt.on_reconnect(router.on_reconnect)
 
     # Listen to workers before rebuilding, so no heartbeat of a serving engine is missed.

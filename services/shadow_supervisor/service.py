@@ -10,13 +10,14 @@ from __future__ import annotations
 from belayer_rl.services.shadow_supervisor.supervisor import ShadowSupervisor
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import ShadowSupervisorConfig
+from belayer_rl.shared.metrics import SupervisorMetrics
 from belayer_rl.shared.runtime import Runtime
 
 
 async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
     nc = await rt.connect()
     kv = await rt.unless_stopped(bus.engine_registry(nc.jetstream(), rt.subjects))
-    supervisor = ShadowSupervisor(config, nc, kv)
+    supervisor = ShadowSupervisor(config, nc, kv, SupervisorMetrics(rt.metrics))
     rt.on_close(supervisor.stop)
     await supervisor.start()
     rt.ready(f"engines {', '.join(config.engines)}, each with a main and a shadow")

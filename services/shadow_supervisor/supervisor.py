@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -38,6 +38,7 @@ from nats.js.kv import KeyValue
 
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import ShadowSupervisorConfig, WorkerConfig, to_argv
+from belayer_rl.shared.metrics import ColdReason, Metrics, SupervisorMetrics
 from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
     BadMessage,
@@ -152,6 +153,17 @@ class WorkerProcess:
                 os.close(pidfd)
 
 
+class ServerCheck(NamedTuple):
+    """A server the shadow's mapping depends on, and the cold reasons it can give."""
+
+    name: str
+    down: ColdReason
+    restarted: ColdReason
+    owner: str | None  # the instance that owns what the shadow mapped; None: it mapped nothing
+    subject: str
+    reply: type[WeightServerAlive] | type[KvServerAlive]
+
+
 @dataclass
 class EngineSlot:
     engine_id: str
@@ -167,8 +179,15 @@ class EngineSlot:
 
 
 class ShadowSupervisor:
-    def __init__(self, config: ShadowSupervisorConfig, nc: NATS, kv: KeyValue) -> None:
+    def __init__(
+        self,
+        config: ShadowSupervisorConfig,
+        nc: NATS,
+        kv: KeyValue,
+        metrics: SupervisorMetrics | None = None,  # None: counts nothing (outside a runtime)
+    ) -> None:
         self.config = config
+        self.metrics = metrics or SupervisorMetrics(Metrics(enabled=False))
         self.subjects = config.subjects
         self.nc = nc
         self.kv = kv
@@ -312,11 +331,12 @@ class ShadowSupervisor:
             nonlocal t
             now = time.perf_counter()
             phases[name] = round(1000 * (now - t), 3)
+            self.metrics.phase.labels(name).observe(now - t)
             t = now
 
-        cold: list[str] = []
+        cold: list[tuple[ColdReason, str]] = []  # why not the shadow path, each with its detail
         if not await old.kill_confirmed(self.config.death_timeout_s):
-            cold.append(f"old main pid {old.pid} not confirmed dead")
+            cold.append(("kill-unconfirmed", f"old main pid {old.pid} not confirmed dead"))
         phase("kill_confirmed")
         now = time.monotonic()
         slot.failures = [f for f in slot.failures if now - f < self.config.failure_window_s] + [now]
@@ -329,10 +349,10 @@ class ShadowSupervisor:
             try:
                 await bus.request(self.nc, self.subjects.kv_flush, KvFlush(engine_id=slot.engine_id), 2.0)
             except bus.ServiceError as exc:
-                cold.append(f"arena flush failed: {exc}")
+                cold.append(("flush-failed", f"arena flush failed: {exc}"))
         phase("arena_flushed")
         if shadow is None:
-            cold.append("no shadow")
+            cold.append(("no-shadow", "no shadow"))
         new: WorkerProcess | None = None
         if not cold and shadow is not None:
             await shadow.tell(PromoteShadow())
@@ -340,7 +360,7 @@ class ShadowSupervisor:
                 await shadow.expect(WorkerReady, timeout_s=self.config.start_timeout_s)
                 new = shadow
             except (StartFailed, TimeoutError) as exc:
-                cold.append(f"shadow not promoted: {exc}")
+                cold.append(("promotion-failed", f"shadow not promoted: {exc}"))
         phase("promoted")
         if new is None:
             if shadow is not None:
@@ -360,7 +380,7 @@ class ShadowSupervisor:
             engine_id=slot.engine_id,
             reason=reason,
             path="cold" if cold else "shadow",
-            cold_reason="; ".join(cold),
+            cold_reason="; ".join(detail for _, detail in cold),
             old_pid=old.pid,
             new_pid=new.pid,
             epoch=entry.epoch if entry else 0,
@@ -368,25 +388,41 @@ class ShadowSupervisor:
             phases_ms=phases,
         )
         await bus.publish(self.nc, self.subjects.event("handover", slot.engine_id), event)
+        self.count(event, cold, time.time() - detected_at)
         log.info("engine %s handover after %s (%s path): %s", slot.engine_id, reason, event.path, phases)
         self.spawn_task(self.replace_shadow(slot), f"shadow-{slot.engine_id}")
 
-    async def servers_unfit(self, shadow: WorkerProcess | None) -> list[str]:
+    def count(self, event: Handover, cold: list[tuple[ColdReason, str]], took_s: float) -> None:
+        """The handover's metrics: one handover, and each reason for a cold path once."""
+        self.metrics.handovers.labels(event.engine_id, event.reason, event.path).inc()
+        self.metrics.duration.labels(event.path).observe(took_s)
+        for reason in dict.fromkeys(reason for reason, _ in cold):
+            self.metrics.cold_paths.labels(reason).inc()
+
+    async def servers_unfit(self, shadow: WorkerProcess | None) -> list[tuple[ColdReason, str]]:
         """Why the weight and KV servers cannot be trusted now: one does not answer, or it is a
         new instance that does not own what the shadow mapped. Empty when both are fit."""
-        unfit = []
+        unfit: list[tuple[ColdReason, str]] = []
         mapped = shadow.idle if shadow is not None else WorkerIdle()
-        for name, owner, subject, kind in (
-            ("weight server", mapped.weights_instance, self.subjects.weights_ping, WeightServerAlive),
-            ("KV server", mapped.kv_instance, self.subjects.kv_ping, KvServerAlive),
-        ):
+        weights = ServerCheck(
+            "weight server", "weight-server-down", "weight-server-restarted",
+            mapped.weights_instance, self.subjects.weights_ping, WeightServerAlive,
+        )  # fmt: skip
+        arenas = ServerCheck(
+            "KV server", "kv-server-down", "kv-server-restarted",
+            mapped.kv_instance, self.subjects.kv_ping, KvServerAlive,
+        )  # fmt: skip
+        for check in (weights, arenas):
             try:
-                alive = await bus.request_struct(self.nc, subject, ServerPing(), kind, SERVER_PING_TIMEOUT_S)
+                alive = await bus.request_struct(
+                    self.nc, check.subject, ServerPing(), check.reply, SERVER_PING_TIMEOUT_S
+                )
             except bus.ServiceError as exc:
-                unfit.append(f"{name} not answering ({exc.code})")
+                unfit.append((check.down, f"{check.name} not answering ({exc.code})"))
                 continue
-            if owner not in (None, alive.instance):
-                unfit.append(f"{name} restarted: instance {alive.instance} does not own the shadow's mapping")
+            if check.owner not in (None, alive.instance):
+                why = f"{check.name} restarted: instance {alive.instance} does not own the shadow's mapping"
+                unfit.append((check.restarted, why))
         return unfit
 
     async def quarantine(self, slot: EngineSlot) -> None:
@@ -395,6 +431,7 @@ class ShadowSupervisor:
             await slot.shadow.kill_confirmed(self.config.death_timeout_s)
             slot.shadow = None
         await registry.quarantine(self.kv, slot.engine_id)
+        self.metrics.quarantines.labels(slot.engine_id).inc()
         self.write_state()
         alert = EngineQuarantined(
             engine_id=slot.engine_id, failures=len(slot.failures), window_s=self.config.failure_window_s

@@ -22,6 +22,7 @@ from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.services.worker.worker import Worker
 from belayer_rl.shared import bus, registry, segments
 from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.metrics import WorkerMetrics
 from belayer_rl.shared.protocol import (
     ArenaHandle,
     CancelDispatch,
@@ -107,7 +108,8 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
             rt.stopping.set()
             return
     epoch = await registry.install_worker(kv, config.engine_id, os.getpid())
-    worker = Worker(config, nc, engine, epoch, rt.stopping, pins)
+    metrics = WorkerMetrics(rt.metrics, config.engine_id)
+    worker = Worker(config, nc, engine, epoch, rt.stopping, pins, metrics)
     await rt.serve(
         Endpoint(rt.subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
         Endpoint(rt.subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),

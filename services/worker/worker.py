@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.metrics import Metrics, WorkerMetrics
 from belayer_rl.shared.protocol import (
     Ack,
     CancelDispatch,
@@ -61,8 +63,10 @@ class Worker:
         epoch: int,
         stopping: asyncio.Event,
         pins: PinnedWeights | None = None,  # None: the engine owns its one weight version
+        metrics: WorkerMetrics | None = None,  # None: counts nothing (outside a runtime)
     ) -> None:
         self.config = config
+        self.metrics = metrics or WorkerMetrics(Metrics(enabled=False), config.engine_id)
         self.subjects = config.subjects
         # Chunks go to this engine's own stream, whatever a dispatch names: the bus lets this
         # engine publish nowhere else, and the router reads the engine from the subject.
@@ -167,7 +171,9 @@ class Worker:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), idle_wait_s)
                 continue
+            started = time.perf_counter()
             events = await asyncio.to_thread(self.engine.step)
+            self.metrics.step.observe(time.perf_counter() - started)
             for event in events:
                 await self._publish_event(event)
 
@@ -186,6 +192,7 @@ class Worker:
                 tokens=event.new_tokens,
             )
             await bus.publish(self.nc, self.stream, chunk)
+            self.metrics.tokens.inc(len(event.new_tokens))
         if event.finished is not None:
             del self.attempts[request_id]
             await self._publish_done(attempt, event.finished, event.position + len(event.new_tokens), "")
