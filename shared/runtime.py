@@ -115,6 +115,18 @@ def check_declared(endpoint: Endpoint) -> None:
         )
 
 
+def check_sender(subject: str, message: Message) -> None:
+    """An engine's event must name in its payload the engine its subject names: the subject is what
+    the bus vouches for (an engine's credential publishes only its own), the payload is not."""
+    kind = event_kind(subject)
+    if kind not in protocol.ENGINE_EVENTS:
+        return
+    named = subject.split(".")[4] if subject.count(".") >= 4 else ""
+    claimed: str = message.engine_id  # type: ignore[attr-defined]  # every ENGINE_EVENTS type has one
+    if claimed != named:
+        raise protocol.BadMessage(f"{kind} for engine {claimed!r} arrived on {named!r}'s subject")
+
+
 def type_name(kind: Any) -> str:
     """A Struct's name, or a union's members joined by " | "."""
     return " | ".join(k.__name__ for k in typing.get_args(kind) or (kind,))
@@ -279,6 +291,7 @@ class Runtime:
             answer: Message | None
             try:
                 message = protocol.decode(decoder, msg.data)
+                check_sender(msg.subject, message)
                 if endpoint.with_subject:
                     answer = await endpoint.handler(message, msg.subject)
                 else:
