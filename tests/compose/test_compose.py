@@ -8,7 +8,8 @@ every test of the module and is taken down (`down -v`) at the end, whatever happ
 - A SIGKILL of the main worker inside its engine container, at a seeded random token: the shadow
   takes over inside the container and the tokens equal a fault-free run's.
 - `docker compose restart router` (graceful, then with no grace) during a generation: it ends
-  token-exact, and so does one after.
+  token-exact, and so does one after. A restart of each other service, one at a time, leaves the
+  cluster serving the same tokens.
 - The checkpointer in its container checkpoints and restores a sandbox, processes included.
 
 Off CI a machine without Docker skips these tests; with CI=true they fail instead.
@@ -478,6 +479,20 @@ async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack
             await poll(lambda: healthy(stack, "router"), timeout_s=120, every_s=0.5)
         after = json.loads(stack.belayer(*generate_args(request_seed)))
         assert after["tokens"] == reference, "a generation after the restarts differs"
+
+
+async def test_compose_restart_of_each_service_leaves_generation_token_exact(stack: Stack, seed: int) -> None:
+    rng = random.Random(seed + 2)
+    async with await Client.connect(stack.target, "compose-test") as client:
+        await client.wait_for_engines(len(ENGINES), 60)
+        request_seed, reference = await long_request(client, rng)
+    for service in ("weight-server", "kv-server", "engine-e0", "nats", "checkpointer"):
+        started = time.monotonic()
+        stack.compose("restart", service)
+        stack.compose("up", "-d", "--wait", "--wait-timeout", "180", timeout_s=240)  # all healthy again
+        after = json.loads(stack.belayer(*generate_args(request_seed)))
+        print(f"restart {service}: healthy and generated again in {time.monotonic() - started:.1f} s")
+        assert after["tokens"] == reference, f"after restarting {service} the tokens differ"
 
 
 async def test_checkpointer_in_its_container_checkpoints_and_restores(stack: Stack) -> None:
