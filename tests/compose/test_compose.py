@@ -48,6 +48,9 @@ from tests.support import poll
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
+# The images' names: build-images and compose.yaml read the same variables; every other setting
+# of compose.yaml is the run's own.
+IMAGE_NAMES = ("BELAYER_BASE_IMAGE", "BELAYER_IMAGE", "BELAYER_NATS_IMAGE")
 REPO = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() == "true"
 ENGINES = ("e0", "e1")
@@ -229,7 +232,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         host_id=f"compose-{token}",
     )
     stack.env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("BELAYER_", "COMPOSE_"))},
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("BELAYER_", "COMPOSE_")) or k in IMAGE_NAMES
+        },
         "BELAYER_CREDS_DIR": str(creds),
         "BELAYER_CLUSTER_ID": cluster_id,
         "BELAYER_MODEL": "tiny",
