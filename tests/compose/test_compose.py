@@ -461,6 +461,36 @@ async def test_sigkill_main_worker_inside_its_container_is_token_exact(stack: St
         assert not [h for h in handovers if h.old_pid != killed], handovers
 
 
+async def test_checkpointer_in_its_container_checkpoints_and_restores(stack: Stack) -> None:
+    if (reason := sandbox_missing()) is not None:
+        skip_or_fail(reason)
+    docker = aiodocker.Docker()
+    try:
+        await ensure_image(docker, DEFAULT_IMAGE)
+    finally:
+        await docker.close()
+
+    def sandbox(*args: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(stack.belayer("sandbox", "--host", stack.host_id, "--json", *args))
+
+    name, trajectory = "s1", f"traj-{secrets.token_hex(3)}"
+    created = sandbox("create", DEFAULT_IMAGE, "--name", name)
+    assert created["state"] == "running"
+    try:
+        sandbox("exec", name, "echo before > /f; sleep 1000 & echo $! > /sleeper")
+        checkpoint = sandbox("checkpoint", name, trajectory, "1", "--tokens", "1,2,3")
+        assert checkpoint["k"] == 1 and checkpoint["bytes_written"] > 0
+        sandbox("exec", name, "echo after > /f; kill $(cat /sleeper)")
+        restored = sandbox("restore", trajectory)
+        assert (restored["source"], restored["k"], restored["context_tokens"]) == ("latest", 1, [1, 2, 3])
+        assert restored["container_id"] != created["container_id"]
+        # The file system of step 1, and its processes: the sleeper lives again.
+        probe = sandbox("exec", name, "cat /f; kill -0 $(cat /sleeper) && echo sleeper-alive")
+        assert probe["stdout"].split() == ["before", "sleeper-alive"], probe
+    finally:
+        stack.belayer("sandbox", "--host", stack.host_id, "rm", name)
+
+
 async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack, seed: int) -> None:
     rng = random.Random(seed + 1)
     async with await Client.connect(stack.target, "compose-test") as client:
@@ -500,33 +530,3 @@ async def test_compose_restart_of_each_service_leaves_generation_token_exact(sta
         after = json.loads(stack.belayer(*generate_args(request_seed)))
         print(f"restart {service}: healthy and generated again in {time.monotonic() - started:.1f} s")
         assert after["tokens"] == reference, f"after restarting {service} the tokens differ"
-
-
-async def test_checkpointer_in_its_container_checkpoints_and_restores(stack: Stack) -> None:
-    if (reason := sandbox_missing()) is not None:
-        skip_or_fail(reason)
-    docker = aiodocker.Docker()
-    try:
-        await ensure_image(docker, DEFAULT_IMAGE)
-    finally:
-        await docker.close()
-
-    def sandbox(*args: str) -> dict:  # type: ignore[type-arg]
-        return json.loads(stack.belayer("sandbox", "--host", stack.host_id, "--json", *args))
-
-    name, trajectory = "s1", f"traj-{secrets.token_hex(3)}"
-    created = sandbox("create", DEFAULT_IMAGE, "--name", name)
-    assert created["state"] == "running"
-    try:
-        sandbox("exec", name, "echo before > /f; sleep 1000 & echo $! > /sleeper")
-        checkpoint = sandbox("checkpoint", name, trajectory, "1", "--tokens", "1,2,3")
-        assert checkpoint["k"] == 1 and checkpoint["bytes_written"] > 0
-        sandbox("exec", name, "echo after > /f; kill $(cat /sleeper)")
-        restored = sandbox("restore", trajectory)
-        assert (restored["source"], restored["k"], restored["context_tokens"]) == ("latest", 1, [1, 2, 3])
-        assert restored["container_id"] != created["container_id"]
-        # The file system of step 1, and its processes: the sleeper lives again.
-        probe = sandbox("exec", name, "cat /f; kill -0 $(cat /sleeper) && echo sleeper-alive")
-        assert probe["stdout"].split() == ["before", "sleeper-alive"], probe
-    finally:
-        stack.belayer("sandbox", "--host", stack.host_id, "rm", name)
