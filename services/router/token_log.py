@@ -106,7 +106,8 @@ async def read_all(js: JetStreamContext, names: Subjects) -> dict[str, LoggedReq
     requests: dict[str, LoggedRequest] = {}
     if info.state.messages == 0:
         return requests
-    sub = await js.subscribe(names.token_log_all, ordered_consumer=True)
+    # The stream is named: looking it up by subject needs $JS.API.STREAM.NAMES, which the router may not use.
+    sub = await js.subscribe(names.token_log_all, stream=names.token_log_stream, ordered_consumer=True)
     try:
         while True:
             msg = await sub.next_msg(timeout=5.0)

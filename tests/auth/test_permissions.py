@@ -280,3 +280,27 @@ async def test_the_router_takes_only_an_inbox_as_a_reply_subject(cluster: Superv
         await admin.nc.flush()
         await asyncio.sleep(0.3)
         assert landed == []
+
+
+async def test_a_restarted_router_rebuilds_from_the_log_within_its_permissions(cluster: Supervisor) -> None:
+    """Normal work draws no violation at all: a generation, a router SIGKILL with the log not empty
+    (the new router reads it back), and a generation after."""
+    jobs = [
+        Job("before-kill", "first", max_tokens=16, seed=1),
+        Job("after-kill", "second", max_tokens=16, seed=2),
+    ]
+    expected = await asyncio.to_thread(reference_tokens, jobs)
+    async with await Client.connect(cluster.target("cli"), "test-cli") as client:
+        first = await client.generate_all(jobs[0].prompt, max_tokens=16, seed=1, temperature=0.8)
+        router = cluster.children["router"]
+        old_pid = router.pid
+        os.kill(old_pid, signal.SIGKILL)
+        await poll(
+            lambda: asyncio.sleep(
+                0, router.pid if router.pid != old_pid and router.state == "running" else None
+            )
+        )
+        second = await client.generate_all(jobs[1].prompt, max_tokens=16, seed=2, temperature=0.8)
+    assert (first.tokens, second.tokens) == (expected["before-kill"], expected["after-kill"])
+    server_log = (cluster.config.state_dir / "logs" / "nats-server.log").read_text()
+    assert "Violation" not in server_log, [line for line in server_log.splitlines() if "Violation" in line]
