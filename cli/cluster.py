@@ -2,7 +2,7 @@
 
 `belayer up` runs `python -m belayer_rl.cli.cluster` in the background; that process starts the
 children and supervises them: a child that exits is restarted with exponential backoff and each
-exit and restart is an event (`belayer.evt.process.<name>`); a worker's exit is also reported as
+exit and restart is an event (`belayer.<cluster>.evt.process.<name>`); a worker's exit is also reported as
 worker-failed, so the router resumes its requests without waiting for the heartbeat timeout.
 What it runs is written to `<state-dir>/cluster.json`; `belayer down` sends it SIGTERM.
 """

@@ -608,7 +608,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
         action="append",
         choices=sorted(protocol.EVENT_TYPES),
         metavar="KIND",
-        help=f"only this kind, as in belayer.evt.<kind> (repeatable): {', '.join(protocol.EVENT_TYPES)}",
+        help=f"only this kind, as in belayer.<cluster>.evt.<kind> (repeatable): {', '.join(protocol.EVENT_TYPES)}",
     )
     events.add_argument("--engine", metavar="ID", help="only events of this engine (their engine_id)")
     events.add_argument("--trajectory", metavar="ID", help="only events of this sandbox trajectory")

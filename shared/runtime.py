@@ -12,7 +12,7 @@ endpoints and timers on the runtime, and returns. The runtime owns everything ar
 - owned background tasks and timers, cancelled and awaited at shutdown; an essential task that
   ends on its own stops the process with exit status 1, so its supervisor restarts it;
 - logging set-up, readiness (`ready()`), and a stats endpoint per process,
-  `belayer.svc.<name>.stats`, where the error counts can be read;
+  `belayer.<cluster>.svc.<name>.stats`, where the error counts can be read;
 - the process's metrics (shared/metrics.py): its registry (`metrics`, on which a service builds
   its group) and the HTTP endpoint with `/metrics` and `/healthz`, started before the setup (so a
   health check sees "starting" while NATS is still unreachable) and closed last.

@@ -1,4 +1,4 @@
-"""A typed client of the kv-server. Each call is one request on `belayer.kv.<verb>`; failures
+"""A typed client of the kv-server. Each call is one request on `belayer.<cluster>.kv.<verb>`; failures
 arrive as ServiceError with the server's code ("unknown-engine", "shape-mismatch",
 "unknown-preset", "too-large", "no-space") or the bus's ("timeout", "no-responders")."""
 

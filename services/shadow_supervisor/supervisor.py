@@ -4,8 +4,8 @@ Owns: every rollout-worker process of its engines (it alone starts, replaces and
 engine's failure history and quarantine.
 Listens: its workers' reports on stdout (shared/protocol.py's shadow pipe: WorkerIdle, MainFailed,
 WorkerReady, WorkerUnhealthy, one per line), its children's exits.
-Publishes: `belayer.evt.handover.<engine>` with each phase's duration,
-`belayer.evt.engine_quarantined.<engine>`, process events; the registry's quarantine mark.
+Publishes: `belayer.<cluster>.evt.handover.<engine>` with each phase's duration,
+`belayer.<cluster>.evt.engine_quarantined.<engine>`, process events; the registry's quarantine mark.
 
 A handover: (1) the shadow, or the main's exit, reports the failure; (2) the main is SIGKILLed
 through a pidfd and its death confirmed by reaping it, and without that confirmation the arena is

@@ -1,5 +1,5 @@
 """A typed client of the weight server: what workers, a shadow supervisor and a trainer call. Each
-call is one request on `belayer.weights.<verb>`; failures arrive as ServiceError with the server's
+call is one request on `belayer.<cluster>.weights.<verb>`; failures arrive as ServiceError with the server's
 code ("unknown-version", "dead-holder", "bad-weights", "no-space") or the bus's ("timeout",
 "no-responders")."""
 

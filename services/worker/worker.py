@@ -1,9 +1,10 @@
 """The rollout worker: one process serving one engine id with the built-in engine.
 
 Owns: the engine (weights, KV arena, scheduler) and the attempts it is running.
-Listens: `belayer.worker.<engine>.dispatch` (Dispatch), `belayer.worker.<engine>.cancel`.
-Publishes: WorkerChunk / WorkerDone to each dispatch's reply subject (the router), a Heartbeat on
-`belayer.evt.heartbeat.<engine>` every interval, a WorkerRegistration once it serves.
+Listens: `belayer.<cluster>.worker.<engine>.dispatch` (Dispatch), `belayer.<cluster>.worker.<engine>.cancel`.
+Publishes: WorkerChunk / WorkerDone on its engine's stream `belayer.<cluster>.router.worker_stream.
+<engine>` (the only stream its credential may publish on, whatever a dispatch names), a Heartbeat on
+`belayer.<cluster>.evt.heartbeat.<engine>` every interval, a WorkerRegistration once it serves.
 
 Its epoch comes from the engine registry (compare-and-set at start-up); a dispatch that names any
 other epoch is refused, and every chunk it sends carries (epoch, attempt) so the router can drop
