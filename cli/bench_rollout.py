@@ -6,7 +6,11 @@ Every figure is printed next to its baseline from the same run:
 - recovery after a worker SIGKILL: time from the kill to each interrupted request's next token and
   tokens regenerated, vs restarting the request from its prompt (time to regain the same position);
 - recovery after a router SIGKILL: the same, with tokens regenerated bounded by k;
-- token-log cost: JetStream append time per token.
+- token-log cost: JetStream append time per token;
+- the metrics' own cost: the router's CPU time per token with its metrics on (the default) and off
+  (`--metrics-port -1`): pairs of rounds of one fixed workload on the same cluster, the router
+  restarted with the other setting for each round; end-to-end tokens/s of the same rounds; and
+  the counter updates alone, timed in-process.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import signal
 import statistics
 import tempfile
 import time
+import timeit
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvloop
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
@@ -32,7 +39,17 @@ from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import RouterConfig
-from belayer_rl.shared.protocol import Dispatch, LogChunk, SamplingParams, TokenChunk, WorkerChunk, WorkerDone
+from belayer_rl.shared.metrics import Metrics, RouterMetrics
+from belayer_rl.shared.protocol import (
+    Dispatch,
+    LogChunk,
+    SamplingParams,
+    ServiceStats,
+    StatsRequest,
+    TokenChunk,
+    WorkerChunk,
+    WorkerDone,
+)
 
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
 
@@ -49,6 +66,12 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
         default=RouterConfig.chunk_tokens,
         help="k of the token log (the router's default)",
     )
+    rollout.add_argument(
+        "--metrics-rounds", type=int, default=8, help="pairs of rounds with metrics on and off (0: skip)"
+    )
+    rollout.add_argument(
+        "--metrics-batches", type=int, default=8, help="batches of --requests per metrics-cost round"
+    )
     rollout.add_argument("--json", action="store_true", help="print one JSON object")
     rollout.set_defaults(run=run)
 
@@ -59,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def bench(args: argparse.Namespace) -> dict[str, object]:
     report: dict[str, object] = {"host_cpus": os.cpu_count(), "presets": {}}
-    for preset in args.presets.split(","):
+    for n, preset in enumerate(args.presets.split(",")):
         with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
             # Workers started directly (no shadows): this measures the router's own recovery.
             config = ClusterConfig(
@@ -80,6 +103,12 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                         "router_kill": await recovery(client, supervisor, args, kill_router=True),
                         "token_log": await log_cost(client, args.chunk_tokens),
                     }
+                    # The router's work per token does not depend on the model: measured once.
+                    if n == 0 and args.metrics_rounds > 0:
+                        report["metrics_cost"] = {
+                            "preset": preset,
+                            **await metrics_cost(client, supervisor, args),
+                        }
         report["presets"][preset] = figures  # type: ignore[index]
     return report
 
@@ -113,10 +142,16 @@ async def overhead(client: Client, args: argparse.Namespace) -> dict[str, object
 async def through_router(client: Client, args: argparse.Namespace, n: int) -> float:
     """Tokens/s of n concurrent requests through the router."""
     t0 = time.perf_counter()
+    tokens = await routed_batch(client, args, n)
+    return tokens / (time.perf_counter() - t0)
+
+
+async def routed_batch(client: Client, args: argparse.Namespace, n: int) -> int:
+    """The tokens of n concurrent requests through the router (seeds 0..n-1, so every batch is the same)."""
     results = await asyncio.gather(
         *(client.generate_all(PROMPT, max_tokens=args.max_tokens, seed=i, temperature=0.8) for i in range(n))
     )
-    return sum(len(r.tokens) for r in results) / (time.perf_counter() - t0)
+    return sum(len(r.tokens) for r in results)
 
 
 async def straight_to_worker(
@@ -289,15 +324,156 @@ async def log_cost(client: Client, k: int, chunks: int = 200) -> dict[str, float
     tokens = list(range(k))
     t0 = time.perf_counter()
     for i in range(chunks):
-        await token_log.append(
-            js, LogChunk(request_id=request_id, index=i, position=i * k, tokens=tokens, attempt=1)
-        )
+        chunk = LogChunk(request_id=request_id, index=i, position=i * k, tokens=tokens, attempt=1)
+        await token_log.append(js, client.subjects, chunk)
     elapsed = time.perf_counter() - t0
     await js.purge_stream(client.subjects.token_log_stream, subject=client.subjects.token_log(request_id))
     return {
         "append_ms_per_chunk": round(1000 * elapsed / chunks, 3),
         "append_us_per_token": round(1e6 * elapsed / (chunks * k), 3),
         "chunk_tokens": k,
+    }
+
+
+# ---------------------------------------------------------------- the metrics' own cost
+
+
+async def metrics_cost(client: Client, supervisor: Supervisor, args: argparse.Namespace) -> dict[str, object]:
+    """The router's CPU time per token with metrics on and off, in pairs of rounds.
+
+    Each round restarts the router with one setting (the supervisor restarts a child with its
+    argv) and runs the same fixed workload on it (`measured_round`). The two rounds of a pair run
+    back to back, in alternating order, so drift and order cancel in their ratio. CPU time moves
+    less than tokens/s with what else shares the 2 cores, but it still moves (how many messages
+    one loop turn takes, caches), so every figure comes with its spread over the pairs. Beside it,
+    the same counter updates timed in-process (`update_cost`): the part of the difference that
+    is the metrics' own code, without the noise."""
+    child = supervisor.children["router"]
+    argv = {"on": list(child.argv), "off": [*child.argv, "--metrics-port", "-1"]}
+    updates = update_cost()  # first, while the cluster idles
+    pairs: list[dict[str, Round]] = []
+    try:
+        for i in range(args.metrics_rounds):
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")  # neither side always goes first
+            pairs.append(
+                {setting: await measured_round(client, supervisor, args, argv[setting]) for setting in order}
+            )
+    finally:
+        await restart_router(client, supervisor, argv["on"])  # as the cluster started it
+    sides = ("on", "off")
+    return {
+        "router_cpu_us_per_token": {s: spread([p[s].cpu_us_per_token for p in pairs], 2) for s in sides},
+        "cpu_ratio_on_off": spread([p["on"].cpu_us_per_token / p["off"].cpu_us_per_token for p in pairs], 4),
+        "tokens_per_s": {s: spread([p[s].tokens_per_s for p in pairs], 1) for s in sides},
+        "end_to_end_overhead_pct": spread(
+            [100 * (1 - p["on"].tokens_per_s / p["off"].tokens_per_s) for p in pairs], 2
+        ),
+        "metric_updates_us_per_chunk": updates,
+        "pairs": args.metrics_rounds,
+        "tokens_per_round": pairs[0]["on"].tokens,
+    }
+
+
+@dataclass
+class Round:
+    tokens: int
+    cpu_us_per_token: float  # the router's CPU time (every thread) over the tokens
+    tokens_per_s: float  # end to end, as the client saw them
+
+
+async def measured_round(
+    client: Client, supervisor: Supervisor, args: argparse.Namespace, argv: list[str]
+) -> Round:
+    """Restart the router with `argv`, run one unmeasured batch, then `--metrics-batches` batches
+    of `--requests` requests, reading the router's CPU time before and after. With metrics on,
+    the round ends with one scrape, as Prometheus would, whose token count must be the client's.
+    The token log is emptied first (every request in it has ended), so each new router starts
+    from the same empty state: one rebuilt from a log that grows round by round would hold ever
+    more requests, and its garbage collector would take ever longer."""
+    await client.nc.jetstream().purge_stream(client.subjects.token_log_stream)
+    pid = await restart_router(client, supervisor, argv)
+    await routed_batch(client, args, args.requests)  # warm-up on the new router
+    port = (await router_stats(client)).metrics_port  # 0: metrics off
+    counted = await asyncio.to_thread(generated_tokens, port) if port else 0.0
+    before, t0 = cpu_seconds(pid), time.perf_counter()
+    tokens = 0
+    for _ in range(args.metrics_batches):
+        tokens += await routed_batch(client, args, args.requests)
+    if port:
+        counted = await asyncio.to_thread(generated_tokens, port) - counted
+        if counted != tokens:
+            raise RuntimeError(f"the router counted {counted} tokens generated, the client {tokens}")
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - before
+    return Round(tokens, 1e6 * cpu / tokens, tokens / elapsed)
+
+
+def update_cost(calls: int = 200_000) -> dict[str, float]:
+    """Microseconds the router's metrics take per accepted chunk (one token each in decode), timed
+    in-process: the two counter updates `Router.accept` makes, on a live registry ("on") and on the
+    NULL metrics that --metrics-port -1 gives ("off"). The best of 5 runs."""
+
+    def per_chunk(metrics: RouterMetrics) -> float:
+        def chunk() -> None:  # what Router.accept does for a chunk of one fresh token
+            metrics.tokens_accepted.inc(1)
+            metrics.tokens_generated.inc(1)
+
+        return 1e6 * min(timeit.repeat(chunk, number=calls, repeat=5)) / calls
+
+    on, off = RouterMetrics(Metrics(enabled=True)), RouterMetrics(Metrics(enabled=False))
+    return {"on": round(per_chunk(on), 3), "off": round(per_chunk(off), 3)}
+
+
+async def restart_router(client: Client, supervisor: Supervisor, argv: list[str]) -> int:
+    """Stop the router (a drain) and let the supervisor start it again with `argv`; its pid once
+    the new one answers and sees both engines."""
+    child = supervisor.children["router"]
+    old = child.pid
+    child.argv = argv  # what the supervisor runs at the restart
+    assert child.process is not None
+    child.process.terminate()
+    async with asyncio.timeout(120):
+        while True:
+            if child.pid != old and child.state == "running":
+                with contextlib.suppress(bus.ServiceError):
+                    if (await router_stats(client)).pid == child.pid:
+                        await client.wait_for_engines(2, 60)
+                        return child.pid
+            await asyncio.sleep(0.1)
+
+
+async def router_stats(client: Client) -> ServiceStats:
+    subject = client.subjects.service_stats("router")
+    return await bus.request_struct(client.nc, subject, StatsRequest(), ServiceStats, 2.0)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) that process `pid` has used. Linux's per-process CPU
+    clock, the one clock_getcpuclockid(3) names, reads it in nanoseconds; /proc/<pid>/stat counts
+    clock ticks (10 ms), too coarse for a round of a few seconds, and is the fallback."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)  # the kernel's MAKE_PROCESS_CPUCLOCK(pid, SCHED)
+    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def generated_tokens(port: int) -> float:
+    """belayer_router_tokens_generated_total, scraped from the router's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "belayer_router_tokens_generated_total"
+    )
+
+
+def spread(values: list[float], digits: int) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
     }
 
 
@@ -320,3 +496,18 @@ def print_table(report: dict[str, object]) -> None:
         print(
             f"  token log: {t['append_us_per_token']} us/token ({t['append_ms_per_chunk']} ms per {t['chunk_tokens']}-token chunk)"
         )
+    if (m := report.get("metrics_cost")) is not None:
+        cpu, rate, ratio = m["router_cpu_us_per_token"], m["tokens_per_s"], m["cpu_ratio_on_off"]  # type: ignore[index]
+        e2e, calls = m["end_to_end_overhead_pct"], m["metric_updates_us_per_chunk"]  # type: ignore[index]
+        print(
+            f"\nmetrics cost (preset {m['preset']}, {m['pairs']} pairs of rounds of {m['tokens_per_round']} tokens)"
+        )  # type: ignore[index]
+        for setting in ("on", "off"):
+            c, r = cpu[setting], rate[setting]
+            print(
+                f"  metrics {setting:<3}  router CPU {c['median']} us/token (min {c['min']}, max {c['max']});"
+                f" {r['median']} tokens/s (min {r['min']}, max {r['max']})"
+            )
+        print(f"  router CPU on/off, paired: {ratio['median']} (min {ratio['min']}, max {ratio['max']})")
+        print(f"  end-to-end overhead, paired: {e2e['median']}% (min {e2e['min']}%, max {e2e['max']}%)")
+        print(f"  the counter updates alone: {calls['on']} us per chunk on, {calls['off']} off")
