@@ -677,7 +677,9 @@ EVENT_TYPES: dict[str, type[Message]] = {
 
 # Events about one engine: the engine id follows the kind in the subject (`...evt.heartbeat.e0`), and
 # the bus lets an engine's credential publish only its own. A payload naming another engine is forged.
-ENGINE_EVENTS = frozenset({"heartbeat", "worker_registered", "worker_failed", "handover", "engine_quarantined"})
+ENGINE_EVENTS = frozenset(
+    {"heartbeat", "worker_registered", "worker_failed", "handover", "engine_quarantined"}
+)
 
 # Every event of EVENT_TYPES, for a listener that takes any kind on one decoder (the tags are distinct).
 AnyEvent = (
