@@ -8,6 +8,7 @@ second, declares the server dead after three missed pongs and reconnects forever
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import typing
 from collections.abc import Awaitable, Callable
@@ -196,11 +197,18 @@ async def declare_jetstream(js: JetStreamContext, names: Subjects) -> KeyValue:
     except nats.js.errors.BadRequestError:
         await js.update_stream(config)
     try:
-        return await js.key_value(names.engine_registry_bucket)
+        registry = await js.key_value(names.engine_registry_bucket)
     except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(
+        registry = await js.create_key_value(
             KeyValueConfig(bucket=names.engine_registry_bucket, history=1, storage=StorageType.FILE)
         )
+    # A KV bucket takes rollup headers, and a rollup on one's own key ("Nats-Rollup: all") purges
+    # every key: an engine, which may write only its own entry, could wipe the others'. Nothing
+    # here rolls up, so the registry refuses them.
+    info = await js.stream_info(f"KV_{names.engine_registry_bucket}")
+    if info.config.allow_rollup_hdrs:
+        await js.update_stream(dataclasses.replace(info.config, allow_rollup_hdrs=False))
+    return registry
 
 
 async def engine_registry(js: JetStreamContext, names: Subjects, wait_s: float = 120.0) -> KeyValue:

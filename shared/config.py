@@ -152,7 +152,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         if field.metadata.get("env"):
             options["help"] = f"{options['help']}; ${field.metadata['env']} when absent"
         if not required:
-            options["default"] = field.default
+            # A field with an environment variable parses to None when its flag is absent, so that
+            # an explicit flag wins over the variable even when it names the default.
+            options["default"] = None if field.metadata.get("env") else field.default
             if field.default not in (None, "", ()):
                 options["help"] = f"{options['help']} (default: {_render(field.default)})"
         parser.add_argument(name, **options)
@@ -163,9 +165,12 @@ def from_args(cls: type[C], args: argparse.Namespace, *, skip: tuple[str, ...] =
     `nats_url` that no flag set is resolved as every command resolves it (resolve_nats_url)."""
     for field, annotation in _cli_fields(cls, skip):
         value = getattr(args, _dest(field))
-        if value == field.default and (from_env := os.environ.get(field.metadata.get("env", ""), "")):
+        if value is None and field.metadata.get("env"):  # the flag was absent: the variable, or the default
+            from_env = os.environ.get(field.metadata["env"], "")
             kind = _base_type(annotation)
-            value = kind(from_env) if kind in (int, float, Path) else from_env
+            value = (
+                (kind(from_env) if kind in (int, float, Path) else from_env) if from_env else field.default
+            )
         values.setdefault(field.name, value)
     if values.get("nats_url") == "":  # a service config: the bus is found as every command finds it
         values["nats_url"] = resolve_nats_url(None)
@@ -335,7 +340,7 @@ class ShadowSupervisorConfig(ServiceConfig):
     hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
     engine_creds: Path | None = setting(
         None,
-        "folder of engine-<id>.creds: each engine's workers connect with their own (default: --nats-creds)",
+        "folder of engine-<id>.creds: each engine's workers connect with their own (needed with --nats-creds)",
     )
     failure_window_s: float = setting(60.0, "a second failure of one engine inside it quarantines it (s)")
     death_timeout_s: float = setting(2.0, "how long a SIGKILLed main may take to be reaped (s)")
@@ -345,6 +350,11 @@ class ShadowSupervisorConfig(ServiceConfig):
         super().__post_init__()
         if not self.engines:
             raise ConfigError("--engines must name at least one engine")
+        if self.nats_creds is not None and self.engine_creds is None:
+            # Its own credential would not let the workers publish their engine's chunks.
+            raise ConfigError(
+                "--nats-creds needs --engine-creds: each engine's workers connect with their own"
+            )
         positive("--hang-timeout", self.hang_timeout_s)
         positive("--failure-window", self.failure_window_s)
         positive("--death-timeout", self.death_timeout_s)

@@ -34,6 +34,9 @@ class Role:
     # Streams it may only read (stream info and direct/last-message gets).
     reads: tuple[str, ...] = ()
     everything: bool = False  # the operator's own credential
+    stats: str = ""  # the service name whose stats endpoint it answers ("*": a worker, named by its pid)
+    client: bool = False  # the rollout side: the router may stream into its users' inboxes
+    to_clients: bool = False  # may publish into the clients' inboxes (the router)
 
 
 def _js_api(stream: str) -> list[str]:
@@ -78,7 +81,6 @@ def role_table(s: Subjects) -> dict[str, Role]:
     return {
         "router": Role(
             publish=(
-                "_INBOX.>",  # chunks stream to the clients' inboxes (the router checks reply_to is one)
                 f"{r}.worker.*.dispatch",
                 f"{r}.worker.*.cancel",
                 s.weights_list,
@@ -97,6 +99,8 @@ def role_table(s: Subjects) -> dict[str, Role]:
             ),
             replies=True,
             streams=(tokens, kv_stream(engines)),
+            stats="router",
+            to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
         ),
         "engine": Role(  # one credential per engine: its workers, main and shadow
             publish=(
@@ -117,6 +121,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             ),
             replies=True,
             reads=(kv_stream(engines),),
+            stats="*",
         ),
         "shadow-supervisor": Role(
             publish=(
@@ -131,13 +136,15 @@ def role_table(s: Subjects) -> dict[str, Role]:
             ),
             replies=True,
             reads=(kv_stream(engines),),
+            stats="shadow-supervisor",
         ),
         "weight-server": Role(
             publish=(s.event("weights_published", "*"),),
             subscribe=(f"{r}.weights.*",),
             replies=True,
+            stats="weight-server",
         ),
-        "kv-server": Role(subscribe=(f"{r}.kv.*",), replies=True),
+        "kv-server": Role(subscribe=(f"{r}.kv.*",), replies=True, stats="kv-server"),
         "checkpointer": Role(
             publish=(
                 s.event("env_failure", "*"),
@@ -145,10 +152,14 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("sandbox_restored", "*"),
                 f"$KV.{pointers}.>",
                 f"$O.{objects}.>",
+                # nats-py's object store looks its stream up by subject when it reads a checkpoint
+                # back (get, list): the stream names, nothing more.
+                "$JS.API.STREAM.NAMES",
             ),
             subscribe=(f"{r}.sandbox.*.*",),
             replies=True,
             streams=(kv_stream(pointers), object_stream(objects)),
+            stats="checkpointer",
         ),
         "cluster": Role(  # the `belayer up` daemon: reports its children's exits
             publish=(s.event("process", "*"), s.event("worker_failed", "*")),
@@ -168,8 +179,9 @@ def role_table(s: Subjects) -> dict[str, Role]:
             ),
             subscribe=(s.events_all,),
             reads=(kv_stream(engines), kv_stream(pointers)),
+            client=True,
         ),
-        "admin": Role(everything=True),  # benchmarks and operators: may purge and delete
+        "admin": Role(everything=True, client=True),  # benchmarks and operators: may purge and delete
     }
 
 
@@ -205,7 +217,8 @@ class Credentials:
 
     def users_entries(self) -> list[dict[str, object]]:
         table = role_table(self.subjects)
-        return [permissions(user, table[user.role], self.subjects) for user in self.users]
+        inboxes = [f"{inbox_prefix(u.public_key)}.>" for u in self.users if table[u.role].client]
+        return [permissions(user, table[user.role], self.subjects, inboxes) for user in self.users]
 
     def authorization(self) -> str:
         return authorization(self)
@@ -229,20 +242,24 @@ def authorization(*clusters: Credentials) -> str:
     return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
 
 
-def permissions(user: User, role: Role, s: Subjects) -> dict[str, object]:
+def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) -> dict[str, object]:
+    """`client_inboxes`: the inboxes of this cluster's rollout-side users, where the router may
+    stream (not any inbox on the server: a client of another cluster, or of another role)."""
     entry: dict[str, object] = {"nkey": user.public_key}
     if role.everything:
         return entry
     fill = lambda subject: subject.replace("{engine}", user.engine)  # noqa: E731
     publish = [fill(p) for p in role.publish]
+    if role.to_clients:
+        publish += client_inboxes
     for stream in role.streams:
         publish += _js_api(stream)
     for stream in role.reads:
         publish += _js_read(stream)
     subscribe = [fill(p) for p in role.subscribe]
     subscribe.append(f"{inbox_prefix(user.public_key)}.>")
-    if role.replies:  # a service answers the runtime's stats endpoint
-        subscribe.append(s.service_stats("*"))
+    if role.stats:  # a service answers the runtime's stats endpoint, its own only
+        subscribe.append(s.service_stats(role.stats))
     entry["permissions"] = {
         # An empty allow list would allow everything: a role that publishes nothing of its own
         # (it only replies) gets one subject nobody listens to.

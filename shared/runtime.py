@@ -49,6 +49,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from belayer_rl.shared import bus, metrics, protocol
+from belayer_rl.shared.access import INBOX
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError, ServiceConfig
 from belayer_rl.shared.metrics import Metrics, MetricsServer, ServiceCounts
@@ -288,6 +289,15 @@ class Runtime:
         decoder = protocol.decoder_for(endpoint.accepts)
 
         async def handle(msg: Msg) -> None:
+            if endpoint.reply and msg.reply and not msg.reply.startswith(INBOX + "."):
+                # A reply subject is the sender's word, and the bus lets a service answer on it
+                # whatever its own permissions: only an inbox is answered (and nothing is done), or
+                # a requester could make this service publish onto a bucket or another role's subject.
+                log.warning(
+                    "%s: refused %s: reply subject %r is not an inbox", self.name, msg.subject, msg.reply
+                )
+                self._error("bad-request", f"reply subject {msg.reply!r} is not an inbox")
+                return
             answer: Message | None
             try:
                 message = protocol.decode(decoder, msg.data)

@@ -25,7 +25,14 @@ from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import Heartbeat, ServiceStats, StatsRequest, TokenChunk, WorkerChunk
+from belayer_rl.shared.protocol import (
+    Heartbeat,
+    ServiceStats,
+    StatsRequest,
+    StatusRequest,
+    TokenChunk,
+    WorkerChunk,
+)
 from tests.support import Job, poll, reference_tokens
 
 VIOLATION_WAIT_S = 2.0
@@ -304,3 +311,57 @@ async def test_a_restarted_router_rebuilds_from_the_log_within_its_permissions(c
     assert (first.tokens, second.tokens) == (expected["before-kill"], expected["after-kill"])
     server_log = (cluster.config.state_dir / "logs" / "nats-server.log").read_text()
     assert "Violation" not in server_log, [line for line in server_log.splitlines() if "Violation" in line]
+
+
+async def test_a_service_answers_only_an_inbox(cluster: Supervisor) -> None:
+    """The bus lets a service answer on any reply subject a request carries (allow_responses), so
+    a requester could name a bucket or another role's subject as its reply and have the service
+    write there. The runtime answers inboxes only: here an engine asks the KV server for an arena
+    with a prefix pointer as its reply, and nothing lands; the refusal is counted."""
+    s = cluster.subjects
+    pointer_key = f"$KV.{s.prefix_pointer_bucket}.stolen"
+    async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
+        landed: list[bytes] = []
+
+        async def on_write(msg: nats.aio.msg.Msg) -> None:
+            landed.append(msg.data)
+
+        await admin.nc.subscribe(pointer_key, cb=on_write)
+        await admin.nc.subscribe(s.worker_dispatch("e9"), cb=on_write)
+        before = await bus.request_struct(
+            admin.nc, s.service_stats("router"), StatsRequest(), ServiceStats, 5.0
+        )
+        async with connected(cluster.nats_url, cluster.access("engine-e0")) as (nc, _):
+            await nc.publish(s.kv_arena, b"{}", reply=pointer_key)
+            await nc.flush()
+        async with connected(cluster.nats_url, cluster.access("cli")) as (nc, _):
+            await nc.publish(s.router_status, protocol.encode(StatusRequest()), reply=s.worker_dispatch("e9"))
+            await nc.flush()
+
+        async def counted() -> bool | None:
+            stats = await bus.request_struct(
+                admin.nc, s.service_stats("router"), StatsRequest(), ServiceStats, 5.0
+            )
+            return (
+                True
+                if stats.errors.get("bad-request", 0) == before.errors.get("bad-request", 0) + 1
+                else None
+            )
+
+        await poll(counted, timeout_s=10, every_s=0.05)
+        await asyncio.sleep(0.3)
+        assert landed == []
+
+
+async def test_no_engine_can_roll_up_the_registry(cluster: Supervisor) -> None:
+    """An engine may write its own registry key; a rollup header on that write would purge every
+    engine's entry. The registry refuses rollups, and every entry stays."""
+    s = cluster.subjects
+    async with connected(cluster.nats_url, cluster.access("engine-e0")) as (nc, _):
+        reply = await nc.request(
+            f"$KV.{s.engine_registry_bucket}.e0", b"x", headers={"Nats-Rollup": "all"}, timeout=5
+        )
+    assert b"rollup not permitted" in reply.data
+    async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
+        registry = await admin.nc.jetstream().key_value(s.engine_registry_bucket)
+        assert sorted(await registry.keys()) == ["e0", "e1"]
