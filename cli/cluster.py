@@ -164,19 +164,14 @@ class Supervisor:
 
     def access(self, role: str) -> Access:
         """How a process of `role` connects (`admin` for tests and benchmarks)."""
-        return Access(
-            creds=self.creds(role),
-            ca=self.config.nats_ca,
-            cert=self.config.nats_cert,
-            key=self.config.nats_key,
-        )
+        return role_access(self.config, self.creds_dir, role)
 
     def target(self, role: str = "admin") -> Target:
         """This cluster, as a process of `role` sees it (tests and benchmarks: `admin`)."""
         return Target(self.nats_url, self.subjects, self.access(role))
 
     def creds(self, role: str) -> Path | None:
-        return self.creds_dir / f"{role}.creds" if self.creds_dir is not None else None
+        return role_creds(self.creds_dir, role)
 
     def bus(self, role: str) -> dict[str, Any]:
         """The bus settings of a service of `role`: this cluster's NATS, names and TLS, its own credential."""
@@ -404,13 +399,7 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             nats_url = config.nats_url
         (config.state_dir / "nats.url").write_text(nats_url + "\n")
         stack.callback((config.state_dir / "nats.url").unlink, missing_ok=True)
-        supervisor_access = Access(
-            creds=creds_dir / "cluster.creds" if creds_dir else None,
-            ca=config.nats_ca,
-            cert=config.nats_cert,
-            key=config.nats_key,
-        )
-        nc = await bus.connect(nats_url, "cluster", access=supervisor_access)
+        nc = await bus.connect(nats_url, "cluster", access=role_access(config, creds_dir, "cluster"))
         stack.push_async_callback(nc.close)
         supervisor = Supervisor(config, nats_url, nc, creds_dir)
         if nats_process is not None:
@@ -423,6 +412,17 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             for record in supervisor.others:
                 record.state = "stopped"
             supervisor.write_state()
+
+
+def role_creds(creds_dir: Path | None, role: str) -> Path | None:
+    """A role's credential file; None when the bus is open."""
+    return creds_dir / f"{role}.creds" if creds_dir is not None else None
+
+
+def role_access(config: ClusterConfig, creds_dir: Path | None, role: str) -> Access:
+    return Access(
+        creds=role_creds(creds_dir, role), ca=config.nats_ca, cert=config.nats_cert, key=config.nats_key
+    )
 
 
 def write_credentials(config: ClusterConfig, creds_dir: Path) -> Path:

@@ -24,14 +24,14 @@ import uvloop
 from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterConfig, ClusterFile
-from belayer_rl.cli.target import add_target_flags, resolve_target
+from belayer_rl.cli.target import add_target_flags, cluster_id_of, resolve_target
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.bus import Target
 from belayer_rl.shared.client import Client, GenerationError
-from belayer_rl.shared.config import CLUSTER_ID_ENV, ConfigError, default_state_dir
+from belayer_rl.shared.config import ConfigError, default_state_dir
 from belayer_rl.shared.roles import Credentials
-from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects, cluster_id_ok, event_kind
+from belayer_rl.shared.subjects import Subjects, cluster_id_ok, event_kind
 
 UP_TIMEOUT_S = 120.0
 DOWN_TIMEOUT_S = 90.0  # the local cluster stops its processes one by one, each within its drain timeout
@@ -73,7 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             skip=UP_SKIP,
             state_dir=state_dir,
             nats_url=args.nats or None,
-            cluster_id=args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or DEFAULT_CLUSTER,
+            cluster_id=cluster_id_of(args),
             nats_ca=args.nats_ca,
             nats_cert=args.nats_cert,
             nats_key=args.nats_key,
@@ -519,13 +519,10 @@ async def weights(target: Target, args: argparse.Namespace) -> str:
 
 
 def cmd_creds(args: argparse.Namespace) -> int:
-    cluster_id = args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or DEFAULT_CLUSTER
+    cluster_id = cluster_id_of(args)
     engines = tuple(e for e in args.engines.split(",") if e)
-    if not cluster_id_ok(cluster_id) or not all(cluster_id_ok(e) for e in engines):
-        print(
-            f"belayer creds: ids are lowercase letters, digits, - and _: {cluster_id!r}, {engines}",
-            file=sys.stderr,
-        )
+    if not all(cluster_id_ok(e) for e in engines):
+        print(f"belayer creds: engine ids are lowercase letters, digits, - and _: {engines}", file=sys.stderr)
         return 2
     written = Credentials.generate(Subjects(cluster_id), engines).write(args.out)
     print(f"cluster {cluster_id}: {args.out / 'auth.conf'} (include it from the nats-server config)")

@@ -57,13 +57,19 @@ def recorded(state_dir: Path) -> Recorded:
         return Recorded()  # a cluster.json being rewritten: the defaults, as with no local cluster
 
 
-def resolve_target(args: argparse.Namespace, *, role: str = "cli") -> Target:
-    local = recorded(args.state_dir)
-    cluster_id = args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or local.cluster_id
+def cluster_id_of(args: argparse.Namespace, fallback: str = DEFAULT_CLUSTER) -> str:
+    """--cluster-id, else $BELAYER_CLUSTER_ID, else `fallback`; refused if it is no cluster id."""
+    cluster_id = args.cluster_id or os.environ.get(CLUSTER_ID_ENV) or fallback
     if not cluster_id_ok(cluster_id):
         raise ConfigError(
             f"--cluster-id {cluster_id!r} is not a cluster id (lowercase letters, digits, - and _)"
         )
+    return cluster_id
+
+
+def resolve_target(args: argparse.Namespace, *, role: str = "cli") -> Target:
+    local = recorded(args.state_dir)
+    cluster_id = cluster_id_of(args, local.cluster_id)
     creds = args.nats_creds or (Path(env) if (env := os.environ.get(NATS_CREDS_ENV)) else None)
     if creds is None and local.creds_dir and (Path(local.creds_dir) / f"{role}.creds").exists():
         creds = Path(local.creds_dir) / f"{role}.creds"
