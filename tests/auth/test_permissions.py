@@ -233,7 +233,15 @@ async def test_a_chunk_claiming_another_engine_is_fenced_off(tmp_path: Path) -> 
             for engine in engines.values():  # hold the request where it is while we forge
                 os.kill(engine.pid, signal.SIGSTOP)
             try:
+                # Chunks published just before the stop may still be on their way: wait until the
+                # router's count stands still, so that only the forged chunk could move it.
                 held = next(r for r in (await client.status()).requests if r.request_id)
+                while True:
+                    await asyncio.sleep(0.3)
+                    now = next(r for r in (await client.status()).requests if r.request_id == held.request_id)
+                    if now.num_tokens == held.num_tokens:
+                        break
+                    held = now
                 victim = engines[held.engine_id]
                 forger = "e0" if victim.engine_id == "e1" else "e1"
                 chunk = WorkerChunk(
