@@ -637,8 +637,10 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     creds.set_defaults(run=cmd_creds)
 
     from belayer_rl.cli import bench, demo
+    from belayer_rl.cli import policy as policy_cli
 
     demo.add_parser(commands)
+    policy_cli.add_parser(commands)
     bench.add_parser(commands, with_kinds=benchmarks)
     from belayer_rl.cli import sandbox as sandbox_cli
 
