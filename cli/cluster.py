@@ -36,6 +36,7 @@ from belayer_rl.shared.config import (
     CheckpointerConfig,
     ConfigError,
     KvServerConfig,
+    PolicyConfig,
     RouterConfig,
     ServiceConfig,
     ShadowSupervisorConfig,
@@ -197,7 +198,7 @@ class Supervisor:
         )
         router_child = service("router", "belayer_rl.services.router", router)
         workers = self.shadowed_workers() if c.shadows else [self.worker(f"e{i}") for i in range(c.engines)]
-        return [router_child, *workers, *self.checkpointer()]
+        return [router_child, *workers, *self.sandbox_services()]
 
     @property
     def shm_prefix(self) -> str:
@@ -231,8 +232,9 @@ class Supervisor:
         supervisor_child = service("shadow-supervisor", "belayer_rl.services.shadow_supervisor", supervisor)
         return [*servers, supervisor_child]
 
-    def checkpointer(self) -> list[Child]:
-        """The checkpointer, when sandboxes are wanted and a Docker engine answers."""
+    def sandbox_services(self) -> list[Child]:
+        """The checkpointer and the checkpoint policy, when sandboxes are wanted and a Docker
+        engine answers."""
         c = self.config
         if not c.sandboxes:
             return []
@@ -243,7 +245,10 @@ class Supervisor:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
             return []
         checkpointer = CheckpointerConfig(**self.bus("checkpointer"), state_dir=c.state_dir / "checkpointer")
-        return [service("checkpointer", "belayer_rl.services.checkpointer", checkpointer)]
+        return [
+            service("checkpointer", "belayer_rl.services.checkpointer", checkpointer),
+            service("policy", "belayer_rl.services.policy", PolicyConfig(**self.bus("policy"))),
+        ]
 
     def worker(self, engine_id: str) -> Child:
         c = self.config

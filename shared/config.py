@@ -457,3 +457,50 @@ class CheckpointerConfig(ServiceConfig):
             raise ConfigError(
                 f"--crash-at must be one of {', '.join(CHECKPOINT_PHASES)}, got {self.crash_at!r}"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig(ServiceConfig):
+    """The policy service (services/policy); the numbers are services/policy/decision.py's."""
+
+    policy: str = setting(
+        "adaptive", "the policy of a request that names none: adaptive, never, always, every-N"
+    )
+    failure_rate: float | None = setting(
+        None, "failures per second of environment time, replacing the online estimate (default: estimated)"
+    )
+    prior_failures: float = setting(1.0, "the failure-rate prior: as if this many failures were seen...")
+    prior_seconds: float = setting(600.0, "...in this many seconds of environment time")
+    response_times: Path | None = setting(None, "seed the LLM response times from this file of earlier runs")
+    response_window: int = setting(512, "LLM response times kept (the oldest drop out)")
+    min_samples: int = setting(3, "response times needed before the distribution is used")
+    initial_cost_s: float = setting(1.0, "the checkpoint cost assumed before any checkpoint was measured")
+    min_step: int = setting(3, "adaptive: no checkpoint before this step")
+    min_env_work_s: float = setting(0.05, "adaptive: no checkpoint with less environment work since the last")
+    cooldown_s: float = setting(
+        20.0, "after a checkpoint timeout, the host's checkpoints are refused this long"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not re.fullmatch(r"adaptive|never|always|every-[1-9][0-9]*", self.policy):
+            raise ConfigError(
+                f"--policy must be adaptive, never, always or every-N (N >= 1), got {self.policy!r}"
+            )
+        if self.failure_rate is not None and not self.failure_rate >= 0:
+            raise ConfigError(f"--failure-rate must be >= 0, got {self.failure_rate}")
+        positive("--prior-seconds", self.prior_seconds)
+        if not self.prior_failures >= 0:
+            raise ConfigError(f"--prior-failures must be >= 0, got {self.prior_failures}")
+        for flag, value in (("--response-window", self.response_window), ("--min-samples", self.min_samples)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        for flag, number in (
+            ("--initial-cost", self.initial_cost_s),
+            ("--min-env-work", self.min_env_work_s),
+            ("--cooldown", self.cooldown_s),
+        ):
+            if not number >= 0:
+                raise ConfigError(f"{flag} must be >= 0, got {number}")
+        if self.response_times is not None and not Path(self.response_times).is_file():
+            raise ConfigError(f"--response-times: no file {self.response_times}")

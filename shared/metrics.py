@@ -332,3 +332,22 @@ class MetricsServer:
 
 def url(host: str, port: int, path: str = "/metrics") -> str:
     return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
+
+
+class PolicyMetrics:
+    def __init__(self, m: Metrics) -> None:
+        self.decisions = m.counter(
+            "belayer_policy_decisions_total",
+            "Checkpoint decisions, by policy and verdict (checkpoint, skip, busy: the host cools down).",
+            ["policy", "verdict"],
+        )
+        self.observations = m.counter(
+            "belayer_policy_observations_total",
+            "What the policy learnt from: env steps, env failures, LLM responses, checkpoints, timeouts.",
+            ["kind"],
+        )
+        self.visible_cost = m.histogram(
+            "belayer_policy_expected_visible_cost_seconds",
+            "The expected visible checkpoint cost of the adaptive decisions.",
+            SANDBOX_S,
+        )

@@ -651,6 +651,87 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
     context_len: Annotated[int, Meta(ge=0)] = 0
 
 
+# ---------------------------------------------------------------- checkpoint policy
+# The policy service (services/policy) answers PolicyDecide on `belayer.<cluster>.policy.decide`
+# and learns from the rollout driver's EnvStep, LlmResponse and CheckpointTimeout events and from
+# the checkpointer's CheckpointReady. Decision inputs are plain floats on purpose: the decision
+# defines an answer for NaN, infinities and negatives, so none of them is a reason to refuse.
+
+PolicyName = Annotated[str, Meta(max_length=32, pattern=r"^(|adaptive|never|always|every-[1-9][0-9]{0,5})$")]
+
+
+class PolicyDecide(Message, tag="policy_decide", kw_only=True):
+    """Should trajectory `trajectory` checkpoint its sandbox now, having completed `step` actions?"""
+
+    trajectory: TrajectoryId
+    host_id: HostId  # the checkpointer's host: its cooldown applies
+    step: Step
+    step_duration_s: float  # d: the last action's environment time
+    exposure_s: float  # C: LLM and environment seconds since the last ready checkpoint
+    env_work_s: float  # environment seconds since the last ready checkpoint
+    elapsed_s: float  # x: seconds already waited for the current LLM response
+    in_flight: bool = False  # a checkpoint of this trajectory is still running
+    policy: PolicyName = ""  # empty: the service's --policy
+
+
+class PolicyDecision(Message, tag="policy_decision", kw_only=True):
+    """The answer, and the `policy_decision` event: the verdict with every input and term."""
+
+    trajectory: TrajectoryId
+    host_id: HostId
+    step: Step
+    policy: str
+    checkpoint: bool
+    reason: str
+    p: float
+    rate_per_s: float  # λ
+    step_duration_s: float
+    exposure_s: float
+    elapsed_s: float
+    cost_s: float  # c
+    samples: int  # response times the distribution holds
+    expected_visible_cost_s: float
+    survival: float  # q(x; c)
+    benefit_s: float  # p·C
+    busy_s: float = 0.0  # > 0: refused as busy, the host's cooldown has this long left
+    source: Literal["service", "fallback"] = "service"  # fallback: the driver decided alone
+
+
+class EnvStep(Message, tag="env_step", kw_only=True):
+    """An action of a trajectory ended: its environment time, and whether the environment failed."""
+
+    trajectory: TrajectoryId
+    host_id: HostId
+    step: Step
+    duration_s: Annotated[float, Meta(ge=0.0, le=86400.0)]
+    failed: bool = False
+
+
+class LlmResponse(Message, tag="llm_response", kw_only=True):
+    """An LLM turn of a trajectory completed: how long the response took (a sample of T)."""
+
+    trajectory: TrajectoryId
+    seconds: Annotated[float, Meta(ge=0.0, le=86400.0)]
+    tokens: Annotated[int, Meta(ge=0)] = 0
+
+
+class CheckpointTimeout(Message, tag="checkpoint_timeout", kw_only=True):
+    """A checkpoint did not answer in time: the host cools down (no checkpoints for a while)."""
+
+    trajectory: TrajectoryId
+    host_id: HostId
+    k: Step
+    waited_s: Annotated[float, Meta(ge=0.0)]
+
+
+class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
+    """The policy service did not answer, so the driver decided with a named policy of its own."""
+
+    trajectory: TrajectoryId
+    policy: str
+    why: str
+
+
 # ---------------------------------------------------------------- event kinds
 # What a listener decodes follows from the subject: `belayer.<cluster>.evt.<kind>.<id>...` carries exactly
 # EVENT_TYPES[kind], declared here once for every event the project publishes. The rule for a kind:
@@ -673,6 +754,11 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "checkpoint_ready": CheckpointReady,
     "env_failure": EnvFailure,
     "sandbox_restored": SandboxRestored,
+    "policy_decision": PolicyDecision,
+    "env_step": EnvStep,
+    "llm_response": LlmResponse,
+    "checkpoint_timeout": CheckpointTimeout,
+    "policy_fallback": PolicyFallback,
 }
 
 # Events about one engine: the engine id follows the kind in the subject (`...evt.heartbeat.e0`), and
@@ -696,6 +782,11 @@ AnyEvent = (
     | CheckpointReady
     | EnvFailure
     | SandboxRestored
+    | PolicyDecision
+    | EnvStep
+    | LlmResponse
+    | CheckpointTimeout
+    | PolicyFallback
 )
 
 

@@ -89,6 +89,13 @@ class Subjects:
     def worker_cancel(self, engine_id: str) -> str:
         return f"{self.root}.worker.{engine_id}.cancel"
 
+    # ------------------------------------------------------------ checkpoint policy
+
+    @property
+    def policy_decide(self) -> str:
+        """PolicyDecide -> PolicyDecision (services/policy)."""
+        return f"{self.root}.policy.decide"
+
     # ------------------------------------------------------------ every service
 
     def service_stats(self, name: str) -> str:

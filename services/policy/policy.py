@@ -1,0 +1,130 @@
+"""The policy service's state: what it has learnt, and the decision it answers with.
+
+It owns three estimates, fed by events: the failure rate λ (EnvStep: environment time and
+failures, from the rollout driver), the LLM response-time distribution T (LlmResponse), and the
+checkpoint cost c (CheckpointReady, from the checkpointers: the median of recent whole times, so
+it follows the current load). A CheckpointTimeout starts its host's cooldown. Every answer is
+also published as a `policy_decision` event with its inputs and terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from belayer_rl.services.policy.decision import (
+    CheckpointCost,
+    FailureRate,
+    Guards,
+    Policy,
+    ResponseTimes,
+    Situation,
+    decide,
+    step_failure_probability,
+)
+from belayer_rl.shared.config import PolicyConfig
+from belayer_rl.shared.metrics import PolicyMetrics
+from belayer_rl.shared.protocol import (
+    CheckpointReady,
+    CheckpointTimeout,
+    EnvStep,
+    LlmResponse,
+    PolicyDecide,
+    PolicyDecision,
+)
+
+log = logging.getLogger("belayer.policy")
+
+
+class PolicyState:
+    def __init__(self, config: PolicyConfig, metrics: PolicyMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.default = Policy.parse(config.policy)
+        self.guards = Guards(min_step=config.min_step, min_env_work_s=config.min_env_work_s)
+        self.rate = FailureRate(
+            prior_failures=config.prior_failures,
+            prior_seconds=config.prior_seconds,
+            fixed=config.failure_rate,
+        )
+        window = {"window": config.response_window, "min_samples": config.min_samples}
+        self.responses = (
+            ResponseTimes.seeded_from(config.response_times, **window)
+            if config.response_times is not None
+            else ResponseTimes(**window)
+        )
+        self.cost = CheckpointCost(config.initial_cost_s)
+        self.cooldown_until: dict[str, float] = {}  # host id -> monotonic time its cooldown ends
+
+    # ------------------------------------------------------------ what it listens to
+
+    async def on_env_step(self, step: EnvStep) -> None:
+        self.rate.observe(step.duration_s, step.failed)
+        self.metrics.observations.labels("env-failure" if step.failed else "env-step").inc()
+
+    async def on_llm_response(self, response: LlmResponse) -> None:
+        self.responses.add(response.seconds)
+        self.metrics.observations.labels("llm-response").inc()
+
+    async def on_checkpoint_ready(self, ready: CheckpointReady) -> None:
+        self.cost.add(ready.total_s)
+        self.metrics.observations.labels("checkpoint").inc()
+
+    async def on_checkpoint_timeout(self, event: CheckpointTimeout) -> None:
+        self.cooldown_until[event.host_id] = time.monotonic() + self.config.cooldown_s
+        self.metrics.observations.labels("checkpoint-timeout").inc()
+        log.warning(
+            "checkpoint of %s at step %d timed out after %.1f s: host %s cools down for %.0f s",
+            event.trajectory,
+            event.k,
+            event.waited_s,
+            event.host_id,
+            self.config.cooldown_s,
+        )
+
+    def cooldown_left(self, host_id: str) -> float:
+        until = self.cooldown_until.get(host_id)
+        if until is None:
+            return 0.0
+        left = until - time.monotonic()
+        if left <= 0:
+            del self.cooldown_until[host_id]
+            return 0.0
+        return left
+
+    # ------------------------------------------------------------ what it answers
+
+    def decision(self, request: PolicyDecide) -> PolicyDecision:
+        policy = Policy.parse(request.policy) if request.policy else self.default
+        rate = self.rate.per_second
+        verdict = decide(
+            policy,
+            Situation(
+                step=request.step,
+                exposure_s=request.exposure_s,
+                env_work_s=request.env_work_s,
+                elapsed_s=request.elapsed_s,
+                in_flight=request.in_flight,
+                cooldown_left_s=self.cooldown_left(request.host_id),
+            ),
+            p=step_failure_probability(rate, request.step_duration_s),
+            responses=self.responses,
+            cost_s=self.cost.seconds,
+            guards=self.guards,
+        )
+        label = "checkpoint" if verdict.checkpoint else "busy" if verdict.busy_s else "skip"
+        self.metrics.decisions.labels(policy.name, label).inc()
+        if policy.kind == "adaptive":
+            self.metrics.visible_cost.observe(verdict.expected_visible_cost_s)
+        return PolicyDecision(  # the verdict's fields and the request's inputs, by the same names
+            trajectory=request.trajectory,
+            host_id=request.host_id,
+            step=request.step,
+            policy=policy.name,
+            rate_per_s=rate,
+            step_duration_s=request.step_duration_s,
+            exposure_s=request.exposure_s,
+            elapsed_s=request.elapsed_s,
+            **dataclasses.asdict(verdict),
+        )
