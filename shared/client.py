@@ -162,26 +162,30 @@ class Client:
 
     async def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         *,
         max_tokens: int,
         seed: int = 0,
         temperature: float = 1.0,
         stop: list[str] | None = None,
+        min_tokens: int = 0,
         request_id: str | None = None,
         weight_version: str | None = None,
         patience_s: float = 30.0,
     ) -> AsyncIterator[TokenChunk | GenerateEnd]:
         """Stream a new generation; ends with its GenerateEnd, raises GenerationError on an error end.
-        `weight_version` names the weights (None: the newest the weight server holds when the
-        router accepts the request)."""
+        `prompt` is text, or token ids (an agent's context). `weight_version` names the weights
+        (None: the newest the weight server holds when the router accepts the request)."""
         request_id = request_id or uuid.uuid4().hex
         inbox = self.nc.new_inbox()
         request = GenerateRequest(
             request_id=request_id,
-            prompt=prompt,
+            prompt=prompt if isinstance(prompt, str) else "",
+            prompt_tokens=None if isinstance(prompt, str) else list(prompt),
             max_tokens=max_tokens,
-            sampling=SamplingParams(seed=seed, temperature=temperature, stop=stop or []),
+            sampling=SamplingParams(
+                seed=seed, temperature=temperature, stop=stop or [], min_tokens=min_tokens
+            ),
             weight_version=weight_version,
             reply_to=inbox,
         )
@@ -204,7 +208,7 @@ class Client:
             async for item in self._follow(request_id, inbox, queue, from_position, patience_s):
                 yield item
 
-    async def generate_all(self, prompt: str, **kwargs: object) -> Generation:
+    async def generate_all(self, prompt: str | list[int], **kwargs: object) -> Generation:
         """Run a generation to its end and return every token."""
         tokens: list[int] = []
         request_id = ""

@@ -42,6 +42,9 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # ~0.2M params: unit tests.
     "tiny": ModelConfig(n_layers=2, n_heads=2, d_model=64, d_ff=256, max_seq_len=512),
+    # tiny's shape with 4,096 positions: multi-turn agent contexts (the "shell" workload). A preset of
+    # its own, so tiny's weights and the figures measured on it stay as they are.
+    "tiny-4k": ModelConfig(n_layers=2, n_heads=2, d_model=64, d_ff=256, max_seq_len=4096),
     # ~6.4M params.
     "small": ModelConfig(n_layers=6, n_heads=4, d_model=288, d_ff=1152, max_seq_len=1024),
     # ~25M params.

@@ -163,9 +163,13 @@ class Router:
         weight_version = message.weight_version or await self.newest_weights()
         if message.request_id in self.requests:
             raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
+        if message.prompt_tokens is not None and message.prompt:
+            raise ServiceError("bad-request", "give `prompt` or `prompt_tokens`, not both")
         start = LogStart(
             request_id=message.request_id,
-            prompt_tokens=tokenizer.encode(message.prompt),
+            prompt_tokens=(
+                tokenizer.encode(message.prompt) if message.prompt_tokens is None else message.prompt_tokens
+            ),
             max_tokens=message.max_tokens,
             sampling=message.sampling,
             weight_version=weight_version,

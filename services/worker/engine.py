@@ -17,6 +17,7 @@ so splitting a step by version changes no token.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -69,6 +70,7 @@ class SeqSpec:
     temperature: float
     stop: tuple[str, ...] = ()  # matched on the bytes of all generated tokens, prefix included
     weight_version: str | None = None  # None: the engine's current version at submit
+    min_new_tokens: int = 0  # EOS is masked while fewer are generated (prefix included)
 
 
 @dataclass
@@ -293,7 +295,11 @@ class Engine:
                 s.n_cached += n
             for row, s in enumerate(sampled):
                 pos = len(s.tokens)  # absolute position of the token being sampled
-                token = sample(logits[row], s.spec.seed, pos, s.spec.temperature)
+                row_logits = logits[row]  # [vocab]
+                if len(s.generated) < s.spec.min_new_tokens:
+                    row_logits = row_logits.clone()
+                    row_logits[EOS_TOKEN] = -math.inf
+                token = sample(row_logits, s.spec.seed, pos, s.spec.temperature)
                 events.append(self._append(s, token))
         return events
 

@@ -122,6 +122,7 @@ class Worker:
             temperature=dispatch.sampling.temperature,
             stop=tuple(dispatch.sampling.stop),
             weight_version=version,
+            min_new_tokens=dispatch.sampling.min_tokens,
         )
         self.ops.append(lambda: self._submit(attempt, spec))
         self.wake.set()

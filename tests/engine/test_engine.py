@@ -313,3 +313,28 @@ def test_weight_versions_are_held_while_used_and_refused_when_unknown(tiny_param
     assert list(engine.weights) == ["v0"]
     with pytest.raises(ValueError, match="current"):
         engine.drop_weights("v0")
+
+
+def test_min_new_tokens_masks_eos_until_reached_and_resumes_exactly(tiny_params):
+    """A prompt and seed whose free run ends with EOS early: with min_new_tokens the run goes on
+    to the budget, EOS nowhere before the minimum, and a resume from any prefix is exact."""
+    free = Engine(EngineConfig(), tiny_params)
+    found = None
+    for seed in range(200):
+        free.submit(_spec(("free", seed), _prompt(seed, 8), 200, seed=seed))
+        tokens, reason = drain(free)[("free", seed)]
+        if reason == "eos" and len(tokens) < 60:
+            found = seed, len(tokens)
+            break
+    assert found is not None, "no seed in 200 reached EOS within 60 tokens"
+    seed, eos_at = found
+    engine = Engine(EngineConfig(), tiny_params)
+    engine.submit(SeqSpec("held", _prompt(seed, 8), [], 120, seed, 0.8, (), None, 100))
+    held, reason = drain(engine)["held"]
+    assert EOS_TOKEN not in held[:100] and len(held) >= 100
+    assert len(held) > eos_at  # the mask changed the run: without it, it ended at the EOS
+    cut = 37
+    resumed = Engine(EngineConfig(), tiny_params)
+    resumed.submit(SeqSpec("resumed", _prompt(seed, 8), held[:cut], 120, seed, 0.8, (), None, 100))
+    rest, reason_after = drain(resumed)["resumed"]
+    assert held[:cut] + rest == held and reason_after == reason
