@@ -729,6 +729,17 @@ class CheckpointTimeout(Message, tag="checkpoint_timeout", kw_only=True):
     waited_s: Annotated[float, Meta(ge=0.0)]
 
 
+class ChaosKill(Message, tag="chaos_kill", kw_only=True):
+    """The chaos injector killed a trajectory's sandbox container (through the Docker API)."""
+
+    trajectory: TrajectoryId
+    sandbox: SandboxId
+    host_id: HostId
+    container_id: str
+    step: Step  # the action whose step the kill fell in
+    delay_s: float  # after that action started
+
+
 class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
     """The policy service did not answer, so the driver decided with a named policy of its own."""
 
@@ -764,6 +775,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "llm_response": LlmResponse,
     "checkpoint_timeout": CheckpointTimeout,
     "policy_fallback": PolicyFallback,
+    "chaos_kill": ChaosKill,
 }
 
 # Events about one engine: the engine id follows the kind in the subject (`...evt.heartbeat.e0`), and
@@ -792,6 +804,7 @@ AnyEvent = (
     | LlmResponse
     | CheckpointTimeout
     | PolicyFallback
+    | ChaosKill
 )
 
 

@@ -189,6 +189,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("llm_response", "*"),
                 s.event("checkpoint_timeout", "*"),
                 s.event("policy_fallback", "*"),
+                s.event("chaos_kill", "*"),
                 s.weights_list,
                 s.weights_handles,
                 s.weights_publish,

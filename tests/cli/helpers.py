@@ -187,4 +187,8 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
         "t2",
         protocol.PolicyFallback(trajectory="t2", policy="every-3", why="no answer in 0.5 s"),
     ),
+    "chaos_kill": (
+        "t2",
+        protocol.ChaosKill(trajectory="t2", sandbox="t2", host_id="h1", container_id="c0ffee", step=5, delay_s=0.12),
+    ),
 }

@@ -1,0 +1,504 @@
+"""The agent loop of one trajectory: LLM turns through the router, actions in the trajectory's
+sandbox through its checkpointer, checkpoints decided by the policy service, and recovery from
+environment failures. `run_trajectory` is the API a verl or slime rollout function calls
+(examples/), and what `belayer rollout` runs for each trajectory of a batch (driver.py).
+
+A step: the LLM generates a response to the context (prompt + responses + observations so far);
+an action is chosen from it; the action runs in the sandbox; its observation is appended. While
+the response is generated, the policy is asked (at once, then every --consult-every seconds)
+whether to checkpoint the boundary the sandbox stands at: k actions completed, the context L_k
+being exactly the prompt of the response in flight. So a checkpoint overlaps the response, and
+only the part of it that outlasts the response is visible (measured as `exposed_checkpoint_s`).
+
+An environment failure (the checkpointer's "env-failure": a dead container, an OOM kill, a daemon
+error, a broken exec stream) is never an observation: nothing of it reaches the context. Recovery
+restores the latest ready checkpoint (full_restore), cuts the context back to its L_k and goes on
+from step k; the turn after k draws the same seed, so a deterministic environment and engine give
+the same trajectory as a failure-free run. Without a checkpoint the sandbox restarts from its base
+image and the trajectory from its prompt. Recoveries and infrastructure retries are bounded; past
+a bound the trajectory ends as an infrastructure error naming the cause, never as a normal finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.services.policy.client import PolicyClient
+from belayer_rl.services.policy.decision import Policy, ResponseTimes, Situation, decide
+from belayer_rl.services.rollout.workloads import (
+    Task,
+    choose_action,
+    math_reward,
+    observation,
+    response_tokens,
+    turn_seed,
+)
+from belayer_rl.shared import bus, tokenizer
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.client import Client, GenerationError
+from belayer_rl.shared.protocol import (
+    CheckpointResult,
+    CheckpointTimeout,
+    EnvStep,
+    LlmResponse,
+    PolicyDecide,
+    PolicyDecision,
+    PolicyFallback,
+    SandboxSpec,
+)
+from belayer_rl.shared.subjects import Subjects
+
+log = logging.getLogger("belayer.rollout")
+
+ENV_FAILURES = ("env-failure", "destroyed", "no-sandbox")  # the sandbox is gone: recover it
+Status = Literal["done", "infra-error"]
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    host_id: str  # the checkpointer's host
+    image: str = "belayer-sandbox:test"
+    policy: str = "adaptive"  # asked of the policy service
+    fallback_policy: str = "every-3"  # when the service does not answer
+    consult_every_s: float = 1.0  # the policy is asked again this often while a response runs
+    scripted: bool = True  # the scripted agent (workloads.py): labelled wherever results appear
+    temperature: float = 0.8
+    max_recoveries: int = 50  # environment failures survived by one trajectory
+    max_retries: int = 3  # a request to the router or a checkpointer that fails on infrastructure
+    action_timeout_s: float = 60.0
+    checkpoint_timeout_s: float = 60.0
+    restore_timeout_s: float = 120.0
+    memory_mb: int = 256
+
+
+class TimelineEntry(msgspec.Struct, kw_only=True):
+    """One line of a trajectory's timeline (JSON lines): what happened, from when to when."""
+
+    kind: Literal["turn", "action", "checkpoint", "checkpoint-failed", "failure", "recovery", "kill"]
+    start_s: float  # seconds since the batch started
+    end_s: float
+    step: int
+    detail: str = ""
+
+
+class TrajectoryResult(msgspec.Struct, kw_only=True):
+    trajectory: str
+    task: str
+    status: Status
+    reward: float
+    error: str = ""  # an infrastructure error: its cause
+    scripted: bool
+    actions: list[str]
+    observations: list[str]
+    context_tokens: list[int]
+    turns: int  # LLM responses generated, those redone after a failure included
+    failures: int
+    recoveries: int
+    restores_from_base: int
+    checkpoints: int
+    checkpoint_s: float  # the whole time of the checkpoints that became ready
+    exposed_checkpoint_s: float  # the part of it the trajectory waited for
+    wall_s: float
+    timeline: list[TimelineEntry] = []
+
+
+class InfraError(Exception):
+    """A bound was reached: the trajectory ends as an infrastructure error, with this cause."""
+
+
+@dataclass
+class StepRecord:
+    """What step k (1-based) added: its action, its observation, and the work it took."""
+
+    action: str
+    observation: str
+    llm_s: float
+    env_s: float
+
+
+@dataclass
+class Services:
+    """What a trajectory talks to: the router, the host's checkpointer, the policy service."""
+
+    llm: Client
+    sandboxes: SandboxClient
+    policy: PolicyClient
+    nc: NATS
+    subjects: Subjects
+
+    @classmethod
+    def on(cls, llm: Client, host_id: str, policy_timeout_s: float = 0.5) -> Services:
+        nc, names = llm.nc, llm.subjects
+        return cls(
+            llm,
+            SandboxClient(nc, host_id, subjects=names),
+            PolicyClient(nc, subjects=names, timeout_s=policy_timeout_s),
+            nc,
+            names,
+        )
+
+
+@dataclass
+class Trajectory:
+    """The running state of one trajectory; `steps[:k]` is its prefix after k actions."""
+
+    trajectory_id: str
+    task: Task
+    seed: int
+    settings: RolloutSettings
+    services: Services
+    clock: Callable[[], float]  # seconds since the batch started
+    steps: list[StepRecord] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    ready_k: int = -1  # the step of the latest ready checkpoint (-1: none)
+    checkpoint: asyncio.Task[CheckpointResult | None] | None = None
+    checkpoint_k: int = -1  # the step the checkpoint in flight captures
+    turns: int = 0
+    failures: int = 0
+    recoveries: int = 0
+    restores_from_base: int = 0
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0
+    exposed_checkpoint_s: float = 0.0
+    warned_fallback: bool = False
+    timeline: list[TimelineEntry] = field(default_factory=list)
+    on_action: Callable[[Trajectory, int], None] | None = None  # the chaos hook: step about to run
+
+    @property
+    def k(self) -> int:
+        return len(self.steps)
+
+    @property
+    def sandbox(self) -> str:
+        return self.trajectory_id
+
+    def mark(self, kind: str, start_s: float, detail: str = "", step: int | None = None) -> None:
+        self.timeline.append(
+            TimelineEntry(
+                kind=kind,
+                start_s=start_s,
+                end_s=self.clock(),
+                step=self.k if step is None else step,
+                detail=detail,
+            )  # type: ignore[arg-type]
+        )
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> TrajectoryResult:
+        started = self.clock()
+        status: Status = "done"
+        error = ""
+        reward = 0.0
+        try:
+            reward = await (self.run_shell() if self.task.needs_sandbox else self.run_math())
+        except InfraError as exc:
+            status, error = "infra-error", str(exc)
+            log.warning("trajectory %s ends on an infrastructure error: %s", self.trajectory_id, error)
+        finally:
+            await self.settle_checkpoint()
+            if self.task.needs_sandbox:
+                with contextlib.suppress(ServiceError):
+                    await self.services.sandboxes.end(self.trajectory_id)
+                with contextlib.suppress(ServiceError):
+                    await self.services.sandboxes.destroy(self.sandbox)
+        return TrajectoryResult(
+            trajectory=self.trajectory_id,
+            task=self.task.task_id,
+            status=status,
+            reward=reward,
+            error=error,
+            scripted=self.settings.scripted,
+            actions=[s.action for s in self.steps],
+            observations=[s.observation for s in self.steps],
+            context_tokens=self.context,
+            turns=self.turns,
+            failures=self.failures,
+            recoveries=self.recoveries,
+            restores_from_base=self.restores_from_base,
+            checkpoints=self.checkpoints,
+            checkpoint_s=self.checkpoint_s,
+            exposed_checkpoint_s=self.exposed_checkpoint_s,
+            wall_s=self.clock() - started,
+            timeline=self.timeline,
+        )
+
+    async def run_math(self) -> float:
+        self.context = tokenizer.encode(self.task.prompt)
+        response, _ = await self.generate(overlap_checkpoints=False)
+        self.context = self.context + response
+        return math_reward(self.task, response)
+
+    async def run_shell(self) -> float:
+        await self.start_sandbox()
+        while True:
+            try:
+                if self.k == 0:
+                    await self.act(self.task.setup, llm_s=0.0)
+                    continue
+                turn = self.k - 1  # the setup is action 1; turn t follows action t + 1
+                if turn >= self.task.max_turns:
+                    return 1.0 if self.steps[-1].observation.endswith("[exit 0]\n") else 0.0
+                response, llm_s = await self.generate(overlap_checkpoints=True)
+                last = turn == self.task.max_turns - 1
+                action = (
+                    self.task.check if last else choose_action(self.task, response, self.settings.scripted)
+                )
+                await self.act(action, llm_s, response)
+            except ServiceError as exc:
+                if exc.code not in ENV_FAILURES:
+                    raise InfraError(f"{exc.code}: {exc}") from None
+                await self.recover(str(exc))
+
+    # ------------------------------------------------------------ LLM turns
+
+    async def generate(self, overlap_checkpoints: bool) -> tuple[list[int], float]:
+        """The response to the context; with `overlap_checkpoints`, the policy is consulted while it
+        is generated and a checkpoint of this boundary may start."""
+        scripted = self.settings.scripted
+        length = response_tokens(self.seed, self.k) if scripted else self.task.max_tokens
+        kwargs = {
+            "max_tokens": length,
+            "min_tokens": length if scripted else 0,
+            "seed": turn_seed(self.seed, self.k),
+            "temperature": self.settings.temperature,
+        }
+        for attempt in range(1, self.settings.max_retries + 1):
+            started = self.clock()
+            request = asyncio.ensure_future(self.services.llm.generate_all(list(self.context), **kwargs))
+            try:
+                if overlap_checkpoints:
+                    await self.consult_while(request, started)
+                generation = await request
+            except (GenerationError, ServiceError) as exc:
+                self.mark("turn", started, f"failed (attempt {attempt}): {exc}")
+                if attempt == self.settings.max_retries:
+                    raise InfraError(f"LLM request failed {attempt} times, last: {exc}") from None
+                continue
+            finally:
+                if not request.done():
+                    request.cancel()
+                    with contextlib.suppress(BaseException):
+                        await request
+            seconds = self.clock() - started
+            self.turns += 1
+            self.mark("turn", started, f"{len(generation.tokens)} tokens, {generation.resumes} resumes")
+            await self.services.policy.report_response(
+                LlmResponse(trajectory=self.trajectory_id, seconds=seconds, tokens=len(generation.tokens))
+            )
+            return generation.tokens, seconds
+        raise AssertionError("unreachable")
+
+    async def consult_while(self, request: asyncio.Future[object], started: float) -> None:
+        """Ask the policy now and every consult_every_s until it says checkpoint or the response ends."""
+        while not request.done():
+            if self.checkpoint is None and self.k != self.ready_k:
+                decision = await self.ask_policy(self.clock() - started)
+                if decision.checkpoint:
+                    self.start_checkpoint()
+            if self.checkpoint is not None:
+                return  # one in flight per trajectory: nothing more to ask this turn
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(request), self.settings.consult_every_s)
+
+    async def ask_policy(self, elapsed_s: float) -> PolicyDecision:
+        since = self.steps[max(self.ready_k, 0) :]
+        request = PolicyDecide(
+            trajectory=self.trajectory_id,
+            host_id=self.services.sandboxes.host_id,
+            step=self.k,
+            step_duration_s=self.steps[-1].env_s if self.steps else 0.0,
+            exposure_s=sum(s.llm_s + s.env_s for s in since) + elapsed_s,
+            env_work_s=sum(s.env_s for s in since),
+            elapsed_s=elapsed_s,
+            in_flight=self.checkpoint is not None,
+            policy=self.settings.policy,
+        )
+        try:
+            return await self.services.policy.decide(request)
+        except ServiceError as exc:
+            return await self.fallback(request, str(exc))
+
+    async def fallback(self, request: PolicyDecide, why: str) -> PolicyDecision:
+        """The policy service did not answer: a named policy decides here, and an event says so."""
+        policy = Policy.parse(self.settings.fallback_policy)
+        if not self.warned_fallback:
+            self.warned_fallback = True
+            event = PolicyFallback(trajectory=self.trajectory_id, policy=policy.name, why=why)
+            await bus.publish(
+                self.services.nc, self.services.subjects.event("policy_fallback", self.trajectory_id), event
+            )
+            log.warning(
+                "trajectory %s: policy service unavailable (%s), using %s",
+                self.trajectory_id,
+                why,
+                policy.name,
+            )
+        verdict = decide(
+            policy,
+            Situation(
+                step=request.step,
+                exposure_s=request.exposure_s,
+                env_work_s=request.env_work_s,
+                elapsed_s=request.elapsed_s,
+                in_flight=request.in_flight,
+            ),
+            p=0.0,
+            responses=ResponseTimes(),
+            cost_s=0.0,
+        )
+        return PolicyDecision(
+            trajectory=request.trajectory,
+            host_id=request.host_id,
+            step=request.step,
+            policy=policy.name,
+            rate_per_s=0.0,
+            step_duration_s=request.step_duration_s,
+            exposure_s=request.exposure_s,
+            elapsed_s=request.elapsed_s,
+            source="fallback",
+            **dataclasses.asdict(verdict),
+        )
+
+    # ------------------------------------------------------------ checkpoints
+
+    def start_checkpoint(self) -> None:
+        k, context = self.k, list(self.context)
+        self.checkpoint_k = k
+        self.checkpoint = asyncio.ensure_future(self.take_checkpoint(k, context))
+
+    async def take_checkpoint(self, k: int, context: list[int]) -> CheckpointResult | None:
+        started = self.clock()
+        timeout_s = self.settings.checkpoint_timeout_s
+        try:
+            result = await self.services.sandboxes.checkpoint(
+                self.sandbox, self.trajectory_id, k, context_tokens=context, timeout_s=timeout_s
+            )
+        except ServiceError as exc:
+            self.mark("checkpoint-failed", started, f"{exc.code}: {exc}", step=k)
+            if exc.code == "timeout":
+                await self.services.policy.report_timeout(
+                    CheckpointTimeout(
+                        trajectory=self.trajectory_id,
+                        host_id=self.services.sandboxes.host_id,
+                        k=k,
+                        waited_s=self.clock() - started,
+                    )
+                )
+            return None
+        self.mark(
+            "checkpoint", started, f"{result.bytes_written} bytes, frozen {result.freeze_s:.3f} s", step=k
+        )
+        self.checkpoints += 1
+        self.checkpoint_s += self.clock() - started
+        self.ready_k = max(self.ready_k, k)
+        return result
+
+    async def settle_checkpoint(self) -> None:
+        """Wait for the checkpoint in flight (the next action would queue behind it anyway); the
+        wait is the checkpoint time this trajectory could not hide."""
+        if self.checkpoint is None:
+            return
+        waited = self.clock()
+        try:
+            await self.checkpoint
+        finally:
+            self.exposed_checkpoint_s += self.clock() - waited
+            self.checkpoint = None
+
+    # ------------------------------------------------------------ actions and recovery
+
+    async def start_sandbox(self) -> None:
+        spec = SandboxSpec(image=self.settings.image, memory_mb=self.settings.memory_mb)
+        await self.services.sandboxes.create(spec, sandbox=self.sandbox)
+        self.steps = []
+        self.context = tokenizer.encode(self.task.prompt)
+
+    async def act(self, command: str, llm_s: float, response: list[int] | None = None) -> None:
+        """Run action k+1; on success its observation joins the context. A failure raises before
+        anything is appended."""
+        await self.settle_checkpoint()
+        step = self.k + 1
+        if self.on_action is not None:
+            self.on_action(self, step)
+        started = self.clock()
+        try:
+            result = await self.services.sandboxes.exec(
+                self.sandbox, command, timeout_s=self.settings.action_timeout_s, expect_step=self.k
+            )
+        except ServiceError as exc:
+            env_s = self.clock() - started
+            self.mark("failure", started, f"{exc.code}: {exc}", step=step)
+            failed = EnvStep(
+                trajectory=self.trajectory_id,
+                host_id=self.services.sandboxes.host_id,
+                step=step,
+                duration_s=env_s,
+                failed=True,
+            )
+            await self.services.policy.report_step(failed)
+            raise
+        env_s = self.clock() - started
+        seen = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
+        self.steps.append(StepRecord(command, seen, llm_s, env_s))
+        self.context = self.context + (response or []) + tokenizer.encode(seen)
+        self.mark("action", started, command, step=step)
+        await self.services.policy.report_step(
+            EnvStep(
+                trajectory=self.trajectory_id,
+                host_id=self.services.sandboxes.host_id,
+                step=step,
+                duration_s=env_s,
+            )
+        )
+
+    async def recover(self, why: str) -> None:
+        self.failures += 1
+        if self.recoveries >= self.settings.max_recoveries:
+            raise InfraError(f"{self.failures} environment failures, past --max-recoveries; last: {why}")
+        await self.settle_checkpoint()
+        started = self.clock()
+        for attempt in range(1, self.settings.max_retries + 1):
+            try:
+                await self.restore()
+                break
+            except ServiceError as exc:
+                if attempt == self.settings.max_retries:
+                    raise InfraError(f"restore failed {attempt} times, last: {exc.code}: {exc}") from None
+        self.recoveries += 1
+        self.mark("recovery", started, f"to step {self.k} ({why})")
+
+    async def restore(self) -> None:
+        """The latest ready checkpoint, with its L_k; without one, the base image and the prompt."""
+        try:
+            restored = await self.services.sandboxes.restore(
+                self.trajectory_id, self.settings.restore_timeout_s
+            )
+        except ServiceError as exc:
+            if exc.code != "no-checkpoint":
+                raise
+            restored = None
+        if restored is None or restored.k == 0:
+            with contextlib.suppress(ServiceError):
+                await self.services.sandboxes.destroy(self.sandbox)
+            await self.start_sandbox()
+            self.restores_from_base += 1
+            self.ready_k = -1
+            return
+        if restored.k > len(self.steps):
+            raise ServiceError(
+                "stale", f"checkpoint k={restored.k} is past the {len(self.steps)} steps known"
+            )
+        del self.steps[restored.k :]
+        self.context = list(restored.context_tokens)
+        self.ready_k = restored.k

@@ -1,0 +1,157 @@
+"""The workloads shipped with the project, and the scripted agent of the experiments.
+
+- "math": one long generation per trajectory, no sandbox; the reward is 1 when the last number
+  in the response equals the answer.
+- "shell": multi-turn tasks in busybox sandboxes. A setup action writes the task's files and its
+  check script; each turn the agent's action runs in the sandbox and its output is the next
+  observation; the reward is the exit status of the check (0: reward 1). Needs the tiny-4k preset
+  (or a model with at least 4,096 positions): a trajectory's context grows past 512 tokens.
+
+The built-in model does not solve either; the trajectories, failures and recoveries are real.
+
+The scripted agent (`scripted=True`, what the experiments use, and labelled so wherever their
+results appear): the engine still generates every response, but its length is drawn from one
+stated distribution, RESPONSE_TOKENS, keyed by (trajectory seed, step), and EOS is masked until
+it is reached; the action is picked from the task's menu by the generated tokens (their sum
+modulo the menu's length), so a wrong context after a recovery picks other actions. Unscripted,
+the action is the first line of the response that starts with "$ " (else a no-op), and the
+response ends where the model ends it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from belayer_rl.shared import tokenizer
+
+# The scripted response length, in tokens: uniform on [lo, hi], the same for every policy compared.
+RESPONSE_TOKENS = (96, 288)
+NO_OP = "true"
+OBSERVATION_LIMIT = 400  # bytes of an action's output that reach the context
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    prompt: str
+    max_turns: int  # LLM turns; a shell task's last action is its check
+    setup: str = ""  # shell: the first action, writing the task's files (empty: no sandbox)
+    check: str = ""  # shell: run as the last action; exit 0 means solved
+    menu: tuple[str, ...] = ()  # shell: the scripted agent's actions
+    answer: str = ""  # math: the exact answer
+    max_tokens: int = 256  # per response, unscripted
+
+    @property
+    def needs_sandbox(self) -> bool:
+        return bool(self.setup)
+
+
+def seeded(*parts: object) -> random.Random:
+    """A generator keyed by `parts` alone (no global state, the same in every process)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def response_tokens(trajectory_seed: int, step: int) -> int:
+    lo, hi = RESPONSE_TOKENS
+    return seeded("response-length", trajectory_seed, step).randint(lo, hi)
+
+
+def turn_seed(trajectory_seed: int, step: int) -> int:
+    """The sampling seed of the turn that follows `step` actions: a resumed turn draws the same."""
+    return seeded("turn", trajectory_seed, step).randrange(1 << 62)
+
+
+def choose_action(task: Task, response: list[int], scripted: bool) -> str:
+    if scripted:
+        return task.menu[sum(response) % len(task.menu)]
+    for line in tokenizer.decode(response).splitlines():
+        if line.startswith("$ ") and line[2:].strip():
+            return line[2:].strip()
+    return NO_OP
+
+
+def observation(command: str, exit_code: int, stdout: str, stderr: str, timed_out: bool) -> str:
+    """What the agent sees of an action: its command, its output (bounded) and its exit status.
+    Only ever built from an action's result: an environment failure is never an observation."""
+    output = (stdout + stderr)[-OBSERVATION_LIMIT:]
+    status = "timed out" if timed_out else f"exit {exit_code}"
+    return f"\n$ {command}\n{output}[{status}]\n"
+
+
+def math_reward(task: Task, response: list[int]) -> float:
+    numbers = re.findall(r"-?\d+", tokenizer.decode(response))
+    return 1.0 if numbers and numbers[-1] == task.answer else 0.0
+
+
+# ---------------------------------------------------------------- the shipped workloads
+
+
+def math_tasks(count: int) -> list[Task]:
+    tasks = []
+    for i in range(count):
+        rng = seeded("math", i)
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
+        tasks.append(
+            Task(
+                task_id=f"math-{i}",
+                prompt=f"Compute ({a} + {b}) * {c}. Think step by step, then give the number.\n",
+                max_turns=1,
+                answer=str((a + b) * c),
+                max_tokens=400,
+            )
+        )
+    return tasks
+
+
+SHELL_MENU = (
+    "ls /task",
+    "cat /task/notes.txt",
+    "wc -l /task/notes.txt",
+    "sort /task/notes.txt > /task/sorted.txt; head -3 /task/sorted.txt",
+    "echo step >> /task/log; wc -l /task/log",
+    "sed -i 's/todo/done/' /task/notes.txt; grep -c done /task/notes.txt",
+    "cat /task/log 2>/dev/null | tail -2",
+    "sh /task/check.sh; echo check=$?",
+)
+
+
+def shell_tasks(count: int, turns: int = 8, action_s: float = 0.3) -> list[Task]:
+    """`action_s`: how long each menu action takes (a sleep first), the environment time of a step."""
+    tasks = []
+    for i in range(count):
+        rng = seeded("shell", i)
+        lines = [f"{rng.choice(['todo', 'note', 'fix'])} item {rng.randint(1, 999)}" for _ in range(6)]
+        notes = "\\n".join(lines)
+        wait = f"sleep {action_s:g}; " if action_s > 0 else ""
+        tasks.append(
+            Task(
+                task_id=f"shell-{i}",
+                prompt=(
+                    "You are in a shell. Replace every 'todo' in /task/notes.txt with 'done', then run"
+                    " the check. Answer with one command per turn, on a line starting with '$ '.\n"
+                ),
+                max_turns=turns,
+                setup=(
+                    f"mkdir -p /task && printf '{notes}\\n' > /task/notes.txt && "
+                    "printf '! grep -q todo /task/notes.txt\\n' > /task/check.sh && ls /task"
+                ),
+                check="sh /task/check.sh",
+                menu=tuple(wait + action for action in SHELL_MENU),
+            )
+        )
+    return tasks
+
+
+WORKLOADS = ("math", "shell")
+
+
+def workload(name: str, count: int, **options: float) -> list[Task]:
+    if name == "math":
+        return math_tasks(count)
+    if name == "shell":
+        return shell_tasks(count, **options)  # type: ignore[arg-type]
+    raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
