@@ -22,3 +22,6 @@ def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) ->
     from belayer_rl.cli import bench_checkpoint as checkpoint_bench
 
     checkpoint_bench.add_parser(kinds)
+    from belayer_rl.cli import bench_env_recovery
+
+    bench_env_recovery.add_parser(kinds)

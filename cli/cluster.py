@@ -90,6 +90,7 @@ class ClusterConfig:
     engines: int = setting(2, "rollout workers (engines) to start")
     preset: str = same_as(WorkerConfig, "preset", flag="--model")
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
+    num_blocks: int = same_as(WorkerConfig, "num_blocks")
     nats_url: str | None = setting(None, "an external NATS to use instead of starting one", flag="--nats")
     nats_port: int = setting(0, "port of the embedded nats-server (0: a free one)")
     cluster_id: str = same_as(ServiceConfig, "cluster_id")
@@ -226,6 +227,7 @@ class Supervisor:
             state_dir=c.state_dir / "workers",
             preset=c.preset,
             weights_seed=c.weights_seed,
+            num_blocks=c.num_blocks,
             hang_timeout_s=c.hang_timeout_s,
             failure_window_s=c.failure_window_s,
         )
@@ -257,6 +259,7 @@ class Supervisor:
             engine_id=engine_id,
             preset=c.preset,
             weights_seed=c.weights_seed,
+            num_blocks=c.num_blocks,
         )
         return service(f"worker-{engine_id}", "belayer_rl.services.worker", worker, engine_id=engine_id)
 

@@ -1,6 +1,6 @@
 """The agent loop of one trajectory: LLM turns through the router, actions in the trajectory's
 sandbox through its checkpointer, checkpoints decided by the policy service, and recovery from
-environment failures. `run_trajectory` is the API a verl or slime rollout function calls
+environment failures. `Trajectory(...).run()` is the API a verl or slime rollout function calls
 (examples/), and what `belayer rollout` runs for each trajectory of a batch (driver.py).
 
 A step: the LLM generates a response to the context (prompt + responses + observations so far);
@@ -106,7 +106,7 @@ class TrajectoryResult(msgspec.Struct, kw_only=True):
     recoveries: int
     restores_from_base: int
     checkpoints: int
-    checkpoint_s: float  # the whole time of the checkpoints that became ready
+    checkpoint_s: float  # the whole time of every checkpoint, those that failed included
     exposed_checkpoint_s: float  # the part of it the trajectory waited for
     wall_s: float
     timeline: list[TimelineEntry] = []
@@ -385,6 +385,7 @@ class Trajectory:
                 self.sandbox, self.trajectory_id, k, context_tokens=context, timeout_s=timeout_s
             )
         except ServiceError as exc:
+            self.checkpoint_s += self.clock() - started  # its time counts, hidden or not, like a ready one's
             self.mark("checkpoint-failed", started, f"{exc.code}: {exc}", step=k)
             if exc.code == "timeout":
                 await self.services.policy.report_timeout(
@@ -476,7 +477,8 @@ class Trajectory:
                 if attempt == self.settings.max_retries:
                     raise InfraError(f"restore failed {attempt} times, last: {exc.code}: {exc}") from None
         self.recoveries += 1
-        self.mark("recovery", started, f"to step {self.k} ({why})")
+        source = "from the base image" if self.k == 0 else f"from checkpoint k={self.k}"
+        self.mark("recovery", started, f"{source} ({why})")
 
     async def restore(self) -> None:
         """The latest ready checkpoint, with its L_k; without one, the base image and the prompt."""

@@ -1,0 +1,301 @@
+"""`belayer bench env-recovery`: what sandbox failures cost a rollout batch, per checkpoint policy.
+
+Real runs, on a local cluster (router, one tiny-4k worker, the checkpointer on the local Docker
+engine with CRIU, the policy service), with the scripted agent on the "shell" workload: for each
+seed, a failure-free batch without checkpoints (the baseline of that seed), then a batch per
+failure rate and policy, its sandbox containers killed by the seeded chaos injector (the same
+schedule for every policy of a seed). Reports, per rate and policy, the rollout time added against
+the seed's failure-free batch (paired, median and spread over seeds), total and exposed checkpoint
+time, checkpoints, failures and recoveries.
+
+Then the simulator (services/rollout/simulator.py), driven by the durations measured in these
+runs: first on the real runs' own configuration (its spread against theirs: "validated" when its
+medians fall within the real runs' range), then at the paper's scale (64 prompts × 8 samples, 20
+rounds). Writes report.json, measured.json (the distributions, for `--sim-only`) and plot.png
+into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import uvloop
+
+from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.services.rollout.agent import RolloutSettings, Services, TrajectoryResult
+from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
+from belayer_rl.services.rollout.driver import Batch, BatchSummary, run_batch
+from belayer_rl.services.rollout.simulator import Measured, SimConfig, simulate
+from belayer_rl.services.rollout.workloads import RESPONSE_TOKENS, shell_tasks
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.config import hostname_id
+
+POLICIES = ("never", "always", "every-3", "adaptive")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = kinds.add_parser(
+        "env-recovery", help="sandbox failures: rollout time added, per checkpoint policy"
+    )
+    bench.add_argument("--seeds", type=int, default=5, help="paired seeds of the real runs")
+    bench.add_argument("--trajectories", type=int, default=8, help="trajectories per real batch")
+    bench.add_argument("--turns", type=int, default=8, help="LLM turns per trajectory")
+    bench.add_argument("--action-s", type=float, default=0.3, help="seconds each scripted action takes")
+    bench.add_argument("--rates", default="0.01,0.05", help="failure probabilities per step")
+    bench.add_argument("--policies", default=",".join(POLICIES))
+    bench.add_argument("--sim-seeds", type=int, default=5, help="seeds of the simulator at the paper's scale")
+    bench.add_argument("--sim-only", type=Path, help="skip the real runs: simulate from this measured.json")
+    bench.add_argument("--out", type=Path, default=Path("env-recovery"), help="folder for report, plot, data")
+    bench.add_argument("--quick", action="store_true", help="1 seed, 2 trajectories, 3 turns (a smoke run)")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.seeds, args.trajectories, args.turns, args.sim_seeds = 1, 2, 3, 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    policies = args.policies.split(",")
+    if args.sim_only:
+        measured = Measured(**json.loads(args.sim_only.read_text()))
+        report: dict[str, object] = {"real": None}
+    else:
+        report, measured = uvloop.run(real_runs(args, rates, policies))
+        (args.out / "measured.json").write_text(json.dumps(dataclasses.asdict(measured)))
+    report["machine"] = {"cpus": os.cpu_count(), "host": "this machine"}
+    report["agent"] = f"scripted agent: responses of U{RESPONSE_TOKENS} tokens, EOS masked until then"
+    report["simulator"] = simulations(args, rates, policies, measured, report.get("real"))
+    (args.out / "report.json").write_text(json.dumps(report, indent=1))
+    plot(report, args.out / "plot.png")
+    return emit(report, args.json, print_table)
+
+
+async def real_runs(
+    args: argparse.Namespace, rates: list[float], policies: list[str]
+) -> tuple[dict[str, object], Measured]:
+    tasks = shell_tasks(args.trajectories, turns=args.turns, action_s=args.action_s)
+    cells: dict[str, list[dict[str, float]]] = {}
+    results: list[TrajectoryResult] = []
+    baselines: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
+        config = ClusterConfig(
+            state_dir=Path(state), engines=1, shadows=False, sandboxes=True, preset="tiny-4k", num_blocks=2048
+        )
+        async with local_cluster(config) as supervisor:
+            if "checkpointer" not in supervisor.children:
+                raise SystemExit("belayer bench env-recovery: no checkpointer (is Docker with CRIU up?)")
+            async with await Client.connect(supervisor.target("admin"), "bench") as client:
+                await client.wait_for_engines(1, 600)
+                host_id = hostname_id()
+                services = Services.on(client, host_id)
+                # A first batch, not counted: the engine's first steps and the image's first
+                # containers are slower, and would flatter every batch after the baseline.
+                warm_up = Batch(tasks[:2], seed=10_000, concurrency=2, run_id="warm-up")
+                await run_batch(services, warm_up, RolloutSettings(host_id=host_id, policy="always"))
+                for seed in range(args.seeds):
+                    batch = Batch(tasks, seed=seed, concurrency=args.trajectories, run_id=f"s{seed}-ff")
+                    settings = RolloutSettings(host_id=host_id, policy="never")
+                    baseline, ff_results = await run_batch(services, batch, settings)
+                    results += ff_results
+                    baselines.append(baseline.wall_s)
+                    step_wall = baseline.mean_step_wall_s
+                    print(
+                        f"seed {seed}: failure-free {baseline.wall_s:.1f} s, step {step_wall:.2f} s",
+                        flush=True,
+                    )
+                    for rate in rates:
+                        for policy in policies:
+                            chaos = SandboxChaos(
+                                KillSchedule(1000 + seed, rate, step_wall),
+                                host_id=host_id,
+                                nc=client.nc,
+                                subjects=client.subjects,
+                            )
+                            batch = Batch(
+                                tasks,
+                                seed=seed,
+                                concurrency=args.trajectories,
+                                run_id=f"s{seed}-{policy}-{rate:g}".replace(".", "_"),
+                            )
+                            try:
+                                summary, run_results = await run_batch(
+                                    services,
+                                    batch,
+                                    RolloutSettings(host_id=host_id, policy=policy),
+                                    chaos=chaos,
+                                    out_dir=args.out / batch.run_id,
+                                )
+                            finally:
+                                await chaos.close()
+                            results += run_results
+                            cells.setdefault(f"{rate:g}/{policy}", []).append(cell(summary, baseline))
+                            print(
+                                f"  p={rate:g} {policy}: {summary.wall_s:.1f} s, {summary.failures} failures, {summary.checkpoints} checkpoints",
+                                flush=True,
+                            )
+    report = {"real": {"config": {"seeds": args.seeds, "trajectories": args.trajectories, "turns": args.turns, "action_s": args.action_s},
+                       "failure_free_s": baselines, "cells": {k: aggregate(v) for k, v in cells.items()}}}  # fmt: skip
+    return report, measure(results)
+
+
+def cell(summary: BatchSummary, baseline: BatchSummary) -> dict[str, float]:
+    return {
+        "added": summary.wall_s / baseline.wall_s - 1.0,
+        "wall_s": summary.wall_s,
+        "checkpoint_s": summary.checkpoint_s,
+        "exposed_checkpoint_s": summary.exposed_checkpoint_s,
+        "hidden_fraction": summary.hidden_fraction,
+        "checkpoints": summary.checkpoints,
+        "failures": summary.failures,
+        "recoveries": summary.recoveries,
+        "restores_from_base": summary.restores_from_base,
+        "infra_errors": summary.infra_errors,
+    }
+
+
+def aggregate(rows: list[dict[str, float]]) -> dict[str, object]:
+    """Per figure: median, min and max over seeds; counts summed."""
+    out: dict[str, object] = {}
+    for name in rows[0]:
+        values = [row[name] for row in rows]
+        if name in ("checkpoints", "failures", "recoveries", "restores_from_base", "infra_errors"):
+            out[name] = sum(values)
+        else:
+            out[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def measure(results: Sequence[TrajectoryResult]) -> Measured:
+    def spans(kind: str, prefix: str = "") -> list[float]:
+        return [
+            e.end_s - e.start_s
+            for r in results
+            for e in r.timeline
+            if e.kind == kind and e.detail.startswith(prefix)
+        ]
+
+    restores = spans("recovery", "from checkpoint")
+    bases = spans("recovery", "from the base image")
+    return Measured(
+        response_s=spans("turn"),
+        action_s=spans("action"),
+        checkpoint_s=spans("checkpoint") or [0.5],
+        restore_s=restores or bases or [1.0],
+        base_restart_s=bases or [1.0],
+    )
+
+
+def simulations(
+    args: argparse.Namespace, rates: list[float], policies: list[str], measured: Measured, real: object
+) -> dict[str, object]:
+    started = time.monotonic()
+    out: dict[str, object] = {}
+    shapes = {"paper": (512, 20, args.sim_seeds)}
+    if isinstance(real, dict):
+        shapes["real-config"] = (args.trajectories, args.turns + 1, max(args.seeds, 5))
+    for shape, (trajectories, turns, seeds) in shapes.items():
+        baseline = [
+            simulate(SimConfig("never", 0.0, trajectories, turns, seed), measured) for seed in range(seeds)
+        ]
+        cells: dict[str, object] = {}
+        for rate in rates:
+            for policy in policies:
+                rows = []
+                for seed in range(seeds):
+                    r = simulate(SimConfig(policy, rate, trajectories, turns, seed), measured)
+                    rows.append({"added": r.wall_s / baseline[seed].wall_s - 1.0, "mean_added": r.mean_trajectory_s / baseline[seed].mean_trajectory_s - 1.0,
+                                 "hidden_fraction": r.hidden_fraction, "checkpoint_s": r.checkpoint_s,
+                                 "exposed_checkpoint_s": r.exposed_checkpoint_s, "checkpoints": r.checkpoints,
+                                 "failures": r.failures, "recoveries": r.recoveries_from_checkpoint + r.restarts_from_base,
+                                 "restores_from_base": r.restarts_from_base, "infra_errors": 0})  # fmt: skip
+                cells[f"{rate:g}/{policy}"] = aggregate(rows) | {
+                    "per_seed_added": [row["added"] for row in rows]
+                }
+        out[shape] = {"trajectories": trajectories, "turns": turns, "seeds": seeds, "cells": cells}
+    if isinstance(real, dict):
+        out["validation"] = validation(real["cells"], out["real-config"]["cells"])  # type: ignore[index]
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+def validation(real: dict[str, dict[str, object]], sim: dict[str, dict[str, object]]) -> dict[str, object]:
+    """Per cell: does the simulator's median added time fall within the real runs' range?"""
+    verdicts = {}
+    for name, figures in real.items():
+        spread = figures["added"]
+        simulated = sim[name]["added"]["median"]  # type: ignore[index]
+        inside = spread["min"] <= simulated <= spread["max"]  # type: ignore[index]
+        verdicts[name] = {
+            "simulated_median": simulated,
+            "real_min": spread["min"],
+            "real_max": spread["max"],
+            "within": inside,
+        }  # type: ignore[index]
+    return {"cells": verdicts, "validated": all(v["within"] for v in verdicts.values())}
+
+
+def print_table(report: dict[str, object]) -> None:
+    print(f"{report['agent']}")
+    real = report.get("real")
+    if isinstance(real, dict):
+        print(
+            f"\nreal runs {real['config']}, failure-free batches {', '.join(f'{s:.1f}' for s in real['failure_free_s'])} s"
+        )
+        table(real["cells"])
+    sim = report["simulator"]
+    for shape in ("real-config", "paper"):
+        if shape in sim:  # type: ignore[operator]
+            s = sim[shape]  # type: ignore[index]
+            print(
+                f"\nsimulator, {shape}: {s['trajectories']} trajectories x {s['turns']} rounds, {s['seeds']} seeds"
+            )
+            table(s["cells"])
+    if "validation" in sim:  # type: ignore[operator]
+        print(f"\nsimulator validated against the real runs: {sim['validation']['validated']}")  # type: ignore[index]
+
+
+def table(cells: dict[str, dict[str, object]]) -> None:
+    print(
+        f"{'p/policy':<18}{'added (median [min, max])':>30}{'ckpt s':>9}{'exposed s':>10}{'hidden':>8}{'ckpts':>7}{'fail':>6}{'recov':>6}{'base':>6}"
+    )
+    for name, c in cells.items():
+        added, ck, ex, hidden = c["added"], c["checkpoint_s"], c["exposed_checkpoint_s"], c["hidden_fraction"]
+        print(
+            f"{name:<18}{added['median']:>+13.1%} [{added['min']:+.1%}, {added['max']:+.1%}]"  # type: ignore[index]
+            f"{ck['median']:>9.1f}{ex['median']:>10.2f}{hidden['median']:>8.1%}"  # type: ignore[index]
+            f"{c['checkpoints']:>7}{c['failures']:>6}{c['recoveries']:>6}{c['restores_from_base']:>6}"
+        )
+
+
+def plot(report: dict[str, object], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = [(name, cells) for name, cells in (("real", (report.get("real") or {}).get("cells")),  # type: ignore[union-attr]
+                                                 ("simulator (paper scale)", report["simulator"]["paper"]["cells"]))  # type: ignore[index]
+               if cells]  # fmt: skip
+    figure, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 4), squeeze=False)
+    for axis, (title, cells) in zip(axes[0], sources, strict=True):
+        names = list(cells)
+        medians = [100 * cells[n]["added"]["median"] for n in names]
+        low = [m - 100 * cells[n]["added"]["min"] for m, n in zip(medians, names, strict=True)]
+        high = [100 * cells[n]["added"]["max"] - m for m, n in zip(medians, names, strict=True)]
+        axis.bar(range(len(names)), medians, yerr=[low, high], capsize=3, color="tab:blue")
+        axis.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        axis.set_ylabel("rollout time added (%)")
+        axis.set_title(f"{title} (scripted agent)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,232 @@
+"""A discrete-event simulator of a rollout batch under sandbox failures: the figures of
+`belayer bench env-recovery` at the paper's scale (64 prompts × 8 samples, up to 20 rounds),
+driven by distributions measured in the real runs (LLM response times, action times, checkpoint
+and restore costs), and deciding with the same arithmetic as the policy service
+(services/policy/decision.py), its estimates learnt online in the order events happen.
+
+A trajectory alternates: an LLM turn of T seconds, during which the policy is consulted at
+x = 0, Δ, 2Δ, ... and may start a checkpoint of c seconds (one in flight); then its action, which
+waits for the checkpoint first (the visible part), and takes d seconds. Each step fails with
+probability p, its kill landing u·D after the action starts (u uniform, D the stated step wall
+time, as the chaos injector does): a kill inside the action is seen at once; a later one kills the
+checkpoint in flight if it is still running and is seen when the next action starts. A failure
+costs a restore (r) and everything since the latest ready checkpoint, or a restart from the base
+image (b) and everything. Trajectories are independent (no contention is modelled: the measured
+distributions already carry the load of the real runs); the batch ends with its last trajectory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from belayer_rl.services.policy.decision import (
+    CheckpointCost,
+    FailureRate,
+    Policy,
+    ResponseTimes,
+    Situation,
+    decide,
+    step_failure_probability,
+)
+from belayer_rl.services.rollout.workloads import seeded
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Samples of each duration, in seconds, from real runs."""
+
+    response_s: Sequence[float]
+    action_s: Sequence[float]
+    checkpoint_s: Sequence[float]
+    restore_s: Sequence[float]
+    base_restart_s: Sequence[float]
+
+    def __post_init__(self) -> None:
+        for name in ("response_s", "action_s", "checkpoint_s", "restore_s", "base_restart_s"):
+            if not getattr(self, name):
+                raise ValueError(f"no samples of {name}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str
+    p_per_step: float
+    trajectories: int = 512  # 64 prompts × 8 samples
+    turns: int = 20
+    seed: int = 0
+    consult_every_s: float = 1.0
+    step_wall_s: float = 0.0  # D; 0: the mean of a response and an action
+    max_recoveries: int = 1000  # per trajectory, as the driver's bound: past it the trajectory gives up
+
+
+@dataclass
+class SimResult:
+    policy: str
+    p_per_step: float
+    wall_s: float  # the batch's rollout time: its last trajectory's end
+    mean_trajectory_s: float
+    failures: int
+    recoveries_from_checkpoint: int
+    restarts_from_base: int
+    checkpoints: int
+    checkpoint_s: float
+    exposed_checkpoint_s: float
+    gave_up: int = 0  # trajectories past max_recoveries
+
+    @property
+    def hidden_fraction(self) -> float:
+        return 1.0 - self.exposed_checkpoint_s / self.checkpoint_s if self.checkpoint_s > 0 else 1.0
+
+
+@dataclass
+class SimTrajectory:
+    index: int
+    k: int = 0  # actions completed
+    ready_k: int = -1
+    ready_at_work: float = 0.0  # work done when the ready checkpoint's boundary was reached
+    work: float = 0.0  # LLM and environment seconds of the current prefix
+    env_work: float = 0.0
+    ready_env_work: float = 0.0
+    last_action_s: float = 0.0
+    attempts: dict[int, int] = field(default_factory=dict)
+    kill_pending_at: float | None = None  # a kill past its action, seen at the next action
+    failures: int = 0
+
+
+def draw(samples: Sequence[float], *key: object) -> float:
+    return samples[seeded(*key).randrange(len(samples))]
+
+
+def simulate(config: SimConfig, measured: Measured) -> SimResult:
+    policy = Policy.parse(config.policy)
+    rate = FailureRate()
+    responses = ResponseTimes()
+    cost = CheckpointCost(statistics.median(measured.checkpoint_s))
+    step_wall = config.step_wall_s or statistics.fmean(measured.response_s) + statistics.fmean(
+        measured.action_s
+    )
+    result = SimResult(config.policy, config.p_per_step, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0)
+    ends: list[float] = []
+    # (time, tie-breaker, trajectory): the next turn of each trajectory, in time order, so the
+    # shared estimates learn in the order the events happen.
+    queue = [(0.0, i, SimTrajectory(i)) for i in range(config.trajectories)]
+    heapq.heapify(queue)
+    seed = config.seed
+    while queue:
+        now, _, t = heapq.heappop(queue)
+        if t.k >= config.turns or t.failures > config.max_recoveries:
+            result.gave_up += t.k < config.turns
+            ends.append(now)
+            continue
+        # The LLM turn that follows k actions, and the consults while it runs.
+        turn = t.attempts.get(t.k, 0)
+        response = draw(measured.response_s, "T", seed, t.index, t.k, turn)
+        checkpoint_start = checkpoint_end = None
+        if t.k != t.ready_k and t.k > 0:  # the base image (k = 0) needs no checkpoint
+            x = 0.0
+            while x < response:
+                verdict = decide(
+                    policy,
+                    Situation(
+                        step=t.k,
+                        exposure_s=t.work - t.ready_at_work + x,
+                        env_work_s=t.env_work - t.ready_env_work,
+                        elapsed_s=x,
+                    ),
+                    p=step_failure_probability(rate.per_second, t.last_action_s),
+                    responses=responses,
+                    cost_s=cost.seconds,
+                )
+                if verdict.checkpoint:
+                    checkpoint_start = now + x
+                    checkpoint_end = checkpoint_start + draw(
+                        measured.checkpoint_s, "c", seed, t.index, t.k, turn
+                    )
+                    break
+                x += config.consult_every_s
+        responses.add(response)
+        turn_end = now + response
+        action_start = max(turn_end, checkpoint_end or 0.0)
+        # A kill from the previous step that landed after its action: it killed a checkpoint
+        # still running, and the failure is seen when this action would start.
+        if t.kill_pending_at is not None:
+            killed_at, t.kill_pending_at = t.kill_pending_at, None
+            seen_at = turn_end
+            if checkpoint_start is not None and checkpoint_end is not None:
+                if checkpoint_end <= killed_at:  # it made it: the recovery restores it
+                    ready(t, result, cost, checkpoint_start, checkpoint_end, turn_end)
+                    seen_at = max(turn_end, checkpoint_end)
+                else:
+                    failed_at = max(killed_at, checkpoint_start)
+                    result.checkpoint_s += failed_at - checkpoint_start
+                    result.exposed_checkpoint_s += max(0.0, failed_at - turn_end)
+                    seen_at = max(turn_end, failed_at)
+            heapq.heappush(queue, (recover(t, result, measured, config, seen_at, turn), t.index, t))
+            continue
+        if checkpoint_start is not None and checkpoint_end is not None:
+            ready(t, result, cost, checkpoint_start, checkpoint_end, turn_end)
+        t.work += response
+        # The action, and whether its step fails.
+        step = t.k + 1
+        attempt = t.attempts.get(step, 0)
+        t.attempts[step] = attempt + 1
+        action = draw(measured.action_s, "d", seed, t.index, step, attempt)
+        kill = seeded("kill", seed, t.index, step, attempt)
+        fails, u = kill.random() < config.p_per_step, kill.random()
+        rate.observe(action, failed=fails and u * step_wall < action)
+        if fails and u * step_wall < action:  # inside the action: seen at once
+            seen_at = action_start + u * step_wall
+            heapq.heappush(queue, (recover(t, result, measured, config, seen_at, attempt), t.index, t))
+            continue
+        if fails:
+            t.kill_pending_at = action_start + u * step_wall
+            rate.observe(0.0, failed=True)
+        t.k = step
+        t.work += action
+        t.env_work += action
+        t.last_action_s = action
+        heapq.heappush(queue, (action_start + action, t.index, t))
+    result.wall_s = max(ends, default=0.0)
+    result.mean_trajectory_s = statistics.fmean(ends) if ends else 0.0
+    return result
+
+
+def ready(
+    t: SimTrajectory, result: SimResult, cost: CheckpointCost, start: float, end: float, turn_end: float
+) -> None:
+    result.checkpoints += 1
+    result.checkpoint_s += end - start
+    result.exposed_checkpoint_s += max(0.0, end - turn_end)
+    cost.add(end - start)
+    t.ready_k = t.k
+    t.ready_at_work = t.work
+    t.ready_env_work = t.env_work
+
+
+def recover(
+    t: SimTrajectory, result: SimResult, measured: Measured, config: SimConfig, seen_at: float, attempt: int
+) -> float:
+    """A failure seen at `seen_at`: back to the latest ready checkpoint, or to the base image.
+    Returns when the trajectory goes on."""
+    result.failures += 1
+    t.failures += 1
+    if t.ready_k >= 0:
+        result.recoveries_from_checkpoint += 1
+        t.k, t.work, t.env_work = t.ready_k, t.ready_at_work, t.ready_env_work
+        return seen_at + draw(measured.restore_s, "r", config.seed, t.index, t.k, attempt, result.failures)
+    result.restarts_from_base += 1
+    t.k, t.work, t.env_work = 0, 0.0, 0.0
+    return seen_at + draw(measured.base_restart_s, "b", config.seed, t.index, attempt, result.failures)
+
+
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def added_fraction(wall_s: float, baseline_s: float) -> float:
+    return wall_s / baseline_s - 1.0 if baseline_s > 0 else math.nan

@@ -1,0 +1,65 @@
+"""The rollout simulator (services/rollout/simulator.py) on cases worked out by hand: constant
+durations, so every figure has one right value; then properties that any answer must keep.
+Fast: pure Python, no cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from belayer_rl.services.rollout.simulator import Measured, SimConfig, simulate
+
+
+def constant(response: float = 2.0, action: float = 1.0, checkpoint: float = 0.5) -> Measured:
+    return Measured(
+        response_s=[response],
+        action_s=[action],
+        checkpoint_s=[checkpoint],
+        restore_s=[0.3],
+        base_restart_s=[0.2],
+    )
+
+
+def test_failure_free_without_checkpoints_is_the_sum_of_the_steps() -> None:
+    result = simulate(SimConfig("never", 0.0, trajectories=3, turns=5), constant())
+    assert result.wall_s == pytest.approx(5 * (2.0 + 1.0))
+    assert result.failures == 0 and result.checkpoints == 0 and result.hidden_fraction == 1.0
+
+
+def test_a_checkpoint_shorter_than_the_response_is_hidden_a_longer_one_shows() -> None:
+    hidden = simulate(SimConfig("always", 0.0, trajectories=1, turns=5), constant(checkpoint=0.5))
+    # Boundaries 1..4 are checkpointed (k = 0 has nothing to capture): 4 × 0.5 s, none of it visible.
+    assert hidden.checkpoints == 4 and hidden.checkpoint_s == pytest.approx(2.0)
+    assert hidden.exposed_checkpoint_s == 0.0 and hidden.wall_s == pytest.approx(15.0)
+    shown = simulate(SimConfig("always", 0.0, trajectories=1, turns=5), constant(checkpoint=3.0))
+    assert shown.exposed_checkpoint_s == pytest.approx(4 * 1.0)  # 3-s checkpoints behind 2-s responses
+    assert shown.wall_s == pytest.approx(15.0 + 4.0)
+    assert shown.hidden_fraction == pytest.approx(1 - 4 / 12)
+    every = simulate(SimConfig("every-2", 0.0, trajectories=1, turns=5), constant())
+    assert every.checkpoints == 2  # boundaries 2 and 4
+
+
+def test_failures_cost_more_without_checkpoints_and_the_batch_still_ends() -> None:
+    measured = constant()
+    for p in (0.05, 0.2):
+        never = simulate(SimConfig("never", p, trajectories=64, turns=10, seed=3), measured)
+        always = simulate(SimConfig("always", p, trajectories=64, turns=10, seed=3), measured)
+        assert never.failures > 0 and always.failures > 0
+        assert never.restarts_from_base == never.failures and always.recoveries_from_checkpoint > 0
+        assert never.mean_trajectory_s > always.mean_trajectory_s
+    # Every action fails (each kill lands inside its action): each trajectory stops at its bound.
+    certain = simulate(SimConfig("always", 1.0, trajectories=2, turns=3, step_wall_s=0.5, max_recoveries=5), measured)
+    assert certain.gave_up == 2 and certain.failures == 2 * 6
+
+
+def test_the_same_seed_gives_the_same_batch() -> None:
+    measured = Measured(
+        response_s=[1.0, 2.0, 3.5],
+        action_s=[0.2, 0.4],
+        checkpoint_s=[0.3, 0.6],
+        restore_s=[0.5],
+        base_restart_s=[0.2],
+    )
+    a = simulate(SimConfig("adaptive", 0.05, trajectories=32, turns=8, seed=9), measured)
+    b = simulate(SimConfig("adaptive", 0.05, trajectories=32, turns=8, seed=9), measured)
+    c = simulate(SimConfig("adaptive", 0.05, trajectories=32, turns=8, seed=10), measured)
+    assert a == b and a != c
