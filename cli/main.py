@@ -638,9 +638,11 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
     from belayer_rl.cli import bench, demo
     from belayer_rl.cli import policy as policy_cli
+    from belayer_rl.cli import rollout as rollout_cli
 
     demo.add_parser(commands)
     policy_cli.add_parser(commands)
+    rollout_cli.add_parser(commands)
     bench.add_parser(commands, with_kinds=benchmarks)
     from belayer_rl.cli import sandbox as sandbox_cli
 

@@ -65,6 +65,7 @@ class Progress:
         self.failures = self.recoveries = 0
         if not enabled:
             return
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -81,6 +82,7 @@ class Progress:
             MofNCompleteColumn(),
             TextColumn("failures {task.fields[failures]} recoveries {task.fields[recoveries]}"),
             TimeElapsedColumn(),
+            console=Console(stderr=True),  # stdout stays for the report (--json)
             transient=False,
         )
         self.task = self.bar.add_task(label, total=total, failures=0, recoveries=0)
