@@ -32,17 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiodocker
+import msgspec
 import nats
 import pytest
 
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.services.checkpointer.sandbox import LABEL_HOST
+from belayer_rl.services.policy.client import PolicyClient
 from belayer_rl.shared import protocol
 from belayer_rl.shared.access import Access
-from belayer_rl.shared.bus import Target
+from belayer_rl.shared.bus import ServiceError, Target
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import free_port
-from belayer_rl.shared.protocol import Handover
+from belayer_rl.shared.protocol import Handover, PolicyDecide, PolicyDecision
 from belayer_rl.shared.subjects import Subjects
 from tests.support import poll
 
@@ -358,7 +360,7 @@ async def test_every_service_healthy_and_only_nats_published_on_localhost(stack:
         json.loads(line) for line in stack.compose("ps", "--all", "--format", "json").splitlines() if line
     ]
     services = {row["Service"]: row for row in rows}
-    expected = {"nats", "namespaces", "router", "weight-server", "kv-server", "checkpointer"}
+    expected = {"nats", "namespaces", "router", "weight-server", "kv-server", "checkpointer", "policy"}
     assert set(services) == expected | {f"engine-{e}" for e in ENGINES}
     for name, row in services.items():
         assert row["State"] == "running", (name, row["State"], row["Status"])
@@ -507,6 +509,26 @@ async def test_checkpointer_in_its_container_checkpoints_and_restores(stack: Sta
         stack.belayer("sandbox", "--host", stack.host_id, "rm", name)
 
 
+async def test_policy_in_its_container_answers_the_rollout_side(stack: Stack) -> None:
+    async with await Client.connect(stack.target, "compose-test") as client:
+        policy = PolicyClient(client.nc, subjects=stack.target.subjects, timeout_s=10)
+        request = PolicyDecide(
+            trajectory="t1", host_id=stack.host_id, step=1, step_duration_s=0.5, exposure_s=10.0,
+            env_work_s=0.5, elapsed_s=0.0, policy="every-1",
+        )  # fmt: skip
+        decision = await poll(lambda: _answer(policy, request), timeout_s=60, every_s=0.5)
+        assert decision.checkpoint and decision.policy == "every-1" and decision.source == "service"
+        adaptive = await policy.decide(msgspec.structs.replace(request, policy=""))
+        assert adaptive.policy == "adaptive" and adaptive.reason.startswith("guard min-step")
+
+
+async def _answer(policy: PolicyClient, request: PolicyDecide) -> PolicyDecision | None:
+    try:
+        return await policy.decide(request)
+    except ServiceError:  # the container may still be starting
+        return None
+
+
 async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack, seed: int) -> None:
     rng = random.Random(seed + 1)
     async with await Client.connect(stack.target, "compose-test") as client:
@@ -538,7 +560,7 @@ async def test_compose_restart_of_each_service_leaves_generation_token_exact(sta
     async with await Client.connect(stack.target, "compose-test") as client:
         await client.wait_for_engines(len(ENGINES), 60)
         request_seed, reference = await long_request(client, rng)
-    for service in ("weight-server", "kv-server", "engine-e0", "nats", "checkpointer"):
+    for service in ("weight-server", "kv-server", "engine-e0", "nats", "checkpointer", "policy"):
         started = time.monotonic()
         stack.compose("restart", service)
         stack.compose("up", "-d", "--wait", "--wait-timeout", "180", timeout_s=240)  # all healthy again
