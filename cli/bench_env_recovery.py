@@ -18,9 +18,12 @@ into --out.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -30,14 +33,16 @@ from pathlib import Path
 import uvloop
 
 from belayer_rl.cli.bench_report import emit
-from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, TrajectoryResult
 from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
 from belayer_rl.services.rollout.driver import Batch, BatchSummary, run_batch
 from belayer_rl.services.rollout.simulator import Measured, SimConfig, simulate
 from belayer_rl.services.rollout.workloads import RESPONSE_TOKENS, shell_tasks
+from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import hostname_id
+from belayer_rl.shared.protocol import PolicyDecide
 
 POLICIES = ("never", "always", "every-3", "adaptive")
 
@@ -87,6 +92,7 @@ async def real_runs(
     cells: dict[str, list[dict[str, float]]] = {}
     results: list[TrajectoryResult] = []
     baselines: list[float] = []
+    step_walls: list[float] = []
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
         config = ClusterConfig(
             state_dir=Path(state), engines=1, shadows=False, sandboxes=True, preset="tiny-4k", num_blocks=2048
@@ -109,6 +115,7 @@ async def real_runs(
                     results += ff_results
                     baselines.append(baseline.wall_s)
                     step_wall = baseline.mean_step_wall_s
+                    step_walls.append(step_wall)
                     print(
                         f"seed {seed}: failure-free {baseline.wall_s:.1f} s, step {step_wall:.2f} s",
                         flush=True,
@@ -127,6 +134,7 @@ async def real_runs(
                                 concurrency=args.trajectories,
                                 run_id=f"s{seed}-{policy}-{rate:g}".replace(".", "_"),
                             )
+                            await fresh_policy(supervisor, services)  # learns from this batch alone
                             try:
                                 summary, run_results = await run_batch(
                                     services,
@@ -145,7 +153,31 @@ async def real_runs(
                             )
     report = {"real": {"config": {"seeds": args.seeds, "trajectories": args.trajectories, "turns": args.turns, "action_s": args.action_s},
                        "failure_free_s": baselines, "cells": {k: aggregate(v) for k, v in cells.items()}}}  # fmt: skip
-    return report, measure(results)
+    return report, measure(results, statistics.fmean(step_walls))
+
+
+async def fresh_policy(supervisor: Supervisor, services: Services) -> None:
+    """Restart the policy service (the local cluster starts it again) and wait until the new one
+    answers: its estimates then come from the batch about to run, not from earlier cells."""
+    old_pid = supervisor.children["policy"].pid
+    os.kill(old_pid, signal.SIGTERM)
+    probe = PolicyDecide(
+        trajectory="probe",
+        host_id="probe",
+        step=0,
+        step_duration_s=0.0,
+        exposure_s=0.0,
+        env_work_s=0.0,
+        elapsed_s=0.0,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if supervisor.children["policy"].pid not in (old_pid, 0, None):
+            with contextlib.suppress(ServiceError):
+                await services.policy.decide(probe)
+                return
+        await asyncio.sleep(0.2)
+    raise SystemExit("belayer bench env-recovery: the policy service did not come back within 120 s")
 
 
 def cell(summary: BatchSummary, baseline: BatchSummary) -> dict[str, float]:
@@ -160,6 +192,7 @@ def cell(summary: BatchSummary, baseline: BatchSummary) -> dict[str, float]:
         "recoveries": summary.recoveries,
         "restores_from_base": summary.restores_from_base,
         "infra_errors": summary.infra_errors,
+        "fallback_decisions": summary.fallback_decisions,
     }
 
 
@@ -168,30 +201,46 @@ def aggregate(rows: list[dict[str, float]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for name in rows[0]:
         values = [row[name] for row in rows]
-        if name in ("checkpoints", "failures", "recoveries", "restores_from_base", "infra_errors"):
+        if name in (
+            "checkpoints",
+            "failures",
+            "recoveries",
+            "restores_from_base",
+            "infra_errors",
+            "fallback_decisions",
+        ):
             out[name] = sum(values)
         else:
             out[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return out
 
 
-def measure(results: Sequence[TrajectoryResult]) -> Measured:
+def measure(results: Sequence[TrajectoryResult], step_wall_s: float) -> Measured:
+    """The durations of every run, for the simulator. A kind never seen (no failure at all, say)
+    borrows its nearest kin, and the report says so through `measured.json`."""
+
     def spans(kind: str, prefix: str = "") -> list[float]:
         return [
             e.end_s - e.start_s
             for r in results
             for e in r.timeline
-            if e.kind == kind and e.detail.startswith(prefix)
+            if e.kind == kind and e.detail.startswith(prefix) and "failed" not in e.detail
         ]
 
     restores = spans("recovery", "from checkpoint")
     bases = spans("recovery", "from the base image")
+    checkpoints = spans("checkpoint")
+    if not checkpoints:
+        raise SystemExit(
+            "belayer bench env-recovery: no checkpoint completed, nothing to drive the simulator with"
+        )
     return Measured(
         response_s=spans("turn"),
         action_s=spans("action"),
-        checkpoint_s=spans("checkpoint") or [0.5],
-        restore_s=restores or bases or [1.0],
-        base_restart_s=bases or [1.0],
+        checkpoint_s=checkpoints,
+        restore_s=restores or bases or checkpoints,
+        base_restart_s=bases or restores or checkpoints,
+        step_wall_s=step_wall_s,
     )
 
 
@@ -202,7 +251,7 @@ def simulations(
     out: dict[str, object] = {}
     shapes = {"paper": (512, 20, args.sim_seeds)}
     if isinstance(real, dict):
-        shapes["real-config"] = (args.trajectories, args.turns + 1, max(args.seeds, 5))
+        shapes["real-config"] = (args.trajectories, args.turns, max(args.seeds, 5))
     for shape, (trajectories, turns, seeds) in shapes.items():
         baseline = [
             simulate(SimConfig("never", 0.0, trajectories, turns, seed), measured) for seed in range(seeds)
@@ -217,7 +266,8 @@ def simulations(
                                  "hidden_fraction": r.hidden_fraction, "checkpoint_s": r.checkpoint_s,
                                  "exposed_checkpoint_s": r.exposed_checkpoint_s, "checkpoints": r.checkpoints,
                                  "failures": r.failures, "recoveries": r.recoveries_from_checkpoint + r.restarts_from_base,
-                                 "restores_from_base": r.restarts_from_base, "infra_errors": 0})  # fmt: skip
+                                 "restores_from_base": r.restarts_from_base, "infra_errors": r.gave_up,
+                                 "fallback_decisions": 0})  # fmt: skip
                 cells[f"{rate:g}/{policy}"] = aggregate(rows) | {
                     "per_seed_added": [row["added"] for row in rows]
                 }

@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar
 
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.presets import PRESETS
+from belayer_rl.shared.protocol import POLICY_PATTERN
 from belayer_rl.shared.subjects import CLUSTER_ID_PATTERN, DEFAULT_CLUSTER, Subjects, cluster_id_ok
 
 NATS_URL_ENV = "BELAYER_NATS_URL"
@@ -483,9 +484,9 @@ class PolicyConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not re.fullmatch(r"adaptive|never|always|every-[1-9][0-9]*", self.policy):
+        if not re.fullmatch(POLICY_PATTERN, self.policy, flags=re.ASCII):
             raise ConfigError(
-                f"--policy must be adaptive, never, always or every-N (N >= 1), got {self.policy!r}"
+                f"--policy must be adaptive, never, always or every-N (1 <= N < 10^6), got {self.policy!r}"
             )
         if self.failure_rate is not None and not self.failure_rate >= 0:
             raise ConfigError(f"--failure-rate must be >= 0, got {self.failure_rate}")

@@ -13,7 +13,8 @@ record already stored, or a message from a service not yet upgraded), and refuse
 a clear error. So services are upgraded one at a time, readers of a type before its writers: the
 workers before the router for `Dispatch`, the router before clients for `GenerateRequest`.
 Version 2 of GenerateRequest, Dispatch and LogStart carries one SamplingParams instead of the
-flat seed/temperature/stop of version 1; a version-1 message is read into the same Struct.
+flat seed/temperature/stop of version 1; a version-1 message is read into the same Struct. Version 3
+adds SamplingParams.min_tokens and GenerateRequest.prompt_tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from msgspec import Meta
 
 SCHEMA_VERSION = 1  # of a message type that never changed
 SAMPLING_VERSION = 2  # GenerateRequest, Dispatch, LogStart: sampling moved into SamplingParams
+# GenerateRequest, Dispatch, LogStart: SamplingParams.min_tokens, GenerateRequest.prompt_tokens. A
+# reader of version 2 would drop both silently (unknown fields are ignored), so it refuses version 3.
+AGENT_TURNS_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
 
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -84,7 +88,7 @@ class CarriesSampling(Message, frozen=True, kw_only=True):
     its own; they stay, deprecated, so a version-1 message (or stored record) still decodes, and
     `__post_init__` (run by msgspec after decoding) moves them into `sampling`."""
 
-    v: int = SAMPLING_VERSION
+    v: int = AGENT_TURNS_VERSION
     sampling: SamplingParams = SamplingParams()
     seed: Seed | None = None  # deprecated: version 1
     temperature: Temperature | None = None  # deprecated: version 1
@@ -659,10 +663,12 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
 # ---------------------------------------------------------------- checkpoint policy
 # The policy service (services/policy) answers PolicyDecide on `belayer.<cluster>.policy.decide`
 # and learns from the rollout driver's EnvStep, LlmResponse and CheckpointTimeout events and from
-# the checkpointer's CheckpointReady. Decision inputs are plain floats on purpose: the decision
-# defines an answer for NaN, infinities and negatives, so none of them is a reason to refuse.
+# the checkpointer's CheckpointReady. Decision inputs are plain floats: the decision defines an
+# answer for negatives and huge values (JSON has no NaN or infinity: a message with one is refused).
 
-PolicyName = Annotated[str, Meta(max_length=32, pattern=r"^(|adaptive|never|always|every-[1-9][0-9]{0,5})$")]
+# A named checkpoint policy: the one spelling the wire, the service's flag and the parser accept.
+POLICY_PATTERN = r"adaptive|never|always|every-[1-9][0-9]{0,5}"
+PolicyName = Annotated[str, Meta(max_length=32, pattern=rf"^({POLICY_PATTERN})?$")]
 
 
 class PolicyDecide(Message, tag="policy_decide", kw_only=True):

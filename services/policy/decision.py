@@ -16,7 +16,7 @@ the part that outlasts that response:
   ∫₀^c (1 - q(x; u)) du = E[max(c - (T - x), 0) | T > x], the checkpoint time that the response
   does not hide. With no samples, or none beyond x, nothing is known to hide it: it is c.
 
-Checkpoint when p·C ≥ the expected visible cost. Inputs that are not numbers a person would give
+Checkpoint when p·C ≥ the expected visible cost and p·C > 0. Inputs that are not numbers a person would give
 (NaN, infinities, negatives) still get a decision: a duration, a wait, a cost or an exposure that
 is NaN or negative counts as 0, an infinite duration makes p = 1, and samples that are not finite
 and non-negative are left out. Every decision says why, and a guard that decided names itself.
@@ -27,11 +27,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from belayer_rl.shared.protocol import POLICY_PATTERN
 
 PolicyKind = Literal["adaptive", "never", "always", "every"]
 
@@ -104,9 +107,11 @@ class ResponseTimes:
             values = json.loads(text)
         except json.JSONDecodeError:
             values = [json.loads(line) for line in text.splitlines() if line.strip()]
-        if isinstance(values, (int, float)):
+        if isinstance(values, (int, float)) and not isinstance(values, bool):
             values = [values]
-        if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
+        if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
             raise ValueError(f"{path}: expected a JSON list of seconds or one number per line")
         return cls.of((float(v) for v in values), **kwargs)
 
@@ -208,11 +213,11 @@ class Policy:
 
     @classmethod
     def parse(cls, name: str) -> Policy:
-        if name in ("adaptive", "never", "always"):
-            return cls(kind=name)  # type: ignore[arg-type]
-        if name.startswith("every-") and name[6:].isdigit() and int(name[6:]) >= 1:
+        if not re.fullmatch(POLICY_PATTERN, name, flags=re.ASCII):
+            raise ValueError(f"unknown policy {name!r}: adaptive, never, always or every-N (1 <= N < 10^6)")
+        if name.startswith("every-"):
             return cls(kind="every", every=int(name[6:]))
-        raise ValueError(f"unknown policy {name!r}: adaptive, never, always or every-N (N >= 1)")
+        return cls(kind=name)  # type: ignore[arg-type]
 
     @property
     def name(self) -> str:
@@ -277,7 +282,7 @@ def decide(
         return verdict(
             False, f"guard min-env-work: {env_work:.3f} s of environment work < {guards.min_env_work_s:.3f} s"
         )
-    take = benefit >= visible
+    take = benefit >= visible and benefit > 0  # no benefit is never worth a checkpoint, even a free one
     basis = (
         f"{len(responses)} samples"
         if responses.usable and responses.beyond(x)

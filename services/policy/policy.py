@@ -23,6 +23,7 @@ from belayer_rl.services.policy.decision import (
     decide,
     step_failure_probability,
 )
+from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import PolicyConfig
 from belayer_rl.shared.metrics import PolicyMetrics
 from belayer_rl.shared.protocol import (
@@ -96,7 +97,10 @@ class PolicyState:
     # ------------------------------------------------------------ what it answers
 
     def decision(self, request: PolicyDecide) -> PolicyDecision:
-        policy = Policy.parse(request.policy) if request.policy else self.default
+        try:
+            policy = Policy.parse(request.policy) if request.policy else self.default
+        except ValueError as exc:  # the wire's pattern already refuses it; kept should the two drift
+            raise ServiceError("bad-request", str(exc)) from None
         rate = self.rate.per_second
         verdict = decide(
             policy,

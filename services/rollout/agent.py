@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -80,6 +80,11 @@ class RolloutSettings:
     restore_timeout_s: float = 120.0
     memory_mb: int = 256
 
+    def __post_init__(self) -> None:
+        Policy.parse(self.policy)
+        if Policy.parse(self.fallback_policy).kind == "adaptive":  # it needs the service's estimates
+            raise ValueError("the fallback policy must be never, always or every-N, not adaptive")
+
 
 class TimelineEntry(msgspec.Struct, kw_only=True):
     """One line of a trajectory's timeline (JSON lines): what happened, from when to when."""
@@ -108,6 +113,7 @@ class TrajectoryResult(msgspec.Struct, kw_only=True):
     checkpoints: int
     checkpoint_s: float  # the whole time of every checkpoint, those that failed included
     exposed_checkpoint_s: float  # the part of it the trajectory waited for
+    fallback_decisions: int  # decided by --fallback-policy: the policy service did not answer
     wall_s: float
     timeline: list[TimelineEntry] = []
 
@@ -170,7 +176,7 @@ class Trajectory:
     checkpoints: int = 0
     checkpoint_s: float = 0.0
     exposed_checkpoint_s: float = 0.0
-    warned_fallback: bool = False
+    fallback_decisions: int = 0
     timeline: list[TimelineEntry] = field(default_factory=list)
     on_action: Callable[[Trajectory, int], None] | None = None  # the chaos hook: step about to run
 
@@ -196,6 +202,8 @@ class Trajectory:
     # ------------------------------------------------------------ the loop
 
     async def run(self) -> TrajectoryResult:
+        """Never raises but for cancellation: whatever goes wrong ends the trajectory as an
+        infrastructure error with its cause, so one trajectory cannot take its batch down."""
         started = self.clock()
         status: Status = "done"
         error = ""
@@ -205,13 +213,11 @@ class Trajectory:
         except InfraError as exc:
             status, error = "infra-error", str(exc)
             log.warning("trajectory %s ends on an infrastructure error: %s", self.trajectory_id, error)
+        except Exception as exc:  # a bug or an unforeseen failure: still a typed end, with its cause
+            status, error = "infra-error", f"{type(exc).__name__}: {exc}"
+            log.exception("trajectory %s failed", self.trajectory_id)
         finally:
-            await self.settle_checkpoint()
-            if self.task.needs_sandbox:
-                with contextlib.suppress(ServiceError):
-                    await self.services.sandboxes.end(self.trajectory_id)
-                with contextlib.suppress(ServiceError):
-                    await self.services.sandboxes.destroy(self.sandbox)
+            await self.clean_up()
         return TrajectoryResult(
             trajectory=self.trajectory_id,
             task=self.task.task_id,
@@ -229,9 +235,30 @@ class Trajectory:
             checkpoints=self.checkpoints,
             checkpoint_s=self.checkpoint_s,
             exposed_checkpoint_s=self.exposed_checkpoint_s,
+            fallback_decisions=self.fallback_decisions,
             wall_s=self.clock() - started,
             timeline=self.timeline,
         )
+
+    async def clean_up(self) -> None:
+        """The checkpoint in flight, the trajectory's checkpoints and its sandbox: each step tried
+        whatever happened to the one before."""
+        try:
+            await self.settle_checkpoint()
+        except Exception:
+            log.exception("trajectory %s: the last checkpoint failed", self.trajectory_id)
+        if self.task.needs_sandbox:
+            with contextlib.suppress(Exception):
+                await self.services.sandboxes.end(self.trajectory_id)
+            with contextlib.suppress(Exception):
+                await self.services.sandboxes.destroy(self.sandbox)
+
+    async def tell(self, report: Awaitable[None]) -> None:
+        """Telemetry for the policy and the event stream: best effort, never a trajectory's end."""
+        try:
+            await report
+        except Exception as exc:
+            log.warning("trajectory %s: a report was lost: %s", self.trajectory_id, exc)
 
     async def run_math(self) -> float:
         self.context = tokenizer.encode(self.task.prompt)
@@ -240,7 +267,12 @@ class Trajectory:
         return math_reward(self.task, response)
 
     async def run_shell(self) -> float:
-        await self.start_sandbox()
+        try:
+            # A pointer left by an earlier run under this id (a killed batch) must not be restored.
+            await self.services.sandboxes.end(self.trajectory_id)
+            await self.start_sandbox()
+        except ServiceError as exc:
+            raise InfraError(f"no sandbox: {exc.code}: {exc}") from None
         while True:
             try:
                 if self.k == 0:
@@ -288,14 +320,14 @@ class Trajectory:
             finally:
                 if not request.done():
                     request.cancel()
-                    with contextlib.suppress(BaseException):
-                        await request
+                    await asyncio.wait([request])  # its end, without re-raising it (or our own cancel)
             seconds = self.clock() - started
             self.turns += 1
             self.mark("turn", started, f"{len(generation.tokens)} tokens, {generation.resumes} resumes")
-            await self.services.policy.report_response(
-                LlmResponse(trajectory=self.trajectory_id, seconds=seconds, tokens=len(generation.tokens))
+            response = LlmResponse(
+                trajectory=self.trajectory_id, seconds=seconds, tokens=len(generation.tokens)
             )
+            await self.tell(self.services.policy.report_response(response))
             return generation.tokens, seconds
         raise AssertionError("unreachable")
 
@@ -304,7 +336,7 @@ class Trajectory:
         while not request.done():
             if self.checkpoint is None and self.k != self.ready_k:
                 decision = await self.ask_policy(self.clock() - started)
-                if decision.checkpoint:
+                if decision.checkpoint and not request.done():  # decided for a response still running
                     self.start_checkpoint()
             if self.checkpoint is not None:
                 return  # one in flight per trajectory: nothing more to ask this turn
@@ -332,18 +364,17 @@ class Trajectory:
     async def fallback(self, request: PolicyDecide, why: str) -> PolicyDecision:
         """The policy service did not answer: a named policy decides here, and an event says so."""
         policy = Policy.parse(self.settings.fallback_policy)
-        if not self.warned_fallback:
-            self.warned_fallback = True
+        if not self.fallback_decisions:
             event = PolicyFallback(trajectory=self.trajectory_id, policy=policy.name, why=why)
-            await bus.publish(
-                self.services.nc, self.services.subjects.event("policy_fallback", self.trajectory_id), event
-            )
+            subject = self.services.subjects.event("policy_fallback", self.trajectory_id)
+            await self.tell(bus.publish(self.services.nc, subject, event))
             log.warning(
                 "trajectory %s: policy service unavailable (%s), using %s",
                 self.trajectory_id,
                 why,
                 policy.name,
             )
+        self.fallback_decisions += 1
         verdict = decide(
             policy,
             Situation(
@@ -388,14 +419,14 @@ class Trajectory:
             self.checkpoint_s += self.clock() - started  # its time counts, hidden or not, like a ready one's
             self.mark("checkpoint-failed", started, f"{exc.code}: {exc}", step=k)
             if exc.code == "timeout":
-                await self.services.policy.report_timeout(
-                    CheckpointTimeout(
-                        trajectory=self.trajectory_id,
-                        host_id=self.services.sandboxes.host_id,
-                        k=k,
-                        waited_s=self.clock() - started,
-                    )
+                waited = self.clock() - started
+                event = CheckpointTimeout(
+                    trajectory=self.trajectory_id,
+                    host_id=self.services.sandboxes.host_id,
+                    k=k,
+                    waited_s=waited,
                 )
+                await self.tell(self.services.policy.report_timeout(event))
             return None
         self.mark(
             "checkpoint", started, f"{result.bytes_written} bytes, frozen {result.freeze_s:.3f} s", step=k
@@ -440,28 +471,28 @@ class Trajectory:
         except ServiceError as exc:
             env_s = self.clock() - started
             self.mark("failure", started, f"{exc.code}: {exc}", step=step)
-            failed = EnvStep(
-                trajectory=self.trajectory_id,
-                host_id=self.services.sandboxes.host_id,
-                step=step,
-                duration_s=env_s,
-                failed=True,
-            )
-            await self.services.policy.report_step(failed)
+            if exc.code in ENV_FAILURES:  # what λ counts; an RPC timeout is not the environment's failure
+                failed = EnvStep(
+                    trajectory=self.trajectory_id,
+                    host_id=self.services.sandboxes.host_id,
+                    step=step,
+                    duration_s=env_s,
+                    failed=True,
+                )
+                await self.tell(self.services.policy.report_step(failed))
             raise
         env_s = self.clock() - started
         seen = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
         self.steps.append(StepRecord(command, seen, llm_s, env_s))
         self.context = self.context + (response or []) + tokenizer.encode(seen)
         self.mark("action", started, command, step=step)
-        await self.services.policy.report_step(
-            EnvStep(
-                trajectory=self.trajectory_id,
-                host_id=self.services.sandboxes.host_id,
-                step=step,
-                duration_s=env_s,
-            )
+        done = EnvStep(
+            trajectory=self.trajectory_id,
+            host_id=self.services.sandboxes.host_id,
+            step=step,
+            duration_s=env_s,
         )
+        await self.tell(self.services.policy.report_step(done))
 
     async def recover(self, why: str) -> None:
         self.failures += 1

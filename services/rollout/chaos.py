@@ -13,7 +13,6 @@ Each kill is a `chaos_kill` event and a timeline entry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 
@@ -77,33 +76,43 @@ class SandboxChaos:
         task.add_done_callback(self.kills.discard)
 
     async def kill_later(self, trajectory: Trajectory, step: int, delay_s: float) -> None:
-        await asyncio.sleep(delay_s)
-        at = trajectory.clock()
+        """Kill the container that runs this attempt of the step: resolved now, killed by id, so a
+        kill whose attempt already failed otherwise finds that container gone and kills nothing
+        else (a restored container is a new one)."""
         name = container_name(self.host_id, trajectory.sandbox)
         try:
-            container = await self.docker.containers.get(name)
-            await container.kill()
+            container_id = (await self.docker.containers.get(name)).id
+            await asyncio.sleep(delay_s)
+            at = trajectory.clock()
+            await self.docker.containers.container(container_id).kill()
         except aiodocker.DockerError as exc:  # gone already (a recovery in progress, the end)
             log.info("chaos: no kill of %s at step %d: %s", name, step, exc.message)
             return
         self.killed += 1
         trajectory.mark(
-            "kill", at, f"SIGKILL {container.id[:12]} {delay_s:.3f} s into step {step}", step=step
+            "kill", at, f"SIGKILL {container_id[:12]} {delay_s:.3f} s into step {step}", step=step
         )
         event = ChaosKill(
             trajectory=trajectory.trajectory_id,
             sandbox=trajectory.sandbox,
             host_id=self.host_id,
-            container_id=container.id,
+            container_id=container_id,
             step=step,
             delay_s=delay_s,
         )
-        await bus.publish(self.nc, self.subjects.event("chaos_kill", trajectory.trajectory_id), event)
+        try:
+            await bus.publish(self.nc, self.subjects.event("chaos_kill", trajectory.trajectory_id), event)
+        except Exception as exc:  # the kill happened; only its event is lost
+            log.warning("chaos: the event of a kill was lost: %s", exc)
 
     async def close(self) -> None:
         for task in list(self.kills):
             task.cancel()
         for task in list(self.kills):
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("chaos: a kill failed")
         await self.docker.close()

@@ -5,8 +5,10 @@ JSON lines. What `belayer rollout` and `belayer bench env-recovery` run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ class BatchSummary(msgspec.Struct, kw_only=True):
     checkpoint_s: float
     exposed_checkpoint_s: float
     hidden_fraction: float  # 1 - exposed / total checkpoint time (1 when none was taken)
+    fallback_decisions: int  # decided without the policy service: its figures are not the policy's
     mean_step_wall_s: float  # the mean time between two actions, over every trajectory
     response_s: list[float]  # every LLM response time: the measured distribution of T
 
@@ -43,7 +46,7 @@ class Batch:
     samples: int = 1
     seed: int = 0  # trajectory seeds derive from it: the same for every policy compared
     concurrency: int = 4
-    run_id: str = "r"  # prefixes trajectory ids, so two batches on one host do not collide
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes trajectory ids
 
     def trajectories(self) -> list[tuple[str, Task, int]]:
         return [
@@ -129,7 +132,11 @@ async def run_batch(
             return result
 
     try:
-        results = list(await asyncio.gather(*(one(*entry) for entry in plan)))
+        # A trajectory ends as a result, never by raising (Trajectory.run); should one raise
+        # anyway, the group cancels and awaits the others rather than leave them running.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(*entry)) for entry in plan]
+        results = [task.result() for task in tasks]
     finally:
         bar.close()
     wall_s = clock()
@@ -166,6 +173,7 @@ def summarize(
         checkpoints=sum(r.checkpoints for r in results),
         checkpoint_s=checkpoint_s,
         exposed_checkpoint_s=exposed,
+        fallback_decisions=sum(r.fallback_decisions for r in results),
         hidden_fraction=1.0 - exposed / checkpoint_s if checkpoint_s > 0 else 1.0,
         mean_step_wall_s=statistics.fmean(gaps) if gaps else 0.0,
         response_s=[e.end_s - e.start_s for r in results for e in r.timeline if e.kind == "turn"],

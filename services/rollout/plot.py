@@ -53,7 +53,9 @@ def plot_timelines(folder: Path, png: Path) -> int:
     axis.set_xlabel("seconds since the batch started")
     handles = [Patch(color=color, label=kind) for kind, color in COLORS.items()]
     handles.append(axis.plot([], [], marker="x", color="black", linestyle="", label="kill")[0])  # type: ignore[arg-type]
-    axis.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=7, fontsize=8, frameon=False)
+    axis.legend(
+        handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=7, fontsize=8, frameon=False
+    )
     figure.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png, dpi=110)

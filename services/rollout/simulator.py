@@ -4,7 +4,7 @@ driven by distributions measured in the real runs (LLM response times, action ti
 and restore costs), and deciding with the same arithmetic as the policy service
 (services/policy/decision.py), its estimates learnt online in the order events happen.
 
-A trajectory alternates: an LLM turn of T seconds, during which the policy is consulted at
+A trajectory starts with its setup action, then alternates: an LLM turn of T seconds, during which the policy is consulted at
 x = 0, Δ, 2Δ, ... and may start a checkpoint of c seconds (one in flight); then its action, which
 waits for the checkpoint first (the visible part), and takes d seconds. Each step fails with
 probability p, its kill landing u·D after the action starts (u uniform, D the stated step wall
@@ -44,6 +44,7 @@ class Measured:
     checkpoint_s: Sequence[float]
     restore_s: Sequence[float]
     base_restart_s: Sequence[float]
+    step_wall_s: float = 0.0  # D of the chaos injector: the failure-free runs' mean step (0: unknown)
 
     def __post_init__(self) -> None:
         for name in ("response_s", "action_s", "checkpoint_s", "restore_s", "base_restart_s"):
@@ -56,11 +57,11 @@ class SimConfig:
     policy: str
     p_per_step: float
     trajectories: int = 512  # 64 prompts × 8 samples
-    turns: int = 20
+    turns: int = 20  # LLM turns (rounds); a trajectory's actions are its setup and one per turn
     seed: int = 0
     consult_every_s: float = 1.0
     step_wall_s: float = 0.0  # D; 0: the mean of a response and an action
-    max_recoveries: int = 1000  # per trajectory, as the driver's bound: past it the trajectory gives up
+    max_recoveries: int = 50  # per trajectory, the driver's default bound: past it the trajectory gives up
 
 
 @dataclass
@@ -106,25 +107,33 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
     rate = FailureRate()
     responses = ResponseTimes()
     cost = CheckpointCost(statistics.median(measured.checkpoint_s))
-    step_wall = config.step_wall_s or statistics.fmean(measured.response_s) + statistics.fmean(
-        measured.action_s
+    step_wall = (
+        config.step_wall_s
+        or measured.step_wall_s
+        or (statistics.fmean(measured.response_s) + statistics.fmean(measured.action_s))
     )
     result = SimResult(config.policy, config.p_per_step, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0)
     ends: list[float] = []
-    # (time, tie-breaker, trajectory): the next turn of each trajectory, in time order, so the
-    # shared estimates learn in the order the events happen.
+    actions = config.turns + 1  # the setup action first, then a turn and an action per round
+    # (time, tie-breaker, trajectory): each trajectory's next step, in time order, so the shared
+    # estimates learn in the order the events happen.
     queue = [(0.0, i, SimTrajectory(i)) for i in range(config.trajectories)]
     heapq.heapify(queue)
     seed = config.seed
+
+    def fail(t: SimTrajectory, seen_at: float, attempt: int) -> None:
+        rate.observe(0.0, failed=True)
+        heapq.heappush(queue, (recover(t, result, measured, config, seen_at, attempt), t.index, t))
+
     while queue:
         now, _, t = heapq.heappop(queue)
-        if t.k >= config.turns or t.failures > config.max_recoveries:
-            result.gave_up += t.k < config.turns
+        if t.k >= actions or t.failures > config.max_recoveries:
+            result.gave_up += t.k < actions
             ends.append(now)
             continue
-        # The LLM turn that follows k actions, and the consults while it runs.
+        # The LLM turn that follows k actions (none before the setup), and the consults while it runs.
         turn = t.attempts.get(t.k, 0)
-        response = draw(measured.response_s, "T", seed, t.index, t.k, turn)
+        response = draw(measured.response_s, "T", seed, t.index, t.k, turn) if t.k > 0 else 0.0
         checkpoint_start = checkpoint_end = None
         if t.k != t.ready_k and t.k > 0:  # the base image (k = 0) needs no checkpoint
             x = 0.0
@@ -148,43 +157,44 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
                     )
                     break
                 x += config.consult_every_s
-        responses.add(response)
+        if t.k > 0:
+            responses.add(response)
         turn_end = now + response
         action_start = max(turn_end, checkpoint_end or 0.0)
-        # A kill from the previous step that landed after its action: it killed a checkpoint
-        # still running, and the failure is seen when this action would start.
-        if t.kill_pending_at is not None:
-            killed_at, t.kill_pending_at = t.kill_pending_at, None
+        # A kill from the previous step that landed before this action: it killed the checkpoint
+        # if that was still running, and the failure is seen when this action would start.
+        pending, t.kill_pending_at = t.kill_pending_at, None
+        if pending is not None and pending < action_start:
             seen_at = turn_end
             if checkpoint_start is not None and checkpoint_end is not None:
-                if checkpoint_end <= killed_at:  # it made it: the recovery restores it
+                if checkpoint_end <= pending:  # it made it: the recovery restores it
                     ready(t, result, cost, checkpoint_start, checkpoint_end, turn_end)
                     seen_at = max(turn_end, checkpoint_end)
                 else:
-                    failed_at = max(killed_at, checkpoint_start)
+                    failed_at = max(pending, checkpoint_start)
                     result.checkpoint_s += failed_at - checkpoint_start
                     result.exposed_checkpoint_s += max(0.0, failed_at - turn_end)
                     seen_at = max(turn_end, failed_at)
-            heapq.heappush(queue, (recover(t, result, measured, config, seen_at, turn), t.index, t))
+            fail(t, seen_at, turn)
             continue
         if checkpoint_start is not None and checkpoint_end is not None:
             ready(t, result, cost, checkpoint_start, checkpoint_end, turn_end)
         t.work += response
-        # The action, and whether its step fails.
+        # The action, and whether its step fails: its own kill, or a later one still pending.
         step = t.k + 1
         attempt = t.attempts.get(step, 0)
         t.attempts[step] = attempt + 1
         action = draw(measured.action_s, "d", seed, t.index, step, attempt)
         kill = seeded("kill", seed, t.index, step, attempt)
         fails, u = kill.random() < config.p_per_step, kill.random()
-        rate.observe(action, failed=fails and u * step_wall < action)
-        if fails and u * step_wall < action:  # inside the action: seen at once
-            seen_at = action_start + u * step_wall
-            heapq.heappush(queue, (recover(t, result, measured, config, seen_at, attempt), t.index, t))
+        kills = [k for k in (pending, action_start + u * step_wall if fails else None) if k is not None]
+        first = min(kills, default=None)
+        if first is not None and first < action_start + action:  # inside the action: seen at once
+            rate.observe(first - action_start, failed=False)
+            fail(t, first, attempt)
             continue
-        if fails:
-            t.kill_pending_at = action_start + u * step_wall
-            rate.observe(0.0, failed=True)
+        rate.observe(action, failed=False)
+        t.kill_pending_at = first
         t.k = step
         t.work += action
         t.env_work += action
@@ -211,9 +221,11 @@ def recover(
     t: SimTrajectory, result: SimResult, measured: Measured, config: SimConfig, seen_at: float, attempt: int
 ) -> float:
     """A failure seen at `seen_at`: back to the latest ready checkpoint, or to the base image.
-    Returns when the trajectory goes on."""
+    Returns when the trajectory goes on (at once past max_recoveries: it gives up there)."""
     result.failures += 1
     t.failures += 1
+    if t.failures > config.max_recoveries:
+        return seen_at
     if t.ready_k >= 0:
         result.recoveries_from_checkpoint += 1
         t.k, t.work, t.env_work = t.ready_k, t.ready_at_work, t.ready_env_work

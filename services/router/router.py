@@ -163,8 +163,13 @@ class Router:
         weight_version = message.weight_version or await self.newest_weights()
         if message.request_id in self.requests:
             raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
-        if message.prompt_tokens is not None and message.prompt:
-            raise ServiceError("bad-request", "give `prompt` or `prompt_tokens`, not both")
+        if message.prompt_tokens is not None:
+            if message.prompt:
+                raise ServiceError("bad-request", "give `prompt` or `prompt_tokens`, not both")
+            if not message.prompt_tokens or max(message.prompt_tokens) >= tokenizer.VOCAB_SIZE:
+                raise ServiceError(
+                    "bad-request", f"prompt_tokens must be a non-empty list of ids below {tokenizer.VOCAB_SIZE}"
+                )
         start = LogStart(
             request_id=message.request_id,
             prompt_tokens=(

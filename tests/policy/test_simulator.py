@@ -21,19 +21,20 @@ def constant(response: float = 2.0, action: float = 1.0, checkpoint: float = 0.5
 
 def test_failure_free_without_checkpoints_is_the_sum_of_the_steps() -> None:
     result = simulate(SimConfig("never", 0.0, trajectories=3, turns=5), constant())
-    assert result.wall_s == pytest.approx(5 * (2.0 + 1.0))
+    assert result.wall_s == pytest.approx(1.0 + 5 * (2.0 + 1.0))  # the setup action, then 5 rounds
     assert result.failures == 0 and result.checkpoints == 0 and result.hidden_fraction == 1.0
 
 
 def test_a_checkpoint_shorter_than_the_response_is_hidden_a_longer_one_shows() -> None:
     hidden = simulate(SimConfig("always", 0.0, trajectories=1, turns=5), constant(checkpoint=0.5))
-    # Boundaries 1..4 are checkpointed (k = 0 has nothing to capture): 4 × 0.5 s, none of it visible.
-    assert hidden.checkpoints == 4 and hidden.checkpoint_s == pytest.approx(2.0)
-    assert hidden.exposed_checkpoint_s == 0.0 and hidden.wall_s == pytest.approx(15.0)
+    # Boundaries 1..5, before each turn, are checkpointed (k = 0, the base image, is not): 5 × 0.5 s,
+    # none of it visible.
+    assert hidden.checkpoints == 5 and hidden.checkpoint_s == pytest.approx(2.5)
+    assert hidden.exposed_checkpoint_s == 0.0 and hidden.wall_s == pytest.approx(16.0)
     shown = simulate(SimConfig("always", 0.0, trajectories=1, turns=5), constant(checkpoint=3.0))
-    assert shown.exposed_checkpoint_s == pytest.approx(4 * 1.0)  # 3-s checkpoints behind 2-s responses
-    assert shown.wall_s == pytest.approx(15.0 + 4.0)
-    assert shown.hidden_fraction == pytest.approx(1 - 4 / 12)
+    assert shown.exposed_checkpoint_s == pytest.approx(5 * 1.0)  # 3-s checkpoints behind 2-s responses
+    assert shown.wall_s == pytest.approx(16.0 + 5.0)
+    assert shown.hidden_fraction == pytest.approx(1 - 5 / 15)
     every = simulate(SimConfig("every-2", 0.0, trajectories=1, turns=5), constant())
     assert every.checkpoints == 2  # boundaries 2 and 4
 
@@ -44,10 +45,16 @@ def test_failures_cost_more_without_checkpoints_and_the_batch_still_ends() -> No
         never = simulate(SimConfig("never", p, trajectories=64, turns=10, seed=3), measured)
         always = simulate(SimConfig("always", p, trajectories=64, turns=10, seed=3), measured)
         assert never.failures > 0 and always.failures > 0
-        assert never.restarts_from_base == never.failures and always.recoveries_from_checkpoint > 0
+        # Every failure restarts from the base image, but one past a trajectory's bound (it gives up).
+        assert (
+            never.restarts_from_base == never.failures - never.gave_up
+            and always.recoveries_from_checkpoint > 0
+        )
         assert never.mean_trajectory_s > always.mean_trajectory_s
     # Every action fails (each kill lands inside its action): each trajectory stops at its bound.
-    certain = simulate(SimConfig("always", 1.0, trajectories=2, turns=3, step_wall_s=0.5, max_recoveries=5), measured)
+    certain = simulate(
+        SimConfig("always", 1.0, trajectories=2, turns=3, step_wall_s=0.5, max_recoveries=5), measured
+    )
     assert certain.gave_up == 2 and certain.failures == 2 * 6
 
 
