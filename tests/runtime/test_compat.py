@@ -54,14 +54,26 @@ def test_version_1_requests_and_dispatches_decode_into_sampling_params() -> None
 
 def test_a_newer_version_is_refused_with_a_clear_error() -> None:
     current = GenerateRequest(request_id="new", prompt="x", max_tokens=1, reply_to="_INBOX.x")
-    newer = protocol.encode(current).replace(b'"v":2', b'"v":3')
+    assert current.v == protocol.AGENT_TURNS_VERSION == 3
+    newer = protocol.encode(current).replace(b'"v":3', b'"v":4')
     try:
         protocol.decode(protocol.decoder_for(GenerateRequest), newer)
         refused = ""
     except protocol.BadMessage as exc:
         refused = str(exc)
 
-    assert refused == "GenerateRequest version 3 is newer than 2"
+    assert refused == "GenerateRequest version 4 is newer than 3"
+
+
+def test_a_version_2_request_still_decodes() -> None:
+    """Version 2 had no min_tokens and no prompt_tokens: it reads as a text prompt, EOS unmasked."""
+    older = (
+        b'{"type":"generate","v":2,"request_id":"old","prompt":"x","max_tokens":4,'
+        b'"sampling":{"seed":3,"temperature":0.5,"stop":[]},"reply_to":"_INBOX.x"}'
+    )
+    request = protocol.decode(protocol.decoder_for(GenerateRequest), older)
+    assert request.v == 2 and request.prompt_tokens is None
+    assert request.sampling == protocol.SamplingParams(seed=3, temperature=0.5, min_tokens=0)
 
 
 def test_a_checkpoint_manifest_written_by_the_previous_version_loads(tmp_path) -> None:
