@@ -39,28 +39,24 @@ What the adapter does with a sample:
 Token ids are those of the Belayer cluster (its byte-level tokenizer here): the policy verl trains must
 be the one Belayer's router serves. `sampling_params["temperature"]` is honoured; verl's other sampling
 parameters (top_p, repetition_penalty, logprobs) are not forwarded, and no log-probs are returned.
+
+The framework-neutral parts (the connection to the cluster, the prompt's text, the Task a sample names)
+come from belayer_rl.services.rollout.adapter; the mask is the result's own `loss_mask`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import logging
 import random
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from belayer_rl.services.rollout.adapter import client, prompt_text, task_for
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, Trajectory, TrajectoryResult
-from belayer_rl.services.rollout.workloads import Task, shell_tasks
+from belayer_rl.services.rollout.workloads import Task
 from belayer_rl.shared import tokenizer
-from belayer_rl.shared.access import Access
-from belayer_rl.shared.bus import Target
-from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import hostname_id
-from belayer_rl.shared.subjects import Subjects
 
 try:  # inside verl: the real base class, output model and registry
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
@@ -73,105 +69,7 @@ except ImportError:  # verl not installed (reading or testing this file): import
         return lambda cls: cls
 
 
-log = logging.getLogger("belayer.examples.verl")
-
-# ---------------------------------------------------------------- the connection, one per process and loop
-
-_clients: dict[tuple[Any, ...], asyncio.Future[Client]] = {}
-
-
-async def belayer_client(url: str, cluster_id: str | None = None, creds: str | None = None) -> Client:
-    """The Client of this event loop for that cluster: connected once, shared by every sample."""
-    loop = asyncio.get_running_loop()
-    key = (loop, url, cluster_id, creds)
-    pending = _clients.get(key)
-    if pending is None or (
-        pending.done() and (pending.cancelled() or pending.exception() or pending.result().nc.is_closed)
-    ):
-        target = Target(
-            url,
-            Subjects(cluster_id) if cluster_id else Subjects(),
-            Access(creds=Path(creds)) if creds else Access(),
-        )
-        pending = _clients[key] = asyncio.ensure_future(Client.connect(target, "belayer-verl"))
-    return await pending
-
-
-async def close_belayer_clients() -> None:
-    """Close the connections this event loop opened (at shutdown; tests call it)."""
-    loop = asyncio.get_running_loop()
-    for key in [k for k in _clients if k[0] is loop]:
-        pending = _clients.pop(key)
-        if pending.done() and not pending.cancelled() and pending.exception() is None:
-            await pending.result().nc.close()
-
-
-# ---------------------------------------------------------------- sample -> task, result -> tokens
-
-
-def prompt_text(messages: Any) -> str:
-    """The text of a chat prompt: its messages' contents, one after another (a string stays as is)."""
-    if isinstance(messages, str):
-        return messages
-    parts = []
-    for message in list(messages):
-        content = message["content"]
-        if not isinstance(content, str):  # a list of typed parts: the text ones
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        parts.append(content)
-    return "\n".join(parts)
-
-
-TASK_FIELDS = {f.name for f in dataclasses.fields(Task)} - {"prompt"}
-
-
-def task_for(prompt: str, spec: Any, task_id: str) -> Task:
-    """A Task with this prompt, shaped by `spec` (a mapping of Task's other fields) or a shell task."""
-    if not spec:
-        return dataclasses.replace(shell_tasks(1)[0], task_id=task_id, prompt=prompt)
-    spec = {k: v for k, v in dict(spec).items() if k in TASK_FIELDS}
-    spec.setdefault("task_id", task_id)
-    spec.setdefault("max_turns", 1)
-    if "menu" in spec:
-        spec["menu"] = tuple(str(action) for action in spec["menu"])
-    for name in ("max_turns", "max_tokens"):
-        if name in spec:
-            spec[name] = int(spec[name])
-    return Task(prompt=prompt, **spec)
-
-
-def record_step_starts(trajectory: Trajectory) -> dict[int, int]:
-    """Where each step begins in the context: the context's length when the step is about to run. A
-    step redone after a recovery records again, so the map always describes the final context."""
-    starts: dict[int, int] = {}
-    previous = trajectory.on_action
-
-    def on_action(t: Trajectory, step: int) -> None:
-        starts[step] = len(t.context)
-        if previous is not None:
-            previous(t, step)
-
-    trajectory.on_action = on_action
-    return starts
-
-
-def response_mask(result: TrajectoryResult, prompt_len: int, starts: dict[int, int]) -> list[int]:
-    """1 for the LLM's tokens, 0 for observation tokens, over the context after the prompt. Step s adds
-    its response (none for the setup action) then its observation, so it spans starts[s] to starts[s + 1]
-    and ends with encode(observation). Should that not hold, nothing is marked trainable."""
-    context = result.context_tokens
-    length = len(context) - prompt_len
-    if not result.observations:  # one generation, no environment
-        return [1] * length
-    bounds = [starts.get(step) for step in range(1, len(result.observations) + 1)] + [len(context)]
-    mask: list[int] = []
-    for step, seen in enumerate(result.observations):
-        begin, end, tokens = bounds[step], bounds[step + 1], tokenizer.encode(seen)
-        if begin is None or end - begin < len(tokens) or context[end - len(tokens) : end] != tokens:
-            log.warning("trajectory %s: step boundaries do not match its context", result.trajectory)
-            return [0] * length
-        mask += [1] * (end - begin - len(tokens)) + [0] * len(tokens)
-    return mask if bounds[0] == prompt_len else [0] * length
+# ---------------------------------------------------------------- result -> AgentLoopOutput
 
 
 def seconds(result: TrajectoryResult, kind: str) -> float:
@@ -225,7 +123,7 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc,valid-type]
         if "temperature" in sampling_params:
             options["temperature"] = float(sampling_params["temperature"])
         services = Services.on(
-            await belayer_client(self.belayer_url, self.cluster_id, self.creds), self.host_id
+            await client(self.belayer_url, self.cluster_id, self.creds, "belayer-verl"), self.host_id
         )
         started = time.monotonic()
         trajectory = Trajectory(
@@ -236,11 +134,10 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc,valid-type]
             services,
             lambda: time.monotonic() - started,
         )
-        starts = record_step_starts(trajectory)
         result = await trajectory.run()
-        return self.output(task, result, starts)
+        return self.output(task, result)
 
-    def output(self, task: Task, result: TrajectoryResult, starts: dict[int, int]) -> Any:
+    def output(self, task: Task, result: TrajectoryResult) -> Any:
         if self.output_type is None:
             raise RuntimeError("verl is not installed: set BelayerAgentLoop.output_type")
         aborted = result.status != "done"
@@ -249,8 +146,8 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc,valid-type]
                 f"Belayer trajectory {result.trajectory} ended on an infrastructure error: {result.error}"
             )
         prompt_ids = tokenizer.encode(task.prompt)
-        response_ids = result.context_tokens[len(prompt_ids) :]
-        mask = [0] * len(response_ids) if aborted else response_mask(result, len(prompt_ids), starts)
+        response_ids = result.context_tokens[result.prompt_len :]
+        mask = [0] * len(response_ids) if aborted else list(result.loss_mask)
         limit = self.response_limit()
         if limit is not None and len(response_ids) > limit:
             response_ids, mask = response_ids[:limit], mask[:limit]

@@ -9,7 +9,6 @@ also published as a `policy_decision` event with its inputs and terms.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -19,10 +18,10 @@ from belayer_rl.services.policy.decision import (
     Guards,
     Policy,
     ResponseTimes,
-    Situation,
     decide,
     step_failure_probability,
 )
+from belayer_rl.services.policy.wire import decision_message, situation_of
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import PolicyConfig
 from belayer_rl.shared.metrics import PolicyMetrics
@@ -104,14 +103,7 @@ class PolicyState:
         rate = self.rate.per_second
         verdict = decide(
             policy,
-            Situation(
-                step=request.step,
-                exposure_s=request.exposure_s,
-                env_work_s=request.env_work_s,
-                elapsed_s=request.elapsed_s,
-                in_flight=request.in_flight,
-                cooldown_left_s=self.cooldown_left(request.host_id),
-            ),
+            situation_of(request, self.cooldown_left(request.host_id)),
             p=step_failure_probability(rate, request.step_duration_s),
             responses=self.responses,
             cost_s=self.cost.seconds,
@@ -121,14 +113,4 @@ class PolicyState:
         self.metrics.decisions.labels(policy.name, label).inc()
         if policy.kind == "adaptive":
             self.metrics.visible_cost.observe(verdict.expected_visible_cost_s)
-        return PolicyDecision(  # the verdict's fields and the request's inputs, by the same names
-            trajectory=request.trajectory,
-            host_id=request.host_id,
-            step=request.step,
-            policy=policy.name,
-            rate_per_s=rate,
-            step_duration_s=request.step_duration_s,
-            exposure_s=request.exposure_s,
-            elapsed_s=request.elapsed_s,
-            **dataclasses.asdict(verdict),
-        )
+        return decision_message(request, policy, verdict, rate)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,8 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.policy.client import PolicyClient
-from belayer_rl.services.policy.decision import Policy, ResponseTimes, Situation, decide
+from belayer_rl.services.policy.decision import Policy, ResponseTimes, decide
+from belayer_rl.services.policy.wire import decision_message, situation_of
 from belayer_rl.services.rollout.workloads import (
     Task,
     choose_action,
@@ -105,7 +105,9 @@ class TrajectoryResult(msgspec.Struct, kw_only=True):
     scripted: bool
     actions: list[str]
     observations: list[str]
-    context_tokens: list[int]
+    context_tokens: list[int]  # the prompt, then each step's response and observation
+    prompt_len: int  # context_tokens[:prompt_len] is the prompt
+    loss_mask: list[int]  # over context_tokens[prompt_len:]: 1 on the model's tokens, 0 on observations
     turns: int  # LLM responses generated, those redone after a failure included
     failures: int
     recoveries: int
@@ -130,6 +132,8 @@ class StepRecord:
     observation: str
     llm_s: float
     env_s: float
+    response_len: int = 0  # tokens of the response before the action (none before the setup action)
+    observation_len: int = 0  # tokens of the observation after it
 
 
 @dataclass
@@ -228,6 +232,8 @@ class Trajectory:
             actions=[s.action for s in self.steps],
             observations=[s.observation for s in self.steps],
             context_tokens=self.context,
+            prompt_len=self.prompt_len,
+            loss_mask=self.loss_mask(),
             turns=self.turns,
             failures=self.failures,
             recoveries=self.recoveries,
@@ -259,6 +265,17 @@ class Trajectory:
             await report
         except Exception as exc:
             log.warning("trajectory %s: a report was lost: %s", self.trajectory_id, exc)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(tokenizer.encode(self.task.prompt))
+
+    def loss_mask(self) -> list[int]:
+        """What a trainer may learn from: the model's tokens, not the environment's. Built from the
+        steps of the final prefix, so a recovered trajectory's mask is its failure-free run's."""
+        if not self.task.needs_sandbox:
+            return [1] * (len(self.context) - self.prompt_len)
+        return [bit for s in self.steps for bit in [1] * s.response_len + [0] * s.observation_len]
 
     async def run_math(self) -> float:
         self.context = tokenizer.encode(self.task.prompt)
@@ -377,29 +394,12 @@ class Trajectory:
         self.fallback_decisions += 1
         verdict = decide(
             policy,
-            Situation(
-                step=request.step,
-                exposure_s=request.exposure_s,
-                env_work_s=request.env_work_s,
-                elapsed_s=request.elapsed_s,
-                in_flight=request.in_flight,
-            ),
+            situation_of(request),
             p=0.0,
             responses=ResponseTimes(),
             cost_s=0.0,
         )
-        return PolicyDecision(
-            trajectory=request.trajectory,
-            host_id=request.host_id,
-            step=request.step,
-            policy=policy.name,
-            rate_per_s=0.0,
-            step_duration_s=request.step_duration_s,
-            exposure_s=request.exposure_s,
-            elapsed_s=request.elapsed_s,
-            source="fallback",
-            **dataclasses.asdict(verdict),
-        )
+        return decision_message(request, policy, verdict, rate_per_s=0.0, source="fallback")
 
     # ------------------------------------------------------------ checkpoints
 
@@ -483,8 +483,9 @@ class Trajectory:
             raise
         env_s = self.clock() - started
         seen = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
-        self.steps.append(StepRecord(command, seen, llm_s, env_s))
-        self.context = self.context + (response or []) + tokenizer.encode(seen)
+        seen_tokens = tokenizer.encode(seen)
+        self.steps.append(StepRecord(command, seen, llm_s, env_s, len(response or []), len(seen_tokens)))
+        self.context = self.context + (response or []) + seen_tokens
         self.mark("action", started, command, step=step)
         done = EnvStep(
             trajectory=self.trajectory_id,

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from belayer_rl.services.rollout.adapter import close_clients
 from belayer_rl.services.rollout.agent import RolloutSettings, Trajectory, TrajectoryResult
 from belayer_rl.services.rollout.workloads import response_tokens, shell_tasks
 from belayer_rl.shared import tokenizer
@@ -230,5 +231,4 @@ async def test_verl_and_slime_adapters_run_belayer_trajectories(agent_cluster: A
         assert failed.reward == 0.0
         assert "oom" in failed.metadata["belayer"]["error"].lower(), failed.metadata["belayer"]
     finally:
-        await verl_example.close_belayer_clients()
-        await slime_example.close_belayer_clients()
+        await close_clients()

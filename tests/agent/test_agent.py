@@ -157,6 +157,10 @@ async def test_failures_leave_the_trajectory_unchanged(agent_cluster: AgentClust
     assert chaos.killed >= 1 and restored.failures >= 1 and restored.recoveries == restored.failures
     assert restored.restores_from_base < restored.recoveries, "no recovery used a checkpoint"
     assert same_trajectory(reference, restored), "a recovered trajectory differs from its failure-free run"
+    # The loss mask: 0 on exactly the observations' tokens, the same after a recovery.
+    assert len(reference.loss_mask) == len(reference.context_tokens) - reference.prompt_len
+    assert reference.loss_mask.count(0) == sum(len(tokenizer.encode(o)) for o in reference.observations)
+    assert restored.loss_mask == reference.loss_mask
 
     # Policy never: each failure restarts from the base image and the prompt.
     killer = KillAt(ac.host_id, {4}, 0.05)
