@@ -168,7 +168,8 @@ class Router:
                 raise ServiceError("bad-request", "give `prompt` or `prompt_tokens`, not both")
             if not message.prompt_tokens or max(message.prompt_tokens) >= tokenizer.VOCAB_SIZE:
                 raise ServiceError(
-                    "bad-request", f"prompt_tokens must be a non-empty list of ids below {tokenizer.VOCAB_SIZE}"
+                    "bad-request",
+                    f"prompt_tokens must be a non-empty list of ids below {tokenizer.VOCAB_SIZE}",
                 )
         start = LogStart(
             request_id=message.request_id,
