@@ -189,6 +189,8 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
     ),
     "chaos_kill": (
         "t2",
-        protocol.ChaosKill(trajectory="t2", sandbox="t2", host_id="h1", container_id="c0ffee", step=5, delay_s=0.12),
+        protocol.ChaosKill(
+            trajectory="t2", sandbox="t2", host_id="h1", container_id="c0ffee", step=5, delay_s=0.12
+        ),
     ),
 }
