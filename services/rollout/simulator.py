@@ -18,7 +18,6 @@ distributions already carry the load of the real runs); the batch ends with its 
 from __future__ import annotations
 
 import heapq
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -233,12 +232,3 @@ def recover(
     result.restarts_from_base += 1
     t.k, t.work, t.env_work = 0, 0.0, 0.0
     return seen_at + draw(measured.base_restart_s, "b", config.seed, t.index, attempt, result.failures)
-
-
-def spread(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, min, max)."""
-    return statistics.median(values), min(values), max(values)
-
-
-def added_fraction(wall_s: float, baseline_s: float) -> float:
-    return wall_s / baseline_s - 1.0 if baseline_s > 0 else math.nan
