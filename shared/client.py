@@ -169,6 +169,7 @@ class Client:
         temperature: float = 1.0,
         stop: list[str] | None = None,
         min_tokens: int = 0,
+        allowed_tokens: list[int] | None = None,
         request_id: str | None = None,
         weight_version: str | None = None,
         patience_s: float = 30.0,
@@ -184,7 +185,11 @@ class Client:
             prompt_tokens=None if isinstance(prompt, str) else list(prompt),
             max_tokens=max_tokens,
             sampling=SamplingParams(
-                seed=seed, temperature=temperature, stop=stop or [], min_tokens=min_tokens
+                seed=seed,
+                temperature=temperature,
+                stop=stop or [],
+                min_tokens=min_tokens,
+                allowed_tokens=allowed_tokens or [],
             ),
             weight_version=weight_version,
             reply_to=inbox,

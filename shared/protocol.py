@@ -30,6 +30,9 @@ SAMPLING_VERSION = 2  # GenerateRequest, Dispatch, LogStart: sampling moved into
 # GenerateRequest, Dispatch, LogStart: SamplingParams.min_tokens, GenerateRequest.prompt_tokens. A
 # reader of version 2 would drop both silently (unknown fields are ignored), so it refuses version 3.
 AGENT_TURNS_VERSION = 3
+# The same three: SamplingParams.allowed_tokens, which a reader of version 3 would ignore and then
+# sample outside the set a trainer's policy is defined over.
+ALLOWED_TOKENS_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
 
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -81,6 +84,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: StopStrings = []
     # EOS cannot be drawn before this many generated tokens (a scripted agent's response length).
     min_tokens: Annotated[int, Meta(ge=0, le=65536)] = 0
+    # Only these token ids can be drawn (empty: any). A trainer's task whose answers are digits
+    # samples from the digits alone, and its policy is the softmax over the same set.
+    allowed_tokens: Annotated[list[TokenId], Meta(max_length=512)] = []
 
 
 class CarriesSampling(Message, frozen=True, kw_only=True):
@@ -88,7 +94,7 @@ class CarriesSampling(Message, frozen=True, kw_only=True):
     its own; they stay, deprecated, so a version-1 message (or stored record) still decodes, and
     `__post_init__` (run by msgspec after decoding) moves them into `sampling`."""
 
-    v: int = AGENT_TURNS_VERSION
+    v: int = ALLOWED_TOKENS_VERSION
     sampling: SamplingParams = SamplingParams()
     seed: Seed | None = None  # deprecated: version 1
     temperature: Temperature | None = None  # deprecated: version 1

@@ -171,6 +171,8 @@ class Router:
                     "bad-request",
                     f"prompt_tokens must be a non-empty list of ids below {tokenizer.VOCAB_SIZE}",
                 )
+        if message.sampling.allowed_tokens and max(message.sampling.allowed_tokens) >= tokenizer.VOCAB_SIZE:
+            raise ServiceError("bad-request", f"allowed_tokens must be ids below {tokenizer.VOCAB_SIZE}")
         start = LogStart(
             request_id=message.request_id,
             prompt_tokens=(

@@ -71,6 +71,7 @@ class SeqSpec:
     stop: tuple[str, ...] = ()  # matched on the bytes of all generated tokens, prefix included
     weight_version: str | None = None  # None: the engine's current version at submit
     min_new_tokens: int = 0  # EOS is masked while fewer are generated (prefix included)
+    allowed_tokens: tuple[int, ...] = ()  # only these ids can be drawn; () = any
 
 
 @dataclass
@@ -94,6 +95,7 @@ class _Seq:
     text: bytearray  # bytes of `generated`, for stop matching
     stops: tuple[bytes, ...]
     reserve: int  # token slots reserved at admission
+    logit_mask: torch.Tensor | None  # [vocab]: 0 at allowed ids, -inf elsewhere; None = all allowed
     n_cached: int = 0  # tokens of `tokens` whose K/V is in the arena
     block_table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     blocks: list[int] = field(default_factory=list)
@@ -174,6 +176,7 @@ class Engine:
             text=bytearray(decode_bytes(spec.prefix_tokens)),
             stops=tuple(s.encode() for s in spec.stop),
             reserve=len(spec.prompt_tokens) + spec.max_new_tokens,
+            logit_mask=self._logit_mask(spec.allowed_tokens),
         )
         reason = self._finish_reason(seq, n_new=len(seq.generated))
         if reason is not None:
@@ -181,6 +184,13 @@ class Engine:
             self._done_events.append(SeqEvent(spec.key, len(seq.generated), [], reason))
             return
         self._waiting.append(seq)
+
+    def _logit_mask(self, allowed: tuple[int, ...]) -> torch.Tensor | None:
+        if not allowed:
+            return None
+        mask = torch.full((self.model_config.vocab_size,), -math.inf)
+        mask[list(allowed)] = 0.0
+        return mask
 
     def _validate(self, spec: SeqSpec) -> None:
         mc = self.model_config
@@ -195,6 +205,9 @@ class Engine:
         bad = [t for t in (*spec.prompt_tokens, *spec.prefix_tokens) if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise EngineRejected(f"token ids outside [0, {VOCAB_SIZE}): {bad[:5]}")
+        bad = [t for t in spec.allowed_tokens if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise EngineRejected(f"allowed_tokens outside [0, {VOCAB_SIZE}): {bad[:5]}")
         if spec.max_new_tokens <= 0:
             raise EngineRejected(f"max_new_tokens must be positive, got {spec.max_new_tokens}")
         if len(spec.prefix_tokens) > spec.max_new_tokens:
@@ -296,6 +309,8 @@ class Engine:
             for row, s in enumerate(sampled):
                 pos = len(s.tokens)  # absolute position of the token being sampled
                 row_logits = logits[row]  # [vocab]
+                if s.logit_mask is not None:
+                    row_logits = row_logits + s.logit_mask
                 if len(s.generated) < s.spec.min_new_tokens:
                     row_logits = row_logits.clone()
                     row_logits[EOS_TOKEN] = -math.inf

@@ -143,3 +143,31 @@ def forward(
     x = x[batch.logit_rows]  # [M, d]: only rows that will be sampled pay for the head
     x = F.layer_norm(x, (config.d_model,), params["ln_f.weight"], params["ln_f.bias"])
     return _linear(x, params["lm_head"], deterministic)  # [M, vocab]
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def sequence_logits(params: Params, config: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Whole sequences at once, no cache, differentiable: tokens [B, T] int64 -> logits [B, T, vocab].
+
+    The same network as `forward` (what the trainer differentiates is what the engine samples
+    from), computed the fast way: one causal attention per layer over the padded batch. Logits
+    agree with `forward`'s to float32 rounding, not bitwise; a sample's old log-probabilities are
+    recomputed here, never taken from the engine, so the ratio is exact at equal weights.
+    """
+    B, T = tokens.shape
+    H, hd = config.n_heads, config.head_dim
+    x = params["tok_emb"][tokens] + params["pos_emb"][:T]  # [B, T, d]
+    for layer in range(config.n_layers):
+        p = f"layers.{layer}."
+        h = F.layer_norm(x, (config.d_model,), params[p + "ln1.weight"], params[p + "ln1.bias"])
+        q, k, v = (h @ params[p + "attn.wqkv"]).view(B, T, 3, H, hd).unbind(2)  # each [B, T, H, hd]
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # [B, H, T, hd]
+        x = x + att.transpose(1, 2).reshape(B, T, -1) @ params[p + "attn.wo"]
+        h = F.layer_norm(x, (config.d_model,), params[p + "ln2.weight"], params[p + "ln2.bias"])
+        x = x + F.gelu(h @ params[p + "mlp.w1"]) @ params[p + "mlp.w2"]
+    x = F.layer_norm(x, (config.d_model,), params["ln_f.weight"], params["ln_f.bias"])
+    return x @ params["lm_head"]  # [B, T, vocab]

@@ -123,6 +123,7 @@ class Worker:
             stop=tuple(dispatch.sampling.stop),
             weight_version=version,
             min_new_tokens=dispatch.sampling.min_tokens,
+            allowed_tokens=tuple(dispatch.sampling.allowed_tokens),
         )
         self.ops.append(lambda: self._submit(attempt, spec))
         self.wake.set()

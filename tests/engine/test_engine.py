@@ -11,9 +11,10 @@ from belayer_rl.services.worker.engine import (
     SeqSpec,
 )
 from belayer_rl.services.worker.kv_cache import allocate_arena
+from belayer_rl.services.worker.model import sequence_logits
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS
-from belayer_rl.shared.tokenizer import EOS_TOKEN, decode_bytes
+from belayer_rl.shared.tokenizer import EOS_TOKEN, VOCAB_SIZE, decode_bytes
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -338,3 +339,47 @@ def test_min_new_tokens_masks_eos_until_reached_and_resumes_exactly(tiny_params)
     resumed.submit(SeqSpec("resumed", _prompt(seed, 8), held[:cut], 120, seed, 0.8, (), None, 100))
     rest, reason_after = drain(resumed)["resumed"]
     assert held[:cut] + rest == held and reason_after == reason
+
+
+DIGITS = tuple(range(ord("0"), ord("9") + 1))
+
+
+def test_allowed_tokens_confine_sampling_and_resume_exactly(tiny_params):
+    """Only allowed ids are drawn, at any temperature; a resume inside the run is exact. The
+    control: the same request without the mask draws ids outside the set."""
+    free = Engine(EngineConfig(), tiny_params)
+    free.submit(SeqSpec("free", _prompt(5, 8), [], 40, 5, 1.5))
+    unmasked, _ = drain(free)["free"]
+    assert set(unmasked) - set(DIGITS)
+
+    engine = Engine(EngineConfig(), tiny_params)
+    engine.submit(SeqSpec("digits", _prompt(5, 8), [], 40, 5, 1.5, allowed_tokens=DIGITS))
+    engine.submit(SeqSpec("greedy", _prompt(6, 8), [], 10, 6, 0.0, allowed_tokens=DIGITS[:3]))
+    done = drain(engine)
+    digits, reason = done["digits"]
+    assert len(digits) == 40 and reason == "length" and set(digits) <= set(DIGITS)
+    assert len(set(digits)) > 3  # sampled, not stuck on one id
+    assert set(done["greedy"][0]) <= set(DIGITS[:3])
+
+    resumed = Engine(EngineConfig(), tiny_params)
+    resumed.submit(SeqSpec("r", _prompt(5, 8), digits[:13], 40, 5, 1.5, allowed_tokens=DIGITS))
+    assert digits[:13] + drain(resumed)["r"][0] == digits
+    with pytest.raises(EngineRejected, match="allowed_tokens outside"):
+        engine.submit(SeqSpec("bad", [1], [], 4, 0, 1.0, allowed_tokens=(VOCAB_SIZE,)))
+
+
+def test_sequence_logits_match_the_engine_forward(tiny_params):
+    """The trainer's differentiable forward computes the network the engine samples from: its
+    greedy continuation is the engine's, and its logits agree to float32 rounding."""
+    engine = Engine(EngineConfig(), tiny_params)
+    prompt = _prompt(3, 12)
+    engine.submit(SeqSpec("g", prompt, [], 24, 0, 0.0))
+    greedy, _ = drain(engine)["g"]
+    tokens = torch.tensor([prompt + greedy[:-1]])  # [1, T]
+    logits = sequence_logits(tiny_params, PRESETS["tiny"], tokens)  # [1, T, vocab]
+    predicted = logits[0, len(prompt) - 1 :, :VOCAB_SIZE].argmax(-1).tolist()
+    assert predicted == greedy
+    # A mutation: shifting the positions by one changes the prediction.
+    shifted = dict(tiny_params, pos_emb=torch.roll(tiny_params["pos_emb"], 1, dims=0))
+    wrong = sequence_logits(shifted, PRESETS["tiny"], tokens)[0, len(prompt) - 1 :, :VOCAB_SIZE]
+    assert wrong.argmax(-1).tolist() != greedy

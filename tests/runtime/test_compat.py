@@ -54,15 +54,15 @@ def test_version_1_requests_and_dispatches_decode_into_sampling_params() -> None
 
 def test_a_newer_version_is_refused_with_a_clear_error() -> None:
     current = GenerateRequest(request_id="new", prompt="x", max_tokens=1, reply_to="_INBOX.x")
-    assert current.v == protocol.AGENT_TURNS_VERSION == 3
-    newer = protocol.encode(current).replace(b'"v":3', b'"v":4')
+    assert current.v == protocol.ALLOWED_TOKENS_VERSION == 4
+    newer = protocol.encode(current).replace(b'"v":4', b'"v":5')
     try:
         protocol.decode(protocol.decoder_for(GenerateRequest), newer)
         refused = ""
     except protocol.BadMessage as exc:
         refused = str(exc)
 
-    assert refused == "GenerateRequest version 4 is newer than 3"
+    assert refused == "GenerateRequest version 5 is newer than 4"
 
 
 def test_a_version_2_request_still_decodes() -> None:
