@@ -23,8 +23,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from belayer_rl.shared import protocol
 from belayer_rl.shared.access import Access
@@ -209,6 +217,16 @@ async def declare_jetstream(js: JetStreamContext, names: Subjects) -> KeyValue:
     if info.config.allow_rollup_hdrs:
         await js.update_stream(dataclasses.replace(info.config, allow_rollup_hdrs=False))
     return registry
+
+
+async def object_store(js: JetStreamContext, bucket: str, max_bytes: int) -> ObjectStore:
+    """The object store `bucket`, created (file storage, bounded) when it does not exist yet."""
+    try:
+        return await js.object_store(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_object_store(
+            bucket, config=ObjectStoreConfig(storage=StorageType.FILE, max_bytes=max_bytes)
+        )
 
 
 async def engine_registry(js: JetStreamContext, names: Subjects, wait_s: float = 120.0) -> KeyValue:

@@ -61,7 +61,7 @@ ErrorCode = Literal[
     "stale-epoch", "stale-attempt", "wrong-engine", "weight-version",
     # weight and KV servers
     "unknown-version", "bad-weights", "dead-holder", "unknown-engine", "unknown-preset", "shape-mismatch",
-    "too-large", "no-space",
+    "too-large", "no-space", "unknown-object",
     # checkpointer
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
     "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
@@ -768,6 +768,27 @@ class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
 # whose WorkerRegistration keeps its older tag "register" (tags and subjects are wire contract).
 # Placed after the sandbox section because the table names its Structs at import time.
 
+
+class TrainerStep(Message, tag="trainer_step", kw_only=True):
+    """Event `belayer.<cluster>.evt.trainer_step.<run>`: one GRPO step done and its weights published."""
+
+    run: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    step: Annotated[int, Meta(ge=0)]
+    weight_version: WeightVersion  # published after this step
+    generated_with: list[WeightVersion]  # the versions that generated this step's samples
+    reward_mean: float
+    loss: float
+    kl: float
+    clipped_fraction: float
+    samples: int
+    response_tokens: int
+    tokens_per_s: float  # response tokens generated per second of this step's rollout
+    resumes: int  # resumes of this step's generations (worker crashes, handovers, router restarts)
+    rollout_s: float
+    update_s: float
+    publish_s: float
+
+
 EVENT_TYPES: dict[str, type[Message]] = {
     "heartbeat": Heartbeat,
     "worker_registered": WorkerRegistration,
@@ -788,6 +809,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "checkpoint_timeout": CheckpointTimeout,
     "policy_fallback": PolicyFallback,
     "chaos_kill": ChaosKill,
+    "trainer_step": TrainerStep,
 }
 
 # Events about one engine: the engine id follows the kind in the subject (`...evt.heartbeat.e0`), and
@@ -817,6 +839,7 @@ AnyEvent = (
     | CheckpointTimeout
     | PolicyFallback
     | ChaosKill
+    | TrainerStep
 )
 
 
@@ -907,9 +930,16 @@ class WeightsUnpin(Message, tag="weights_unpin", kw_only=True):
 
 
 class WeightsPublish(Message, tag="weights_publish", kw_only=True):
-    """Load a weights file (written by params.save_params) as a new version and make it the newest."""
+    """Load a weights file (written by params.save_params) as a new version and make it the newest:
+    a path on the weight server's host, or an object in the cluster's weights bucket (a trainer on
+    another host puts it there first). Exactly one of the two."""
 
-    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    path: Annotated[str, Meta(max_length=4096)] = ""
+    object_name: Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.path) == bool(self.object_name):
+            raise ValueError("give exactly one of `path` and `object_name`")
 
 
 class ServerPing(Message, tag="server_ping", kw_only=True):

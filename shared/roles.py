@@ -78,6 +78,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
     engines = s.engine_registry_bucket
     pointers = s.prefix_pointer_bucket
     objects = s.checkpoint_object_bucket
+    weights = s.weights_object_bucket
     return {
         "router": Role(
             publish=(
@@ -139,10 +140,29 @@ def role_table(s: Subjects) -> dict[str, Role]:
             stats="shadow-supervisor",
         ),
         "weight-server": Role(
-            publish=(s.event("weights_published", "*"),),
+            publish=(s.event("weights_published", "*"), f"$O.{weights}.>", "$JS.API.STREAM.NAMES"),
             subscribe=(f"{r}.weights.*",),
             replies=True,
+            streams=(object_stream(weights),),  # it declares the bucket and deletes what it loaded
             stats="weight-server",
+        ),
+        "trainer": Role(  # puts weights into the bucket and publishes them; reads nothing else
+            publish=(
+                s.weights_publish,
+                s.weights_list,
+                s.weights_ping,
+                f"$O.{weights}.>",
+                s.event("trainer_step", "*"),
+                s.router_generate,
+                s.router_attach,
+                s.router_cancel,
+                s.router_status,
+                s.router_keepalive,
+                "$JS.API.STREAM.NAMES",
+            ),
+            reads=(object_stream(weights),),
+            client=True,  # it generates its samples through the router
+            stats="trainer",
         ),
         "kv-server": Role(subscribe=(f"{r}.kv.*",), replies=True, stats="kv-server"),
         "checkpointer": Role(

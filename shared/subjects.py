@@ -157,6 +157,11 @@ class Subjects:
         """Checkpoint folders, for a restore on another host."""
         return f"belayer_checkpoints_{self.cluster_id}"
 
+    @property
+    def weights_object_bucket(self) -> str:
+        """Weights files on their way from a trainer to the weight server (no shared disk needed)."""
+        return f"belayer_weights_{self.cluster_id}"
+
     # ------------------------------------------------------------ weight and KV servers
     # One of each per host (they own that host's shared memory).
 

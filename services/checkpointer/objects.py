@@ -17,24 +17,18 @@ from pathlib import Path
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.object_store import ObjectStore
 
 from belayer_rl.services.checkpointer import layer
 from belayer_rl.services.checkpointer.store import TMP_PREFIX, CorruptCheckpoint, Store
+from belayer_rl.shared import bus
 from belayer_rl.shared.subjects import Subjects
 
 MAX_BYTES = 4 << 30  # bounded: an upload into a full bucket fails and is logged
 
 
 async def declare(js: JetStreamContext, names: Subjects) -> ObjectStore:
-    try:
-        return await js.object_store(names.checkpoint_object_bucket)
-    except nats.js.errors.BucketNotFoundError:
-        return await js.create_object_store(
-            names.checkpoint_object_bucket,
-            config=ObjectStoreConfig(storage=StorageType.FILE, max_bytes=MAX_BYTES),
-        )
+    return await bus.object_store(js, names.checkpoint_object_bucket, MAX_BYTES)
 
 
 def object_name(trajectory: str, checkpoint_id: str) -> str:

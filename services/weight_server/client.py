@@ -5,11 +5,15 @@ code ("unknown-version", "dead-holder", "bad-weights", "no-space") or the bus's 
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
+import uuid
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
 from belayer_rl.shared import bus
+from belayer_rl.shared.params import Params, save_params
 from belayer_rl.shared.protocol import (
     Ack,
     ServerPing,
@@ -64,6 +68,21 @@ class WeightClient:
     async def publish(self, path: Path, timeout_s: float = 120.0) -> WeightHandles:
         """Load the weights file at `path` (absolute, on the server's host) as the newest version."""
         request = WeightsPublish(path=str(path))
+        return await bus.request_struct(
+            self.nc, self.subjects.weights_publish, request, WeightHandles, timeout_s
+        )
+
+    async def publish_params(self, params: Params, timeout_s: float = 120.0) -> WeightHandles:
+        """Publish `params` as the newest version over the bus: the file travels through the
+        weights bucket, so the caller and the server need not share a disk."""
+        objects = await self.nc.jetstream().object_store(self.subjects.weights_object_bucket)
+        with tempfile.TemporaryDirectory(prefix="belayer-publish-") as folder:
+            path = Path(folder) / "weights.pt"
+            version = await asyncio.to_thread(save_params, params, path)
+            name = f"{version.replace(':', '-')}-{uuid.uuid4().hex[:8]}"
+            with path.open("rb") as f:
+                await objects.put(name, f)
+        request = WeightsPublish(object_name=name)
         return await bus.request_struct(
             self.nc, self.subjects.weights_publish, request, WeightHandles, timeout_s
         )

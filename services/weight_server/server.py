@@ -19,13 +19,16 @@ import asyncio
 import logging
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats.js.errors
 import torch
 from nats.aio.client import Client as NATS
+from nats.js.object_store import ObjectStore
 
 from belayer_rl.shared import bus, segments
 from belayer_rl.shared.bus import ServiceError
@@ -116,6 +119,7 @@ class WeightServer:
         self._serial = 0
         self._publishing = asyncio.Lock()
         self.nc: NATS | None = None  # set once connected; publish announces on it
+        self.objects: ObjectStore | None = None  # the weights bucket, set once connected
 
     # ------------------------------------------------------------------ versions
 
@@ -233,19 +237,44 @@ class WeightServer:
         return Ack(detail="unpinned")
 
     async def on_publish(self, request: WeightsPublish) -> WeightHandles:
+        """Load a weights file as the newest version: from `path` on this host, or from the object
+        `object_name` a trainer put in the weights bucket (deleted once loaded)."""
+        if request.object_name:
+            with tempfile.TemporaryDirectory(prefix="belayer-weights-") as folder:
+                path = Path(folder) / "weights.pt"
+                await self.fetch(request.object_name, path)
+                handles = await self.publish_file(path, request.object_name)
+            if self.objects is not None:
+                await self.objects.delete(request.object_name)
+            return handles
         path = Path(request.path)
         if not path.is_absolute():
             raise ServiceError("bad-weights", f"{request.path} is not an absolute path")
+        return await self.publish_file(path, request.path)
+
+    async def fetch(self, name: str, path: Path) -> None:
+        if self.objects is None:
+            raise ServiceError("unavailable", "this weight server has no connection to the weights bucket")
+        try:
+            found = await self.objects.get(name)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
+            raise ServiceError("unknown-object", f"no object {name!r} in the weights bucket") from None
+        await asyncio.to_thread(path.write_bytes, found.data or b"")
+
+    async def publish_file(self, path: Path, shown: str) -> WeightHandles:
         previous = self.newest
 
         def load() -> tuple[Params, str]:
             if not path.is_file():
-                raise ServiceError("bad-weights", f"{request.path} is not a file")
+                raise ServiceError("bad-weights", f"{shown} is not a file")
             try:
                 params, version = load_params(path)
                 check_params(PRESETS[self.config.preset], params)
             except Exception as exc:
-                raise ServiceError("bad-weights", f"{request.path}: {type(exc).__name__}: {exc}") from None
+                raise ServiceError("bad-weights", f"{shown}: {type(exc).__name__}: {exc}") from None
+            not_finite = [name for name, t in params.items() if not bool(torch.isfinite(t).all())]
+            if not_finite:  # a diverged step: the version before it stays the newest
+                raise ServiceError("bad-weights", f"{shown}: non-finite values in {not_finite[:3]}")
             return params, version
 
         entry = await self.add(load)

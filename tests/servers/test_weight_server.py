@@ -9,11 +9,13 @@ import signal
 import sys
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 import torch
 
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import protocol, segments
+from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.params import init_params, save_params, seed_version
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.processes import free_port
@@ -296,3 +298,38 @@ async def test_sigterm_without_a_reachable_nats_leaves_nothing(kind, shm_prefix,
             await process.wait()
     assert code == 0, log.read_text()
     assert shm_names(shm_prefix) == []
+
+
+async def test_weights_published_over_the_bus_need_no_shared_disk(
+    nats_server, nc, shm_prefix, tmp_path
+) -> None:
+    """A trainer's weights travel through the weights bucket: the version is the file's digest,
+    the object is gone once loaded, and weights with a NaN are refused while the version before
+    them stays the newest. An unknown object and a request naming both sources are clear errors."""
+    server = await start("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny")
+    client = WeightClient(nc, subjects=NAMES)
+    params = init_params(PRESETS["tiny"], 3)
+    (tmp_path / "local").mkdir()
+    # torch.save names the archive after the file, so the same name gives the same digest.
+    expected = save_params(params, tmp_path / "local" / "weights.pt")
+
+    handles = await client.publish_params(params)
+    assert handles.version == expected
+    alive = await client.ping()
+    assert alive.newest == expected and alive.versions == [V0, expected]
+    objects = await nc.jetstream().object_store(NAMES.weights_object_bucket)
+    with pytest.raises(nats.js.errors.NotFoundError):  # what nats-py says of a bucket with no live object
+        await objects.list(ignore_deletes=True)
+
+    poisoned = dict(params, lm_head=params["lm_head"].clone())
+    poisoned["lm_head"][0, 0] = float("nan")
+    with pytest.raises(ServiceError) as refused:
+        await client.publish_params(poisoned)
+    assert refused.value.code == "bad-weights" and "non-finite" in str(refused.value)
+    assert (await client.ping()).newest == expected
+
+    unknown = await error_code(nc, NAMES.weights_publish, WeightsPublish(object_name="nothing-here"))
+    assert unknown == "unknown-object"
+    both = encode_json({"type": "weights_publish", "path": "/x", "object_name": "y"})
+    assert (await error_of(nc, NAMES.weights_publish, both)).code == "bad-request"
+    assert server.process.returncode is None

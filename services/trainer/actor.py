@@ -1,0 +1,163 @@
+"""The actor: the policy's trainable weights, its optimizer and the GRPO update.
+
+Blocking torch code; the trainer runs it in a thread. Log-probabilities are those of the policy
+the engine samples from: softmax over the task's allowed tokens of the network's logits (the
+whole vocabulary when the task allows any). Old log-probabilities are recomputed here with the
+weights of the version that generated each sample, never read back from the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from belayer_rl.services.trainer.grpo import GrpoConfig, grpo_loss
+from belayer_rl.services.worker.model import sequence_logits
+from belayer_rl.shared.params import Params
+from belayer_rl.shared.presets import ModelConfig
+
+
+class NonFiniteUpdate(Exception):
+    """A step produced a non-finite loss, gradient or weight; the actor is back where it was."""
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ppo_epochs: int = 2  # passes over each batch: the second one sees ratios != 1 and clips
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.grad_clip <= 0 or self.ppo_epochs < 1:
+            raise ValueError(f"bad actor settings {self}")
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """One step's samples, group after group (G consecutive samples share a prompt)."""
+
+    tokens: torch.Tensor  # [B, S] int64: prompt then response, right-padded
+    response_mask: torch.Tensor  # [B, S-1] bool: True where the next token is a response token
+    advantages: torch.Tensor  # [B]
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    loss: float
+    kl: float  # mean k3 estimate per token (0 without a reference)
+    clipped_fraction: float  # response tokens clipped, over every ppo epoch
+    grad_norm: float
+    ratio_max: float
+    tokens: int
+
+
+def token_logprobs(
+    params: Params, config: ModelConfig, tokens: torch.Tensor, allowed: tuple[int, ...]
+) -> torch.Tensor:
+    """log pi(token_{t+1} | tokens_{<=t}) for every position: tokens [B, S] -> [B, S-1].
+
+    With `allowed`, pi is the softmax over those ids only (a token outside them gets the log-prob
+    of allowed[0]; such positions are prompt positions, masked out by the caller)."""
+    logits = sequence_logits(params, config, tokens[:, :-1])  # [B, S-1, vocab]
+    targets = tokens[:, 1:]  # [B, S-1]
+    if allowed:
+        index = torch.zeros(config.vocab_size, dtype=torch.long)
+        index[list(allowed)] = torch.arange(len(allowed))
+        logits = logits[..., list(allowed)]  # [B, S-1, |allowed|]
+        targets = index[targets]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+class Actor:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Params,
+        settings: ActorSettings,
+        grpo: GrpoConfig,
+        allowed: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.settings = settings
+        self.grpo = grpo
+        self.allowed = allowed
+        self.params = {name: t.detach().clone().requires_grad_(True) for name, t in params.items()}
+        self.optimizer = torch.optim.AdamW(
+            list(self.params.values()),
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+        )
+
+    def weights(self) -> Params:
+        """A detached copy: what is published and what old log-probs are later computed with."""
+        return {name: t.detach().clone() for name, t in self.params.items()}
+
+    def logprobs(self, params: Params, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return token_logprobs(params, self.config, tokens, self.allowed)
+
+    def update(
+        self, batch: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None = None
+    ) -> UpdateStats:
+        """`settings.ppo_epochs` optimizer steps on the whole batch. Raises NonFiniteUpdate, with
+        weights and optimizer state as they were, when any step goes non-finite."""
+        before = (self.weights(), _clone_state(self.optimizer.state_dict()))
+        total_tokens = int(batch.response_mask.sum())
+        losses, clipped, kl, norms, ratio_max = [], 0, 0.0, [], 1.0
+        for _ in range(self.settings.ppo_epochs):
+            logp = token_logprobs(self.params, self.config, batch.tokens, self.allowed)
+            parts = grpo_loss(
+                logp, old_logp, batch.advantages, batch.response_mask, total_tokens, self.grpo, ref_logp
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            parts.loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.settings.grad_clip)
+            if not (torch.isfinite(parts.loss) and torch.isfinite(norm)):
+                self._restore(*before)
+                raise NonFiniteUpdate(f"loss {float(parts.loss)}, gradient norm {float(norm)}")
+            self.optimizer.step()
+            losses.append(float(parts.loss.detach()))
+            clipped += parts.clipped_tokens
+            kl += parts.kl_sum
+            norms.append(float(norm))
+            ratio_max = max(ratio_max, parts.ratio_max)
+        bad = [name for name, t in self.params.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            self._restore(*before)
+            raise NonFiniteUpdate(f"non-finite weights after the step: {bad[:3]}")
+        epochs = self.settings.ppo_epochs
+        return UpdateStats(
+            loss=sum(losses) / epochs,
+            kl=kl / (total_tokens * epochs),
+            clipped_fraction=clipped / (total_tokens * epochs),
+            grad_norm=sum(norms) / epochs,
+            ratio_max=ratio_max,
+            tokens=total_tokens,
+        )
+
+    def _restore(self, weights: Params, optimizer_state: dict) -> None:  # type: ignore[type-arg]
+        with torch.no_grad():
+            for name, t in self.params.items():
+                t.copy_(weights[name])
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def state(self) -> dict[str, object]:
+        return {"params": self.weights(), "optimizer": _clone_state(self.optimizer.state_dict())}
+
+    def load_state(self, state: dict) -> None:  # type: ignore[type-arg]
+        self._restore(state["params"], state["optimizer"])
+
+
+def _clone_state(state: dict) -> dict:  # type: ignore[type-arg]
+    """A deep copy of an optimizer state dict (its tensors cloned)."""
+    return {
+        "state": {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+            for k, s in state["state"].items()
+        },
+        "param_groups": [dict(g) for g in state["param_groups"]],
+    }

@@ -1,0 +1,327 @@
+"""The GRPO training loop: rollout through the router, reward, update, publish, checkpoint.
+
+Each step takes the next prompts from the data position, generates G samples of each through the
+router on a named weight version, rewards them, updates the actor on the group-normalised
+advantages and publishes the new weights to the weight server over the bus. Every sample keeps the
+version that generated it and its recovery record (the router's resumes), and its old log-probs
+are recomputed with that version's weights, which the trainer keeps while a sample may need them.
+
+With `off_policy` (one step), the samples of step n+1 are generated on the weights before step n
+while step n trains: the staleness is bounded by one version, and the clipped ratio does its work.
+
+Sampling seeds are keyed by (run seed, step, sample), the engine is deterministic and the update is
+single-threaded torch, so a run resumed from a checkpoint repeats its failure-free twin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from belayer_rl.services.trainer import checkpoint
+from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, UpdateStats
+from belayer_rl.services.trainer.data import DataPosition, take
+from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
+from belayer_rl.services.trainer.tasks import ReverseDigits
+from belayer_rl.services.weight_server.client import WeightClient
+from belayer_rl.shared import bus
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.params import Params, init_params
+from belayer_rl.shared.presets import PRESETS
+from belayer_rl.shared.protocol import TrainerStep
+
+log = logging.getLogger("belayer.trainer")
+
+# The built-in init makes logits peaked (std ~3) so that exactness tests depend on every token;
+# a policy that starts that sure of itself never explores, and GRPO learns nothing from groups
+# whose samples all agree. The trainer starts from the same init with its head scaled down.
+EXPLORATION_HEAD_SCALE = 0.1
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    run: str
+    steps: int
+    prompts_per_step: int = 16
+    group_size: int = 8
+    seed: int = 0  # initial weights, data order and sampling seeds derive from it
+    preset: str = "tiny"
+    temperature: float = 1.0
+    off_policy: bool = False
+    checkpoint_every: int = 0  # 0: no checkpoints
+    checkpoint_dir: Path | None = None
+    concurrency: int = 64  # generations in flight at once
+    actor: ActorSettings = field(default_factory=ActorSettings)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.prompts_per_step < 1 or self.group_size < 2:
+            raise ValueError("need steps >= 0, prompts_per_step >= 1 and group_size >= 2")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs a checkpoint_dir")
+
+
+@dataclass(frozen=True)
+class Sample:
+    item: str
+    prompt: list[int]
+    answer: list[int]
+    reward: float
+    weight_version: str  # the version that generated it
+    resumes: int  # its recovery record: times the router resumed it after a fault
+
+
+@dataclass(frozen=True)
+class StepResult:
+    event: TrainerStep
+    samples: list[Sample]
+    stats: UpdateStats
+
+
+class Trainer:
+    def __init__(self, client: Client, task: ReverseDigits, settings: TrainSettings) -> None:
+        self.client = client
+        self.weights = WeightClient(client.nc, subjects=client.subjects)
+        self.task = task
+        self.settings = settings
+        self.config = PRESETS[settings.preset]
+        initial = init_params(self.config, settings.seed)
+        initial["lm_head"] = initial["lm_head"] * EXPLORATION_HEAD_SCALE
+        self.actor = Actor(self.config, initial, settings.actor, settings.grpo, task.allowed_tokens)
+        self.step = 0
+        self.position = DataPosition()
+        self.version = ""  # the newest version this trainer published
+        # The version the next step's samples are generated on: `version`, or with off_policy the
+        # one before it (kept in checkpoints, so a resumed run generates what its twin did).
+        self.next_rollout_version = ""
+        self.kept: dict[str, Params] = {}  # version -> weights, while a pending sample may need them
+
+    # ------------------------------------------------------------------ versions
+
+    async def publish(self) -> str:
+        weights = self.actor.weights()
+        handles = await self.weights.publish_params(weights)
+        self.version = handles.version
+        self.kept[handles.version] = weights
+        return handles.version
+
+    def forget_versions_except(self, needed: set[str]) -> None:
+        self.kept = {v: w for v, w in self.kept.items() if v in needed}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict[str, object]:
+        return {
+            "actor": self.actor.state(),
+            "step": self.step,
+            "position": [self.position.epoch, self.position.index],
+            "version": self.version,
+            "next_rollout_version": self.next_rollout_version,
+            "kept": self.kept,
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state(self, state: dict) -> None:  # type: ignore[type-arg]
+        self.actor.load_state(state["actor"])
+        self.step = int(state["step"])
+        self.position = DataPosition(*state["position"])
+        self.version = str(state["version"])
+        self.next_rollout_version = str(state["next_rollout_version"])
+        self.kept = dict(state["kept"])
+        torch.set_rng_state(state["rng"])
+
+    async def resume(self) -> list[str]:
+        """Load the newest good checkpoint if there is one; returns what was skipped as corrupt."""
+        folder = self.settings.checkpoint_dir
+        if folder is None:
+            return []
+        loaded = await asyncio.to_thread(checkpoint.load_latest, folder)
+        if loaded is None:
+            return []
+        self.load_state(loaded.state)
+        log.info("resumed from %s at step %d", loaded.path.name, self.step)
+        return loaded.skipped
+
+    async def save(self) -> None:
+        folder = self.settings.checkpoint_dir
+        assert folder is not None
+        await asyncio.to_thread(checkpoint.write, folder, self.step, self.state())
+
+    # ------------------------------------------------------------------ rollout
+
+    async def rollout(self, step: int, position: DataPosition, version: str) -> tuple[list[Sample], float]:
+        """G samples of each of the step's prompts, generated on `version`; returns them and the
+        seconds it took."""
+        s = self.settings
+        items, _ = take(self.task.train, s.seed, position, s.prompts_per_step)
+        gate = asyncio.Semaphore(s.concurrency)
+
+        async def one(index: int, item: str) -> Sample:
+            prompt = self.task.prompt_tokens(item)
+            async with gate:
+                generation = await self.client.generate_all(
+                    prompt,
+                    max_tokens=self.task.answer_tokens,
+                    seed=sample_seed(s.seed, step, index),
+                    temperature=s.temperature,
+                    allowed_tokens=list(self.task.allowed_tokens),
+                    weight_version=version,
+                    request_id=f"{s.run}-s{step}-{index}",
+                )
+            if generation.weight_version != version:
+                raise RuntimeError(
+                    f"sample {index} came back from {generation.weight_version}, not {version}"
+                )
+            return Sample(
+                item=item,
+                prompt=prompt,
+                answer=generation.tokens,
+                reward=self.task.reward(item, generation.tokens),
+                weight_version=version,
+                resumes=generation.resumes,
+            )
+
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(one(p * s.group_size + g, item))
+                for p, item in enumerate(items)
+                for g in range(s.group_size)
+            ]
+        return [t.result() for t in tasks], time.perf_counter() - started
+
+    # ------------------------------------------------------------------ update
+
+    def batch_of(self, samples: list[Sample]) -> tuple[Rollouts, torch.Tensor]:
+        """Padded tokens, the response mask, advantages and the old log-probs of every sample under
+        the version that generated it. Blocking."""
+        length = max(len(x.prompt) + len(x.answer) for x in samples)
+        tokens = torch.zeros(len(samples), length, dtype=torch.long)  # [B, S]
+        mask = torch.zeros(len(samples), length - 1, dtype=torch.bool)  # [B, S-1]
+        for row, x in enumerate(samples):
+            sequence = x.prompt + x.answer
+            tokens[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, len(x.prompt) - 1 : len(sequence) - 1] = True
+        rewards = torch.tensor([x.reward for x in samples])
+        batch = Rollouts(tokens, mask, group_advantages(rewards, self.settings.group_size))
+        old_logp = torch.empty(mask.shape)
+        for version in {x.weight_version for x in samples}:
+            rows = torch.tensor([i for i, x in enumerate(samples) if x.weight_version == version])
+            old_logp[rows] = self.actor.logprobs(self.kept[version], tokens[rows])
+        return batch, old_logp
+
+    def update(self, samples: list[Sample]) -> UpdateStats:
+        batch, old_logp = self.batch_of(samples)
+        return self.actor.update(batch, old_logp)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, on_step: Callable[[StepResult], Awaitable[None] | None] | None = None) -> None:
+        s = self.settings
+        if not self.version:
+            await self.publish()
+        else:  # resumed: the weight server may have freed these since, or restarted
+            for version in dict.fromkeys(v for v in (self.next_rollout_version, self.version) if v):
+                again = await self.weights.publish_params(self.kept[version])
+                if again.version != version:
+                    raise RuntimeError(f"republished {version} came back as {again.version}")
+        pending: asyncio.Task[tuple[list[Sample], float]] | None = None
+        pending_version = ""
+        try:
+            while self.step < s.steps:
+                if pending is None:
+                    pending_version = self.next_rollout_version or self.version
+                    pending = asyncio.create_task(self.rollout(self.step, self.position, pending_version))
+                samples, rollout_s = await pending
+                pending = None
+                _, after = take(self.task.train, s.seed, self.position, s.prompts_per_step)
+                if s.off_policy and self.step + 1 < s.steps:  # step n+1 rolls out while step n trains
+                    pending_version = self.version
+                    pending = asyncio.create_task(self.rollout(self.step + 1, after, pending_version))
+                started = time.perf_counter()
+                stats = await asyncio.to_thread(self.update, samples)
+                update_s = time.perf_counter() - started
+                started = time.perf_counter()
+                generated_with = sorted({x.weight_version for x in samples})
+                await self.publish()
+                publish_s = time.perf_counter() - started
+                self.step += 1
+                self.position = after
+                self.next_rollout_version = pending_version if pending else self.version
+                # The newest version, and the one the batch in flight is generated on.
+                self.forget_versions_except({self.version, self.next_rollout_version})
+                event = self.step_event(samples, stats, generated_with, rollout_s, update_s, publish_s)
+                await bus.publish(self.client.nc, self.client.subjects.event("trainer_step", s.run), event)
+                if s.checkpoint_every and self.step % s.checkpoint_every == 0:
+                    await self.save()
+                if on_step is not None:
+                    maybe = on_step(StepResult(event, samples, stats))
+                    if maybe is not None:
+                        await maybe
+        finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+
+    def step_event(
+        self,
+        samples: list[Sample],
+        stats: UpdateStats,
+        generated_with: list[str],
+        rollout_s: float,
+        update_s: float,
+        publish_s: float,
+    ) -> TrainerStep:
+        response_tokens = sum(len(x.answer) for x in samples)
+        return TrainerStep(
+            run=self.settings.run,
+            step=self.step,
+            weight_version=self.version,
+            generated_with=generated_with,
+            reward_mean=sum(x.reward for x in samples) / len(samples),
+            loss=stats.loss,
+            kl=stats.kl,
+            clipped_fraction=stats.clipped_fraction,
+            samples=len(samples),
+            response_tokens=response_tokens,
+            tokens_per_s=response_tokens / rollout_s if rollout_s > 0 else 0.0,
+            resumes=sum(x.resumes for x in samples),
+            rollout_s=rollout_s,
+            update_s=update_s,
+            publish_s=publish_s,
+        )
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def accuracy(self, items: tuple[str, ...] | list[str], version: str | None = None) -> float:
+        """Exact-match accuracy of greedy answers on `items`, generated on `version` (the newest
+        this trainer published by default) through the router."""
+        version = version or self.version
+        if not version:
+            raise ValueError("nothing published yet: call publish() first")
+        gate = asyncio.Semaphore(self.settings.concurrency)
+
+        async def one(item: str) -> float:
+            async with gate:
+                generation = await self.client.generate_all(
+                    self.task.prompt_tokens(item),
+                    max_tokens=self.task.answer_tokens,
+                    temperature=0.0,
+                    allowed_tokens=list(self.task.allowed_tokens),
+                    weight_version=version,
+                )
+            return self.task.reward(item, generation.tokens)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(item)) for item in items]
+        return sum(t.result() for t in tasks) / len(tasks)
+
+
+def sample_seed(run_seed: int, step: int, index: int) -> int:
+    return (run_seed * 1_000_003 + step) * 65_537 + index
