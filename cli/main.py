@@ -639,10 +639,12 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     from belayer_rl.cli import bench, demo
     from belayer_rl.cli import policy as policy_cli
     from belayer_rl.cli import rollout as rollout_cli
+    from belayer_rl.cli import train as train_cli
 
     demo.add_parser(commands)
     policy_cli.add_parser(commands)
     rollout_cli.add_parser(commands)
+    train_cli.add_parser(commands)
     bench.add_parser(commands, with_kinds=benchmarks)
     from belayer_rl.cli import sandbox as sandbox_cli
 

@@ -160,6 +160,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.router_keepalive,
                 "$JS.API.STREAM.NAMES",
             ),
+            subscribe=(s.event("router_started", "*"),),  # the client re-attaches after a router restart
             reads=(object_stream(weights),),
             client=True,  # it generates its samples through the router
             stats="trainer",

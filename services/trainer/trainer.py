@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ log = logging.getLogger("belayer.trainer")
 # a policy that starts that sure of itself never explores, and GRPO learns nothing from groups
 # whose samples all agree. The trainer starts from the same init with its head scaled down.
 EXPLORATION_HEAD_SCALE = 0.1
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,40}")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class TrainSettings:
     run: str
     steps: int
     prompts_per_step: int = 16
-    group_size: int = 8
+    group_size: int = 16
     seed: int = 0  # initial weights, data order and sampling seeds derive from it
     preset: str = "tiny"
     temperature: float = 1.0
@@ -61,6 +63,8 @@ class TrainSettings:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
 
     def __post_init__(self) -> None:
+        if not RUN_ID.fullmatch(self.run):
+            raise ValueError(f"run id {self.run!r} must match {RUN_ID.pattern} (it prefixes request ids)")
         if self.steps < 0 or self.prompts_per_step < 1 or self.group_size < 2:
             raise ValueError("need steps >= 0, prompts_per_step >= 1 and group_size >= 2")
         if self.checkpoint_every and self.checkpoint_dir is None:
@@ -94,6 +98,9 @@ class Trainer:
         initial = init_params(self.config, settings.seed)
         initial["lm_head"] = initial["lm_head"] * EXPLORATION_HEAD_SCALE
         self.actor = Actor(self.config, initial, settings.actor, settings.grpo, task.allowed_tokens)
+        # The reference policy of the KL term: the initial weights, held here until the reference
+        # worker group exists.
+        self.reference = self.actor.weights() if settings.grpo.kl_beta > 0 else None
         self.step = 0
         self.position = DataPosition()
         self.version = ""  # the newest version this trainer published
@@ -198,9 +205,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ update
 
-    def batch_of(self, samples: list[Sample]) -> tuple[Rollouts, torch.Tensor]:
-        """Padded tokens, the response mask, advantages and the old log-probs of every sample under
-        the version that generated it. Blocking."""
+    def batch_of(self, samples: list[Sample]) -> tuple[Rollouts, torch.Tensor, torch.Tensor | None]:
+        """Padded tokens, the response mask, advantages, the old log-probs of every sample under
+        the version that generated it, and the reference log-probs when there is a KL term. Blocking."""
         length = max(len(x.prompt) + len(x.answer) for x in samples)
         tokens = torch.zeros(len(samples), length, dtype=torch.long)  # [B, S]
         mask = torch.zeros(len(samples), length - 1, dtype=torch.bool)  # [B, S-1]
@@ -214,11 +221,11 @@ class Trainer:
         for version in {x.weight_version for x in samples}:
             rows = torch.tensor([i for i, x in enumerate(samples) if x.weight_version == version])
             old_logp[rows] = self.actor.logprobs(self.kept[version], tokens[rows])
-        return batch, old_logp
+        ref_logp = None if self.reference is None else self.actor.logprobs(self.reference, tokens)
+        return batch, old_logp, ref_logp
 
     def update(self, samples: list[Sample]) -> UpdateStats:
-        batch, old_logp = self.batch_of(samples)
-        return self.actor.update(batch, old_logp)
+        return self.actor.update(*self.batch_of(samples))
 
     # ------------------------------------------------------------------ the loop
 

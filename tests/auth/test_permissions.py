@@ -22,9 +22,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.client import Client
+from belayer_rl.shared.params import init_params
+from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
     Heartbeat,
     ServiceStats,
@@ -106,6 +109,14 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
             f"$JS.API.STREAM.DELETE.OBJ_{s.checkpoint_object_bucket}",
             s.event("handover", "e0"),
         ],
+        "trainer": [
+            s.worker_dispatch("e0"),
+            s.sandbox_rpc("somehost", "create"),
+            f"$JS.API.STREAM.DELETE.OBJ_{s.weights_object_bucket}",  # it puts weights, never deletes
+            f"$JS.API.STREAM.PURGE.OBJ_{s.weights_object_bucket}",
+            stream_api % "PURGE",
+            s.event("weights_published", "v"),  # only the weight server announces versions
+        ],
     }
 
 
@@ -123,7 +134,7 @@ async def test_an_unauthenticated_connection_is_refused(cluster: Supervisor) -> 
         )
 
 
-@pytest.mark.parametrize("role", ["engine-e0", "cli"])
+@pytest.mark.parametrize("role", ["engine-e0", "cli", "trainer"])
 async def test_a_wrong_role_is_refused_by_the_server_and_the_cluster_keeps_serving(
     cluster: Supervisor, role: str
 ) -> None:
@@ -373,3 +384,21 @@ async def test_no_engine_can_roll_up_the_registry(cluster: Supervisor) -> None:
     async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
         registry = await admin.nc.jetstream().key_value(s.engine_registry_bucket)
         assert sorted(await registry.keys()) == ["e0", "e1"]
+
+
+async def test_the_trainer_publishes_weights_over_the_bus_with_its_credential(tmp_path: Path) -> None:
+    """Under auth, the trainer's credential puts weights into the bucket and the weight server
+    (its own credential) loads them, deletes the object and announces the version; the workers
+    then generate on it."""
+    config = ClusterConfig(state_dir=tmp_path / "state", engines=1, shadows=True, sandboxes=False)
+    params = init_params(PRESETS["tiny"], 9)
+    async with local_cluster(config) as supervisor:
+        async with await Client.connect(supervisor.target("trainer"), "test-trainer") as trainer:
+            await trainer.wait_for_engines(1, 120)
+            handles = await WeightClient(trainer.nc, subjects=trainer.subjects).publish_params(params)
+            result = await trainer.generate_all(
+                "after publish", max_tokens=4, seed=1, weight_version=handles.version
+            )
+        assert result.weight_version == handles.version and len(result.tokens) == 4
+        server_log = (config.state_dir / "logs" / "nats-server.log").read_text()
+        assert "Violation" not in server_log

@@ -1,0 +1,147 @@
+"""`belayer train`: GRPO on a running cluster, with a line per step and a reward curve.
+
+    belayer train --workload reverse --steps 100 [--prompts 16 --group-size 8 --lr 3e-3]
+                  [--off-policy] [--kl-beta B] [--seed S] [--checkpoint-every N] [--out DIR]
+
+Samples are generated through the cluster's router (the `belayer up` cluster by default) and every
+step's weights are published to its weight server over the bus, under the trainer's credential.
+Writes DIR/steps.jsonl (one TrainerStep per line), DIR/reward.png and DIR/summary.json; with
+--checkpoint-every, DIR/checkpoints, from which a rerun with the same flags resumes. Trainer worker
+groups, their fault manager and the Ray backend are not part of this command yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import uvloop
+
+from belayer_rl.cli.target import resolve_target
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    train = commands.add_parser("train", help="GRPO training on the cluster's rollouts")
+    train.add_argument("--workload", default="reverse", choices=("reverse",))
+    train.add_argument("--length", type=int, default=2, help="digits in each reverse prompt")
+    train.add_argument("--steps", type=int, default=100)
+    train.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    train.add_argument("--group-size", type=int, default=16, help="samples per prompt (G)")
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--ppo-epochs", type=int, default=2, help="optimizer passes over each batch")
+    train.add_argument(
+        "--kl-beta", type=float, default=0.0, help="weight of the k3 KL to the reference (the initial policy)"
+    )
+    train.add_argument("--off-policy", action="store_true", help="generate step n+1 while training step n")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--run-id", default=None, help="run id (default train-<seed>)")
+    train.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    train.add_argument("--out", type=Path, default=Path("train"))
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    return uvloop.run(train(args))
+
+
+async def train(args: argparse.Namespace) -> int:
+    import torch
+
+    from belayer_rl.services.trainer.actor import ActorSettings
+    from belayer_rl.services.trainer.grpo import GrpoConfig
+    from belayer_rl.services.trainer.plot import plot_rewards
+    from belayer_rl.services.trainer.tasks import workload
+    from belayer_rl.services.trainer.trainer import StepResult, Trainer, TrainSettings
+    from belayer_rl.shared.client import Client
+    from belayer_rl.shared.protocol import TrainerStep, encode
+
+    torch.set_num_threads(1)  # repeatable updates; the engine has the other cores
+    task = workload(args.workload, length=args.length)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = TrainSettings(
+        run=args.run_id or f"train-{args.seed}",
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        seed=args.seed,
+        off_policy=args.off_policy,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.out / "checkpoints" if args.checkpoint_every else None,
+        actor=ActorSettings(lr=args.lr, ppo_epochs=args.ppo_epochs),
+        grpo=GrpoConfig(kl_beta=args.kl_beta),
+    )
+    steps: list[TrainerStep] = []
+    progress = Bar(args.steps, enabled=not args.no_progress and sys.stderr.isatty())
+    async with await Client.connect(resolve_target(args, role="trainer"), "trainer") as client:
+        trainer = Trainer(client, task, settings)
+        for skipped in await trainer.resume():
+            print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)
+        if not trainer.version:
+            await trainer.publish()
+        before = await trainer.accuracy(task.held_out)
+        progress.advance(trainer.step)
+        log = (args.out / "steps.jsonl").open("ab")
+
+        def on_step(result: StepResult) -> None:
+            e = result.event
+            steps.append(e)
+            log.write(encode(e) + b"\n")
+            log.flush()
+            print(
+                f"step {e.step:4d}  reward {e.reward_mean:.3f}  loss {e.loss:+.4f}  kl {e.kl:.4f}"
+                f"  clipped {e.clipped_fraction:.1%}  {e.tokens_per_s:7.0f} tok/s  recoveries {e.resumes}"
+                f"  ({e.rollout_s:.2f} s rollout, {e.update_s:.2f} s update)",
+                flush=True,
+            )
+            progress.advance(1)
+
+        try:
+            await trainer.run(on_step)
+        finally:
+            log.close()
+            progress.close()
+        after = await trainer.accuracy(task.held_out)
+    if steps:
+        plot_rewards(steps, args.out / "reward.png", f"{task.name}, seed {args.seed}")
+    summary = {
+        "run": settings.run,
+        "workload": task.name,
+        "steps": trainer.step,
+        "weight_version": trainer.version,
+        "held_out_accuracy_before": before,
+        "held_out_accuracy_after": after,
+        "chance": task.chance,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(
+        f"{task.name}: held-out exact match {before:.0%} -> {after:.0%} (chance {task.chance:.0%}) after"
+        f" {trainer.step} steps; weights {trainer.version}; see {args.out}"
+    )
+    return 0
+
+
+class Bar:
+    """Steps done (rich, on stderr: stdout keeps the per-step lines)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            self.bar = Progress(
+                BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True)
+            )
+            self.task = self.bar.add_task("train", total=total)
+            self.bar.start()
+
+    def advance(self, n: int) -> None:
+        if self.enabled:
+            self.bar.update(self.task, advance=n)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.stop()

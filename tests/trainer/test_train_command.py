@@ -1,0 +1,47 @@
+"""`belayer train` as a user runs it, against a real cluster: a line per step, the step log, the
+reward curve, and a rerun with more steps resuming from the run's checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+
+import msgspec
+
+from belayer_rl.shared.protocol import TrainerStep
+from tests.cli.helpers import belayer
+from tests.support import Cluster
+
+
+async def run_train(url: str, out: Path, steps: int) -> str:
+    done = await asyncio.to_thread(
+        belayer, "--nats", url, "train", "--steps", str(steps), "--prompts", "4", "--group-size", "4",
+        "--checkpoint-every", "1", "--seed", "4", "--out", str(out), timeout_s=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Cluster, tmp_path: Path) -> None:
+    url = train_cluster.nats.url
+    out = tmp_path / "run"
+    first = await run_train(url, out, 3)
+    lines = [line for line in first.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(
+        "reward" in line and "tok/s" in line and "recoveries" in line for line in lines
+    )
+    assert "held-out exact match" in first
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    second = await run_train(url, out, 5)  # resumes after step 3
+    assert [line.split()[1] for line in second.splitlines() if line.startswith("step ")] == ["4", "5"]
+    logged = [
+        msgspec.json.decode(line, type=TrainerStep)
+        for line in (out / "steps.jsonl").read_bytes().splitlines()
+    ]
+    assert [e.step for e in logged] == [1, 2, 3, 4, 5]
+    assert all(e.generated_with == [previous.weight_version] for previous, e in itertools.pairwise(logged))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["weight_version"] == logged[-1].weight_version
