@@ -505,3 +505,46 @@ class PolicyConfig(ServiceConfig):
                 raise ConfigError(f"{flag} must be >= 0, got {number}")
         if self.response_times is not None and not Path(self.response_times).is_file():
             raise ConfigError(f"--response-times: no file {self.response_times}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerGroupConfig(ServiceConfig):
+    """One worker of a trainer group (services/trainer_group), started by the trainer's fault
+    manager: rank `rank` of `world` in a gloo process group formed through `rendezvous`."""
+
+    run: str = setting("train", "the training run (prefixes the group's subjects)")
+    group: str = setting("actor", "actor, reference or reward", choices=("actor", "reference", "reward"))
+    rank: int = setting(0, "this worker's rank")
+    world: int = setting(1, "ranks in the group")
+    rendezvous: Path | None = setting(None, "a file the ranks form their gloo process group through")
+    state_file: Path | None = setting(None, "the group's state (rank 0 writes it after every step)")
+    preset: str = setting("tiny", "model size")
+    seed: int = setting(0, "the run's seed: initial weights when there is no state file yet")
+    lr: float = setting(3e-3, "AdamW learning rate")
+    ppo_epochs: int = setting(2, "optimizer passes over each batch")
+    eps_low: float = setting(0.2, "the clip's lower epsilon")
+    eps_high: float = setting(0.28, "the clip's upper epsilon")
+    allowed: str = setting("", "comma-separated token ids the policy is defined over (empty: all)")
+    threads: int = setting(1, "torch threads (pinned, so that updates repeat bit for bit)")
+    heartbeat_s: float = setting(0.5, "seconds between group_heartbeat events")
+    init_timeout_s: float = setting(60.0, "seconds to wait for the other ranks to join")
+    step_delay_s: float = setting(0.0, "tests: seconds each forward/backward pass is made to last")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", self.run):
+            raise ConfigError(f"--run must match [A-Za-z0-9_-]{{1,40}}, got {self.run!r}")
+        if not 0 <= self.rank < self.world:
+            raise ConfigError(f"--rank must be in [0, --world), got {self.rank} of {self.world}")
+        if self.preset not in PRESETS:
+            raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
+        if self.world > 1 and self.rendezvous is None:
+            raise ConfigError("--world > 1 needs --rendezvous")
+        positive("--heartbeat", self.heartbeat_s)
+        positive("--init-timeout", self.init_timeout_s)
+        if self.threads < 1 or self.ppo_epochs < 1 or self.lr < 0:
+            raise ConfigError("--threads and --ppo-epochs must be >= 1 and --lr >= 0")
+
+    @property
+    def allowed_tokens(self) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.allowed.split(",") if t)

@@ -62,6 +62,8 @@ ErrorCode = Literal[
     # weight and KV servers
     "unknown-version", "bad-weights", "dead-holder", "unknown-engine", "unknown-preset", "shape-mismatch",
     "too-large", "no-space", "unknown-object",
+    # trainer groups
+    "update-failed",
     # checkpointer
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
     "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
@@ -789,6 +791,81 @@ class TrainerStep(Message, tag="trainer_step", kw_only=True):
     publish_s: float
 
 
+# ---------------------------------------------------------------- trainer worker groups
+# The trainer drives each worker of a group by request on
+# `belayer.<cluster>.trainer.<run>.<group>.<rank>.<verb>`; workers publish `group_heartbeat`.
+
+RunId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,40}$")]
+GroupName = Literal["actor", "reference", "reward"]
+
+
+class ActorUpdate(Message, tag="actor_update", kw_only=True):
+    """One GRPO step on the whole batch; each rank takes rows rank, rank + world, ... of it. A
+    rank whose state already holds `step` answers that step's result again and changes nothing,
+    so a call re-run after a fault never trains a sample twice."""
+
+    step: Annotated[int, Meta(ge=0)]  # updates applied before this one
+    tokens: Annotated[list[Tokens], Meta(max_length=4096)]  # prompt + response per sample
+    prompt_lens: list[Annotated[int, Meta(ge=1)]]
+    advantages: list[float]
+    versions: list[WeightVersion]  # the version that generated each sample: old log-probs
+    publish: bool = True  # rank 0 publishes the new weights to the weight server
+
+
+class ActorUpdated(Message, tag="actor_updated", kw_only=True):
+    step: int  # updates applied, this one included
+    weight_version: WeightVersion  # of the weights after it
+    loss: float
+    kl: float
+    clipped_fraction: float
+    grad_norm: float
+    ratio_max: float
+    tokens: int
+
+
+class GroupHeartbeat(Message, tag="group_heartbeat", kw_only=True):
+    """Event `belayer.<cluster>.evt.group_heartbeat.<run>`: a group worker is alive; `progress`
+    counts units of work done (forward/backward passes), `cpu_s` its process CPU time. A worker
+    whose heartbeats stop, or whose progress and CPU time both stand still, is hung."""
+
+    run: RunId
+    group: GroupName
+    rank: Annotated[int, Meta(ge=0)]
+    pid: int
+    step: int
+    progress: int
+    cpu_s: float
+
+
+class GroupFailed(Message, tag="group_failed", kw_only=True):
+    run: RunId
+    group: GroupName
+    rank: int  # -1: the group as a whole (a call timeout)
+    kind: Literal["exit", "exception", "hang", "timeout", "start"]
+    cause: str
+    step: int
+    attempt: int  # calls of this step so far, this one included
+    detected_s: float  # from the call's start to the detection
+
+
+class GroupRebuilt(Message, tag="group_rebuilt", kw_only=True):
+    run: RunId
+    group: GroupName
+    rebuild: int  # this group's rebuilds so far, this one included
+    step: int
+    stop_s: float  # killing the old processes and confirming they are gone
+    start_s: float  # new processes up, the process group formed, weights and state loaded
+    total_s: float
+
+
+class Reschedule(Message, tag="reschedule", kw_only=True):
+    run: RunId
+    attempt: int
+    from_step: int  # the checkpoint's step the run goes on from
+    failed_step: int
+    cause: str
+
+
 EVENT_TYPES: dict[str, type[Message]] = {
     "heartbeat": Heartbeat,
     "worker_registered": WorkerRegistration,
@@ -810,6 +887,10 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "policy_fallback": PolicyFallback,
     "chaos_kill": ChaosKill,
     "trainer_step": TrainerStep,
+    "group_heartbeat": GroupHeartbeat,
+    "group_failed": GroupFailed,
+    "group_rebuilt": GroupRebuilt,
+    "reschedule": Reschedule,
 }
 
 # Events about one engine: the engine id follows the kind in the subject (`...evt.heartbeat.e0`), and
@@ -840,6 +921,10 @@ AnyEvent = (
     | PolicyFallback
     | ChaosKill
     | TrainerStep
+    | GroupHeartbeat
+    | GroupFailed
+    | GroupRebuilt
+    | Reschedule
 )
 
 

@@ -98,6 +98,10 @@ class Subjects:
 
     # ------------------------------------------------------------ every service
 
+    def trainer_group(self, run: str, group: str, rank: int, verb: str) -> str:
+        """A trainer group worker's RPC (services/trainer_group): `verb` is update, ..."""
+        return f"{self.root}.trainer.{run}.{group}.{rank}.{verb}"
+
     def service_stats(self, name: str) -> str:
         """Every service process answers StatsRequest here (the runtime's endpoint)."""
         return f"{self.root}.svc.{name}.stats"

@@ -9,13 +9,37 @@ weights of the version that generated each sample, never read back from the engi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from belayer_rl.services.trainer.grpo import GrpoConfig, grpo_loss
 from belayer_rl.services.worker.model import sequence_logits
-from belayer_rl.shared.params import Params
-from belayer_rl.shared.presets import ModelConfig
+from belayer_rl.shared.params import Params, init_params
+from belayer_rl.shared.presets import PRESETS, ModelConfig
+
+# The built-in init makes logits peaked (std ~3) so that exactness tests depend on every token;
+# a policy that starts that sure of itself never explores, and GRPO learns nothing from groups
+# whose samples all agree. Training starts from the same init with its head scaled down.
+EXPLORATION_HEAD_SCALE = 0.1
+
+
+def initial_weights(preset: str, seed: int) -> Params:
+    params = init_params(PRESETS[preset], seed)
+    params["lm_head"] = params["lm_head"] * EXPLORATION_HEAD_SCALE
+    return params
+
+
+class DataParallel(Protocol):
+    """What an update needs of its process group (services/trainer_group holds the gloo one)."""
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place."""
+        ...
+
+    def passed(self) -> None:
+        """One forward/backward pass done: progress for the hang detector."""
+        ...
 
 
 class NonFiniteUpdate(Exception):
@@ -101,12 +125,24 @@ class Actor:
             return token_logprobs(params, self.config, tokens, self.allowed)
 
     def update(
-        self, batch: Rollouts, old_logp: torch.Tensor, ref_logp: torch.Tensor | None = None
+        self,
+        batch: Rollouts,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+        *,
+        dp: DataParallel | None = None,
     ) -> UpdateStats:
-        """`settings.ppo_epochs` optimizer steps on the whole batch. Raises NonFiniteUpdate, with
-        weights and optimizer state as they were, when any step goes non-finite."""
+        """`settings.ppo_epochs` optimizer steps on the batch. Raises NonFiniteUpdate, with weights
+        and optimizer state as they were, when any step goes non-finite.
+
+        With `dp`, `batch` is this rank's shard: the loss is divided by the token count of the
+        whole batch and the gradients are summed over the ranks before clipping, so every rank
+        takes the same step as one process on the whole batch would (to float rounding)."""
         before = (self.weights(), _clone_state(self.optimizer.state_dict()))
-        total_tokens = int(batch.response_mask.sum())
+        local_tokens = torch.tensor([float(batch.response_mask.sum())])
+        if dp is not None:
+            dp.sum(local_tokens)
+        total_tokens = int(local_tokens.item())
         losses, clipped, kl, norms, ratio_max = [], 0, 0.0, [], 1.0
         for _ in range(self.settings.ppo_epochs):
             logp = token_logprobs(self.params, self.config, batch.tokens, self.allowed)
@@ -115,14 +151,20 @@ class Actor:
             )
             self.optimizer.zero_grad(set_to_none=True)
             parts.loss.backward()
+            terms = torch.tensor([float(parts.loss.detach()), parts.clipped_tokens, parts.kl_sum])
+            if dp is not None:
+                for t in self.params.values():
+                    dp.sum(t.grad)
+                dp.sum(terms)
+                dp.passed()
             norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.settings.grad_clip)
-            if not (torch.isfinite(parts.loss) and torch.isfinite(norm)):
+            if not (bool(torch.isfinite(terms).all()) and torch.isfinite(norm)):
                 self._restore(*before)
-                raise NonFiniteUpdate(f"loss {float(parts.loss)}, gradient norm {float(norm)}")
+                raise NonFiniteUpdate(f"loss {float(terms[0])}, gradient norm {float(norm)}")
             self.optimizer.step()
-            losses.append(float(parts.loss.detach()))
-            clipped += parts.clipped_tokens
-            kl += parts.kl_sum
+            losses.append(float(terms[0]))
+            clipped += int(terms[1])
+            kl += float(terms[2])
             norms.append(float(norm))
             ratio_max = max(ratio_max, parts.ratio_max)
         bad = [name for name, t in self.params.items() if not bool(torch.isfinite(t).all())]

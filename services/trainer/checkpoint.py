@@ -43,11 +43,16 @@ def path_for(folder: Path, step: int) -> Path:
 
 def write(folder: Path, step: int, state: dict[str, Any]) -> Path:
     """Blocking (call it in a thread)."""
+    return write_file(path_for(folder, step), state)
+
+
+def write_file(final: Path, state: dict[str, Any]) -> Path:
+    """`state` into `final`, atomically and durably. Blocking."""
+    folder = final.parent
     folder.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    final = path_for(folder, step)
     tmp = folder / f".tmp-{final.name}-{os.getpid()}"
     with tmp.open("wb") as f:
         f.write(hashlib.sha256(payload).hexdigest().encode())

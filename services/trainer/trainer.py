@@ -26,23 +26,27 @@ from pathlib import Path
 import torch
 
 from belayer_rl.services.trainer import checkpoint
-from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, UpdateStats
+from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, UpdateStats, initial_weights
 from belayer_rl.services.trainer.data import DataPosition, take
+from belayer_rl.services.trainer.fault_manager import (
+    FaultBoundExceeded,
+    FaultManager,
+    FaultManagerConfig,
+    RescheduleNeeded,
+)
+from belayer_rl.services.trainer.groups import LocalActorGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
 from belayer_rl.services.trainer.tasks import ReverseDigits
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.params import Params, init_params
+from belayer_rl.shared.config import TrainerGroupConfig
+from belayer_rl.shared.params import Params
 from belayer_rl.shared.presets import PRESETS
-from belayer_rl.shared.protocol import TrainerStep
+from belayer_rl.shared.protocol import ActorUpdate, Message, Reschedule, TrainerStep
 
 log = logging.getLogger("belayer.trainer")
 
-# The built-in init makes logits peaked (std ~3) so that exactness tests depend on every token;
-# a policy that starts that sure of itself never explores, and GRPO learns nothing from groups
-# whose samples all agree. The trainer starts from the same init with its head scaled down.
-EXPLORATION_HEAD_SCALE = 0.1
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,40}")
 
 
@@ -88,15 +92,41 @@ class StepResult:
     stats: UpdateStats
 
 
+@dataclass
+class GroupBackend:
+    """The actor as a group of processes (services/trainer/groups.py) behind the fault manager."""
+
+    actor: LocalActorGroup
+    faults: FaultManager
+
+    @classmethod
+    def local(
+        cls, client: Client, worker: TrainerGroupConfig, folder: Path, config: FaultManagerConfig
+    ) -> GroupBackend:
+        """Local processes driven over `client`'s bus; `worker` holds every rank's settings."""
+
+        async def publish(kind: str, message: Message) -> None:
+            await bus.publish(client.nc, client.subjects.event(kind, worker.run), message)
+
+        actor = LocalActorGroup(client.nc, client.subjects, worker, folder, config)
+        return cls(actor, FaultManager(config, worker.run, publish))
+
+    @property
+    def config(self) -> FaultManagerConfig:
+        return self.faults.config
+
+
 class Trainer:
-    def __init__(self, client: Client, task: ReverseDigits, settings: TrainSettings) -> None:
+    def __init__(
+        self, client: Client, task: ReverseDigits, settings: TrainSettings, group: GroupBackend | None = None
+    ) -> None:
         self.client = client
+        self.group = group  # None: the actor runs here, in a thread
         self.weights = WeightClient(client.nc, subjects=client.subjects)
         self.task = task
         self.settings = settings
         self.config = PRESETS[settings.preset]
-        initial = init_params(self.config, settings.seed)
-        initial["lm_head"] = initial["lm_head"] * EXPLORATION_HEAD_SCALE
+        initial = initial_weights(settings.preset, settings.seed)
         self.actor = Actor(self.config, initial, settings.actor, settings.grpo, task.allowed_tokens)
         # The reference policy of the KL term: the initial weights, held here until the reference
         # worker group exists.
@@ -124,8 +154,10 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def state(self) -> dict[str, object]:
+        """Blocking (reads the group's state file in group mode)."""
+        actor = self.actor.state() if self.group is None else checkpoint.read(self.group.actor.state_file)
         return {
-            "actor": self.actor.state(),
+            "actor": actor,
             "step": self.step,
             "position": [self.position.epoch, self.position.index],
             "version": self.version,
@@ -135,7 +167,11 @@ class Trainer:
         }
 
     def load_state(self, state: dict) -> None:  # type: ignore[type-arg]
-        self.actor.load_state(state["actor"])
+        """Blocking. In group mode the group's state file is rewritten: (re)start the group after."""
+        if self.group is None:
+            self.actor.load_state(state["actor"])
+        else:
+            checkpoint.write_file(self.group.actor.state_file, state["actor"])
         self.step = int(state["step"])
         self.position = DataPosition(*state["position"])
         self.version = str(state["version"])
@@ -151,14 +187,14 @@ class Trainer:
         loaded = await asyncio.to_thread(checkpoint.load_latest, folder)
         if loaded is None:
             return []
-        self.load_state(loaded.state)
+        await asyncio.to_thread(self.load_state, loaded.state)
         log.info("resumed from %s at step %d", loaded.path.name, self.step)
         return loaded.skipped
 
     async def save(self) -> None:
         folder = self.settings.checkpoint_dir
         assert folder is not None
-        await asyncio.to_thread(checkpoint.write, folder, self.step, self.state())
+        await asyncio.to_thread(lambda: checkpoint.write(folder, self.step, self.state()))
 
     # ------------------------------------------------------------------ rollout
 
@@ -227,9 +263,89 @@ class Trainer:
     def update(self, samples: list[Sample]) -> UpdateStats:
         return self.actor.update(*self.batch_of(samples))
 
+    async def apply(self, samples: list[Sample]) -> tuple[UpdateStats, float]:
+        """Update on `samples` and publish the new weights; returns the stats and the seconds the
+        publication took (inside the update call in group mode, where rank 0 publishes)."""
+        if self.group is None:
+            stats = await asyncio.to_thread(self.update, samples)
+            started = time.perf_counter()
+            await self.publish()
+            return stats, time.perf_counter() - started
+        rewards = torch.tensor([x.reward for x in samples])
+        call = ActorUpdate(
+            step=self.step,
+            tokens=[x.prompt + x.answer for x in samples],
+            prompt_lens=[len(x.prompt) for x in samples],
+            advantages=group_advantages(rewards, self.settings.group_size).tolist(),
+            versions=[x.weight_version for x in samples],
+        )
+        actor = self.group.actor
+        updated = await self.group.faults.call(actor, self.step, lambda: actor.update(call))
+        self.version = updated.weight_version
+        if self.settings.off_policy or self.settings.checkpoint_every:
+            self.kept = await asyncio.to_thread(lambda: dict(checkpoint.read(actor.state_file)["kept"]))
+        stats = UpdateStats(
+            loss=updated.loss,
+            kl=updated.kl,
+            clipped_fraction=updated.clipped_fraction,
+            grad_norm=updated.grad_norm,
+            ratio_max=updated.ratio_max,
+            tokens=updated.tokens,
+        )
+        return stats, 0.0
+
     # ------------------------------------------------------------------ the loop
 
     async def run(self, on_step: Callable[[StepResult], Awaitable[None] | None] | None = None) -> None:
+        """Train to `settings.steps`. In group mode the group is started here and stopped at the
+        end; a group past its rebuilds reschedules the run from its last checkpoint (the start
+        when there is none), at most `max_reschedule_times` times."""
+        if self.group is None:
+            await self.run_steps(on_step)
+            return
+        reschedules = 0
+        try:
+            await self.group.actor.start()
+            while True:
+                try:
+                    await self.run_steps(on_step)
+                    return
+                except RescheduleNeeded as exc:
+                    reschedules += 1
+                    failed_step = self.step
+                    if reschedules > self.group.config.max_reschedule_times:
+                        raise FaultBoundExceeded(
+                            f"group {exc.group} failed at step {failed_step} after {exc.attempts} attempts"
+                            f" and {exc.group} rebuilds {self.group.actor.rebuilds}, with"
+                            f" {reschedules - 1} reschedules spent; last cause: {exc.cause}"
+                        ) from exc
+                    await self.group.actor.stop()
+                    await self.restart_from_checkpoint()
+                    event = Reschedule(
+                        run=self.settings.run, attempt=reschedules, from_step=self.step,
+                        failed_step=failed_step, cause=str(exc),
+                    )  # fmt: skip
+                    await bus.publish(
+                        self.client.nc, self.client.subjects.event("reschedule", self.settings.run), event
+                    )
+                    self.group.actor.rebuilds = 0  # a fresh workflow gets its rebuilds again
+                    await self.group.actor.start()
+        finally:
+            await self.group.actor.close()
+
+    async def restart_from_checkpoint(self) -> None:
+        """Back to the newest good checkpoint, or to the very start when there is none."""
+        assert self.group is not None
+        folder = self.settings.checkpoint_dir
+        loaded = None if folder is None else await asyncio.to_thread(checkpoint.load_latest, folder)
+        if loaded is not None:
+            await asyncio.to_thread(self.load_state, loaded.state)
+            return
+        self.group.actor.state_file.unlink(missing_ok=True)
+        self.step, self.position, self.version, self.next_rollout_version = 0, DataPosition(), "", ""
+        self.kept = {}
+
+    async def run_steps(self, on_step: Callable[[StepResult], Awaitable[None] | None] | None = None) -> None:
         s = self.settings
         if not self.version:
             await self.publish()
@@ -252,12 +368,9 @@ class Trainer:
                     pending_version = self.version
                     pending = asyncio.create_task(self.rollout(self.step + 1, after, pending_version))
                 started = time.perf_counter()
-                stats = await asyncio.to_thread(self.update, samples)
-                update_s = time.perf_counter() - started
-                started = time.perf_counter()
                 generated_with = sorted({x.weight_version for x in samples})
-                await self.publish()
-                publish_s = time.perf_counter() - started
+                stats, publish_s = await self.apply(samples)
+                update_s = time.perf_counter() - started - publish_s
                 self.step += 1
                 self.position = after
                 self.next_rollout_version = pending_version if pending else self.version

@@ -1,0 +1,196 @@
+"""The actor as a group of local processes, driven over the bus (the local backend).
+
+Each rank is `python -m belayer_rl.services.trainer_group` in a session of its own, so the group
+can be killed whole (SIGKILL to each process group) and its death confirmed before a new one
+starts. Ranks form a gloo process group through a rendezvous file that is new for every build,
+load the group's state file (written by rank 0 after every step) and heartbeat with their progress.
+
+A call goes to every rank at once and is watched while it runs: a rank's exit, a hang (no
+heartbeat, or neither progress nor CPU time moving, for the hang timeout), the call's own timeout
+and an error reply each end it with a GroupFault for the fault manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+
+from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupFault
+from belayer_rl.shared import bus
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.config import TrainerGroupConfig, to_argv
+from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat
+from belayer_rl.shared.subjects import Subjects
+
+log = logging.getLogger("belayer.trainer.groups")
+
+WATCH_EVERY_S = 0.05
+
+
+@dataclass
+class Beat:
+    """What the last heartbeats of one rank said, and when they last showed it moving."""
+
+    pid: int
+    seen: float  # monotonic time of the last heartbeat
+    moved: float  # monotonic time progress or CPU time last changed
+    progress: int
+    cpu_s: float
+
+
+@dataclass
+class LocalActorGroup:
+    nc: NATS
+    subjects: Subjects
+    worker: TrainerGroupConfig  # every rank's settings but rank, rendezvous and state file
+    folder: Path  # the group's state file, rendezvous files and logs
+    faults: FaultManagerConfig
+    name: Literal["actor"] = "actor"
+    rebuilds: int = 0
+    processes: list[asyncio.subprocess.Process] = field(default_factory=list)
+    beats: dict[int, Beat] = field(default_factory=dict)
+    builds: int = 0
+    _listener: Subscription | None = None
+
+    @property
+    def state_file(self) -> Path:
+        return self.folder / "actor-state.ckpt"
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start every rank and wait until each heartbeats; GroupFault("start") if one cannot."""
+        if self._listener is None:
+            subject = self.subjects.event("group_heartbeat", self.worker.run)
+            self._listener = await bus.listen(self.nc, subject, GroupHeartbeat, self.on_heartbeat)
+        self.builds += 1
+        self.beats.clear()
+        rendezvous = self.folder / f"rendezvous-{self.builds}"
+        rendezvous.unlink(missing_ok=True)
+        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
+        for rank in range(self.worker.world):
+            config = replace(self.worker, rank=rank, rendezvous=rendezvous, state_file=self.state_file)
+            log_path = self.folder / "logs" / f"actor-{rank}-build{self.builds}.log"
+            with log_path.open("ab") as out:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "belayer_rl.services.trainer_group", *to_argv(config),
+                    stdout=out, stderr=out, start_new_session=True,
+                )  # fmt: skip
+            self.processes.append(process)
+        deadline = time.monotonic() + self.faults.start_timeout_s
+        while not all(self.beats.get(r) and self.beats[r].pid == p.pid for r, p in enumerate(self.processes)):
+            for rank, process in enumerate(self.processes):
+                if process.returncode is not None:
+                    raise GroupFault("start", rank, f"exited with {process.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise GroupFault(
+                    "start", -1, f"not every rank heartbeat within {self.faults.start_timeout_s} s"
+                )
+            await asyncio.sleep(WATCH_EVERY_S)
+
+    async def stop(self) -> None:
+        """SIGKILL every rank's process group and wait for each death."""
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        for process in self.processes:
+            await process.wait()
+        self.processes = []
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._listener is not None:
+            await self._listener.unsubscribe()
+            self._listener = None
+
+    async def on_heartbeat(self, beat: GroupHeartbeat) -> None:
+        if (
+            beat.group != self.name
+            or beat.rank >= len(self.processes)
+            or self.processes[beat.rank].pid != beat.pid
+        ):
+            return  # another group's, or a rank of an earlier build
+        now = time.monotonic()
+        last = self.beats.get(beat.rank)
+        if last is None or last.pid != beat.pid or (last.progress, last.cpu_s) != (beat.progress, beat.cpu_s):
+            self.beats[beat.rank] = Beat(beat.pid, now, now, beat.progress, beat.cpu_s)
+        else:
+            last.seen = now
+
+    # ------------------------------------------------------------------ calls
+
+    async def update(self, call: ActorUpdate) -> ActorUpdated:
+        subject = lambda rank: self.subjects.trainer_group(self.worker.run, self.name, rank, "update")  # noqa: E731
+        timeout = self.faults.call_timeout_s
+        replies = {
+            asyncio.create_task(bus.request_struct(self.nc, subject(rank), call, ActorUpdated, timeout)): rank
+            for rank in range(len(self.processes))
+        }
+        watch = asyncio.create_task(self.watch())
+        results: dict[int, ActorUpdated] = {}
+        try:
+            while len(results) < len(replies):
+                pending = {t for t in replies if not t.done()}
+                await asyncio.wait({*pending, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch.done():
+                    raise watch.result()
+                for task in pending:
+                    if not task.done():
+                        continue
+                    rank = replies[task]
+                    try:
+                        results[rank] = task.result()
+                    except ServiceError as exc:
+                        kind = "timeout" if exc.code in ("timeout", "no-responders") else "exception"
+                        raise GroupFault(kind, rank, f"{exc.code}: {exc}") from None
+        finally:
+            for task in [*replies, watch]:
+                task.cancel()
+            await asyncio.gather(*replies, watch, return_exceptions=True)
+        first = results[0]
+        differing = [r for r, result in results.items() if result.weight_version != first.weight_version]
+        if differing:
+            raise GroupFault("exception", differing[0], "ranks disagree on the weights after the step")
+        return first
+
+    async def watch(self) -> GroupFault:
+        """Returns (does not raise) the first fault seen among the running ranks."""
+        hang = self.faults.hang_timeout_s
+        while True:
+            now = time.monotonic()
+            for rank, process in enumerate(self.processes):
+                if process.returncode is not None:
+                    return GroupFault("exit", rank, exit_cause(process.returncode))
+                beat = self.beats.get(rank)
+                if beat is None:
+                    continue
+                if now - beat.seen > hang:
+                    return GroupFault("hang", rank, f"no heartbeat for {now - beat.seen:.1f} s")
+                if now - beat.moved > hang:
+                    return GroupFault(
+                        "hang", rank, f"no progress and no CPU time for {now - beat.moved:.1f} s"
+                    )
+            await asyncio.sleep(WATCH_EVERY_S)
+
+
+def exit_cause(returncode: int) -> str:
+    if returncode == -signal.SIGKILL:
+        return "killed by SIGKILL (the OOM killer, or an operator)"
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"

@@ -1,0 +1,169 @@
+"""One rank of the actor group: its copy of the weights and optimizer, its shard of every batch,
+and the group's state file. Blocking torch code: the service runs it in a thread.
+
+Every rank holds the whole model (data parallel) and takes rows rank, rank + world, ... of each
+batch; gradients are summed over the gloo process group, so all ranks stay identical. After every
+step rank 0 writes the group's state (weights, AdamW state, the versions old log-probs may still
+need, the step's result) to the state file, atomically: a rebuilt group loads it, and a call
+re-run after a fault finds its step already applied and answers it again instead of training it
+twice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from belayer_rl.services.trainer import checkpoint
+from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, initial_weights
+from belayer_rl.services.trainer.grpo import GrpoConfig
+from belayer_rl.shared.config import TrainerGroupConfig
+from belayer_rl.shared.params import Params, save_params
+from belayer_rl.shared.presets import PRESETS
+from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated
+
+
+class StateBehind(Exception):
+    """The call is for a later step than the state holds: an update went missing."""
+
+
+def version_of(weights: Params) -> str:
+    """The version name the weight server gives these weights (the digest of their file)."""
+    with tempfile.TemporaryDirectory(prefix="belayer-version-") as folder:
+        return save_params(weights, Path(folder) / "weights.pt")
+
+
+class GlooGroup:
+    """The DataParallel of an actor update over torch.distributed (gloo)."""
+
+    def __init__(self, on_pass: callable) -> None:  # type: ignore[valid-type]
+        self.on_pass = on_pass
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+    def passed(self) -> None:
+        self.on_pass()
+
+
+class ActorRank:
+    def __init__(self, config: TrainerGroupConfig) -> None:
+        self.config = config
+        self.progress = 0  # forward/backward passes done: the hang detector's signal
+        self.step = 0
+        self.version = ""
+        self.kept: dict[str, Params] = {}
+        self.last: ActorUpdated | None = None
+        if config.world > 1:
+            assert config.rendezvous is not None
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{config.rendezvous}",
+                rank=config.rank,
+                world_size=config.world,
+                timeout=datetime.timedelta(seconds=config.init_timeout_s),
+            )
+        settings = ActorSettings(lr=config.lr, ppo_epochs=config.ppo_epochs)
+        grpo = GrpoConfig(eps_low=config.eps_low, eps_high=config.eps_high)
+        self.actor = Actor(
+            PRESETS[config.preset],
+            initial_weights(config.preset, config.seed),
+            settings,
+            grpo,
+            config.allowed_tokens,
+        )
+        if config.state_file is not None and config.state_file.exists():
+            self.load(checkpoint.read(config.state_file))
+        else:
+            self.version = version_of(self.actor.weights())
+            self.kept = {self.version: self.actor.weights()}
+        self.dp = GlooGroup(self.passed) if config.world > 1 else None
+
+    def passed(self) -> None:
+        self.progress += 1
+        if self.config.step_delay_s:  # tests: a slow step that still works (CPU time grows)
+            deadline = time.monotonic() + self.config.step_delay_s
+            x = torch.ones(64, 64)
+            while time.monotonic() < deadline:
+                x = (x @ x).clamp(-1, 1)
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "actor": self.actor.state(),
+            "kept": self.kept,
+            "last": msgspec.to_builtins(self.last) if self.last is not None else None,
+        }
+
+    def load(self, state: dict) -> None:  # type: ignore[type-arg]
+        self.step = int(state["step"])
+        self.version = str(state["version"])
+        self.actor.load_state(state["actor"])
+        self.kept = dict(state["kept"])
+        self.last = msgspec.convert(state["last"], ActorUpdated) if state["last"] is not None else None
+
+    def save(self) -> None:
+        if self.config.rank == 0 and self.config.state_file is not None:
+            checkpoint.write_file(self.config.state_file, self.state())
+
+    # ------------------------------------------------------------------ the update
+
+    def update(self, call: ActorUpdate) -> tuple[ActorUpdated, bool]:
+        """The step's result, and whether it was computed now (False: it was already applied)."""
+        if call.step == self.step - 1 and self.last is not None and self.last.step == self.step:
+            return self.last, False
+        if call.step != self.step:
+            raise StateBehind(f"update for step {call.step}, but the state has {self.step} steps applied")
+        rows = list(range(self.config.rank, len(call.tokens), self.config.world))
+        batch, versions = shard(call, rows)
+        old_logp = torch.empty(batch.response_mask.shape)
+        for version in sorted(set(versions)):
+            if version not in self.kept:
+                raise StateBehind(f"no weights of version {version} (have {sorted(self.kept)})")
+            picked = torch.tensor([i for i, v in enumerate(versions) if v == version])
+            old_logp[picked] = self.actor.logprobs(self.kept[version], batch.tokens[picked])
+        stats = self.actor.update(batch, old_logp, dp=self.dp)
+        if self.dp is None:
+            self.passed()
+        self.step += 1
+        weights = self.actor.weights()
+        before, self.version = self.version, version_of(weights)
+        # The new version and the one before it: the next batch was generated on one of them.
+        self.kept = {v: w for v, w in self.kept.items() if v == before} | {self.version: weights}
+        self.last = ActorUpdated(
+            step=self.step,
+            weight_version=self.version,
+            loss=stats.loss,
+            kl=stats.kl,
+            clipped_fraction=stats.clipped_fraction,
+            grad_norm=stats.grad_norm,
+            ratio_max=stats.ratio_max,
+            tokens=stats.tokens,
+        )
+        return self.last, True
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shard(call: ActorUpdate, rows: list[int]) -> tuple[Rollouts, list[str]]:
+    """This rank's rows of the call as padded tensors, and their generating versions."""
+    length = max(len(call.tokens[i]) for i in rows) if rows else 2
+    tokens = torch.zeros(len(rows), length, dtype=torch.long)  # [b, S]
+    mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)  # [b, S-1]
+    for r, i in enumerate(rows):
+        sequence = call.tokens[i]
+        tokens[r, : len(sequence)] = torch.tensor(sequence)
+        mask[r, call.prompt_lens[i] - 1 : len(sequence) - 1] = True
+    advantages = torch.tensor([call.advantages[i] for i in rows])
+    return Rollouts(tokens, mask, advantages), [call.versions[i] for i in rows]

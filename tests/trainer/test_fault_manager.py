@@ -1,0 +1,207 @@
+"""The actor as a 2-rank gloo group of real processes under the fault manager, on a real cluster.
+
+Faults are real: SIGKILL of a rank at a seeded point of a step, SIGSTOP of a rank (a hang), a step
+slower than the hang timeout that keeps working (not a hang), and kills that outlast every bound.
+The oracle: a run that suffers a fault ends with its state file (weights, AdamW state, versions)
+bitwise equal to its failure-free twin's. Mutation: a twin that skips one sample differs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from belayer_rl.services.trainer import checkpoint
+from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, FaultManagerConfig
+from belayer_rl.services.trainer.tasks import DIGIT_TOKENS, ReverseDigits
+from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSettings
+from belayer_rl.shared.config import TrainerGroupConfig
+from tests.support import Cluster, EventLog
+
+pytestmark = pytest.mark.timeout(600)
+
+TASK = ReverseDigits(length=2)
+STEPS = 4
+FAULTY_STEP = 2
+
+
+def settings(run: str, **changes: object) -> TrainSettings:
+    base = TrainSettings(run=run, steps=STEPS, prompts_per_step=8, group_size=4, seed=11)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def group_trainer(
+    cluster: Cluster,
+    folder: Path,
+    train: TrainSettings,
+    faults: FaultManagerConfig,
+    step_delay_s: float = 0.0,
+) -> Trainer:
+    worker = TrainerGroupConfig(
+        nats_url=cluster.nats.url,
+        metrics_port=-1,
+        run=train.run,
+        world=2,
+        rendezvous=folder / "rendezvous",  # the group gives each build a new one
+        preset=train.preset,
+        seed=train.seed,
+        lr=train.actor.lr,
+        ppo_epochs=train.actor.ppo_epochs,
+        allowed=",".join(map(str, DIGIT_TOKENS)),
+        heartbeat_s=0.2,
+        step_delay_s=step_delay_s,
+    )
+    return Trainer(cluster.client, TASK, train, GroupBackend.local(cluster.client, worker, folder, faults))
+
+
+def final_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    assert trainer.group is not None
+    state = checkpoint.read(trainer.group.actor.state_file)
+    flat = {f"param.{k}": v for k, v in state["actor"]["params"].items()}
+    for index, slots in state["actor"]["optimizer"]["state"].items():
+        for name, value in slots.items():
+            flat[f"opt.{index}.{name}"] = torch.as_tensor(value)
+    flat["step"] = torch.tensor(state["step"])
+    return flat
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+FAST = FaultManagerConfig(hang_timeout_s=3.0, call_timeout_s=60.0, start_timeout_s=90.0)
+
+
+@pytest.fixture
+async def twin(train_cluster: Cluster, tmp_path: Path) -> dict[str, torch.Tensor]:
+    trainer = group_trainer(train_cluster, tmp_path / "twin", settings("twin"), FAST)
+    await trainer.run()
+    return final_state(trainer)
+
+
+async def fault_during(trainer: Trainer, step: int, delay_s: float, sig: signal.Signals, rank: int) -> str:
+    """Send `sig` to `rank` `delay_s` after step `step`'s rollout began (polling the trainer)."""
+    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(delay_s)
+    assert trainer.group is not None
+    pid = trainer.group.actor.pids[rank]
+    os.kill(pid, sig)
+    return f"{sig.name} to rank {rank} (pid {pid}) {delay_s:.3f} s into step {step}"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_a_rank_killed_mid_step_is_rebuilt_and_the_run_matches_its_twin(
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor], seed: int
+) -> None:
+    rng = random.Random(seed)
+    delay, rank = rng.uniform(0.0, 1.2), rng.randrange(2)
+    print(f"seed {seed}: kill rank {rank} {delay:.3f} s into step {FAULTY_STEP}")
+    failed = await EventLog.start(train_cluster.client, "group_failed")
+    rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
+    trainer = group_trainer(train_cluster, tmp_path / "faulty", settings("faulty"), FAST, step_delay_s=0.3)
+    chaos = asyncio.create_task(fault_during(trainer, FAULTY_STEP, delay, signal.SIGKILL, rank))
+    await trainer.run()
+    print(await chaos)
+    assert [e.kind for e in failed.events] == ["exit"] and "SIGKILL" in failed.events[0].cause
+    assert len(rebuilt.events) == 1 and rebuilt.events[0].total_s > 0
+    assert trainer.group is not None and trainer.group.actor.rebuilds == 1
+    assert same(final_state(trainer), twin)
+
+
+async def test_a_stopped_rank_is_a_hang_and_is_rebuilt(
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor]
+) -> None:
+    failed = await EventLog.start(train_cluster.client, "group_failed")
+    trainer = group_trainer(train_cluster, tmp_path / "hung", settings("hung"), FAST, step_delay_s=0.3)
+    chaos = asyncio.create_task(fault_during(trainer, FAULTY_STEP, 0.4, signal.SIGSTOP, 1))
+    await trainer.run()
+    await chaos
+    assert [e.kind for e in failed.events] == ["hang"], failed.events
+    assert failed.events[0].detected_s >= FAST.hang_timeout_s
+    assert same(final_state(trainer), twin)
+
+
+async def test_a_slow_step_that_keeps_working_is_not_a_hang(train_cluster: Cluster, tmp_path: Path) -> None:
+    """Each forward/backward pass is made to take 2 s of real computation, longer than the 1 s
+    hang timeout: the heartbeats show CPU time growing, and nothing is declared failed."""
+    failed = await EventLog.start(train_cluster.client, "group_failed")
+    faults = dataclasses.replace(FAST, hang_timeout_s=1.0)
+    trainer = group_trainer(
+        train_cluster, tmp_path / "slow", settings("slow", steps=2), faults, step_delay_s=2.0
+    )
+    await trainer.run()
+    assert trainer.step == 2 and failed.events == []
+
+
+async def test_past_every_bound_the_error_names_the_group_the_attempts_and_the_cause(
+    train_cluster: Cluster, tmp_path: Path
+) -> None:
+    """Rank 0 is killed whenever a step's update is under way: one rebuild, one reschedule, then
+    one clear final error, never an endless loop."""
+    faults = dataclasses.replace(FAST, actor_max_rebuild_times=1, max_reschedule_times=1)
+    trainer = group_trainer(train_cluster, tmp_path / "doomed", settings("doomed"), faults, step_delay_s=0.3)
+    rescheduled = await EventLog.start(train_cluster.client, "reschedule")
+
+    async def keep_killing() -> None:
+        assert trainer.group is not None
+        group = trainer.group.actor
+        while True:
+            beat = group.beats.get(0)
+            if beat is not None and beat.progress > 0 and group.pids[:1] == [beat.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(beat.pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+
+    killer = asyncio.create_task(keep_killing())
+    try:
+        with pytest.raises(FaultBoundExceeded) as final:
+            async with asyncio.timeout(300):
+                await trainer.run()
+    finally:
+        killer.cancel()
+    message = str(final.value)
+    assert "group actor" in message and "attempts" in message and "SIGKILL" in message, message
+    assert len(rescheduled.events) == 1
+
+
+async def test_a_group_past_its_rebuilds_reschedules_from_the_checkpoint_and_matches_its_twin(
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor]
+) -> None:
+    """With no rebuilds allowed, the kill reschedules the whole run from its last checkpoint
+    (step 2): it ends bitwise equal to the twin, so nothing was trained twice or skipped."""
+    faults = dataclasses.replace(FAST, actor_max_rebuild_times=0, max_reschedule_times=1)
+    folder = tmp_path / "resched"
+    train = settings("resched", checkpoint_every=1, checkpoint_dir=folder / "checkpoints")
+    rescheduled = await EventLog.start(train_cluster.client, "reschedule")
+    trainer = group_trainer(train_cluster, folder, train, faults, step_delay_s=0.3)
+    chaos = asyncio.create_task(fault_during(trainer, FAULTY_STEP, 0.5, signal.SIGKILL, 1))
+    await trainer.run()
+    await chaos
+    assert [(e.from_step, e.failed_step) for e in rescheduled.events] == [(FAULTY_STEP, FAULTY_STEP)]
+    assert same(final_state(trainer), twin)
+
+
+async def test_the_oracle_catches_a_skipped_sample(
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor]
+) -> None:
+    """The mutation: a failure-free run that drops one sample's advantage at step 2 ends with
+    other weights than the twin, so the comparisons above can fail."""
+
+    class SkipsOne(Trainer):
+        async def apply(self, samples):  # type: ignore[no-untyped-def]
+            if self.step == FAULTY_STEP:
+                samples = [dataclasses.replace(samples[0], reward=1.0 - samples[0].reward), *samples[1:]]
+            return await super().apply(samples)
+
+    base = group_trainer(train_cluster, tmp_path / "mutant", settings("mutant"), FAST)
+    mutant = SkipsOne(base.client, TASK, base.settings, base.group)
+    await mutant.run()
+    assert not same(final_state(mutant), twin)
