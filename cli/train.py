@@ -38,6 +38,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--run-id", default=None, help="run id (default train-<seed>)")
     train.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    train.add_argument(
+        "--backend",
+        default="local",
+        choices=("local", "inline"),
+        help="local: the actor as a group of processes under the fault manager; inline: in this process",
+    )
+    train.add_argument("--world", type=int, default=2, help="data-parallel actor ranks (local backend)")
+    faults = train.add_argument_group("fault manager (local backend)")
+    faults.add_argument(
+        "--no-retry", action="store_true", help="enable_retry off: a fault reschedules at once"
+    )
+    faults.add_argument("--max-task-retries", type=int, default=1)
+    faults.add_argument("--actor-max-rebuild-times", type=int, default=2)
+    faults.add_argument("--max-reschedule-times", type=int, default=1)
+    faults.add_argument("--call-timeout", type=float, default=120.0, help="seconds one group call may take")
+    faults.add_argument(
+        "--hang-timeout", type=float, default=30.0, help="seconds without progress that make a worker hung"
+    )
     train.add_argument("--out", type=Path, default=Path("train"))
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=cmd_train)
@@ -51,11 +69,13 @@ async def train(args: argparse.Namespace) -> int:
     import torch
 
     from belayer_rl.services.trainer.actor import ActorSettings
+    from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
     from belayer_rl.services.trainer.grpo import GrpoConfig
     from belayer_rl.services.trainer.plot import plot_rewards
     from belayer_rl.services.trainer.tasks import workload
-    from belayer_rl.services.trainer.trainer import StepResult, Trainer, TrainSettings
+    from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
     from belayer_rl.shared.client import Client
+    from belayer_rl.shared.config import TrainerGroupConfig
     from belayer_rl.shared.protocol import TrainerStep, encode
 
     torch.set_num_threads(1)  # repeatable updates; the engine has the other cores
@@ -75,8 +95,36 @@ async def train(args: argparse.Namespace) -> int:
     )
     steps: list[TrainerStep] = []
     progress = Bar(args.steps, enabled=not args.no_progress and sys.stderr.isatty())
-    async with await Client.connect(resolve_target(args, role="trainer"), "trainer") as client:
-        trainer = Trainer(client, task, settings)
+    target = resolve_target(args, role="trainer")
+    async with await Client.connect(target, "trainer") as client:
+        group = None
+        if args.backend == "local":
+            faults = FaultManagerConfig(
+                enable_retry=not args.no_retry,
+                max_task_retries=args.max_task_retries,
+                actor_max_rebuild_times=args.actor_max_rebuild_times,
+                max_reschedule_times=args.max_reschedule_times,
+                call_timeout_s=args.call_timeout,
+                hang_timeout_s=args.hang_timeout,
+            )
+            worker = TrainerGroupConfig(
+                nats_url=target.url,
+                cluster_id=target.subjects.cluster_id,
+                nats_creds=target.access.creds,
+                nats_ca=target.access.ca,
+                nats_cert=target.access.cert,
+                nats_key=target.access.key,
+                metrics_port=-1,
+                run=settings.run,
+                world=args.world,
+                rendezvous=args.out / "actor" / "rendezvous",
+                seed=args.seed,
+                lr=args.lr,
+                ppo_epochs=args.ppo_epochs,
+                allowed=",".join(map(str, task.allowed_tokens)),
+            )
+            group = GroupBackend.local(client, worker, args.out / "actor", faults)
+        trainer = Trainer(client, task, settings, group)
         for skipped in await trainer.resume():
             print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)
         if not trainer.version:

@@ -146,13 +146,18 @@ def role_table(s: Subjects) -> dict[str, Role]:
             streams=(object_stream(weights),),  # it declares the bucket and deletes what it loaded
             stats="weight-server",
         ),
-        "trainer": Role(  # puts weights into the bucket and publishes them; reads nothing else
+        "trainer": Role(  # the trainer and its group workers: weights into the bucket, group RPC
             publish=(
                 s.weights_publish,
                 s.weights_list,
                 s.weights_ping,
                 f"$O.{weights}.>",
                 s.event("trainer_step", "*"),
+                s.event("group_heartbeat", "*"),
+                s.event("group_failed", "*"),
+                s.event("group_rebuilt", "*"),
+                s.event("reschedule", "*"),
+                f"{r}.trainer.>",  # calls to its group workers
                 s.router_generate,
                 s.router_attach,
                 s.router_cancel,
@@ -160,10 +165,15 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.router_keepalive,
                 "$JS.API.STREAM.NAMES",
             ),
-            subscribe=(s.event("router_started", "*"),),  # the client re-attaches after a router restart
+            subscribe=(
+                s.event("router_started", "*"),  # the client re-attaches after a router restart
+                s.event("group_heartbeat", "*"),
+                f"{r}.trainer.>",  # its group workers' RPC (the same credential runs them)
+            ),
+            replies=True,
             reads=(object_stream(weights),),
             client=True,  # it generates its samples through the router
-            stats="trainer",
+            stats="*",  # its group workers answer stats under their own names
         ),
         "kv-server": Role(subscribe=(f"{r}.kv.*",), replies=True, stats="kv-server"),
         "checkpointer": Role(

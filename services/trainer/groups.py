@@ -36,6 +36,7 @@ from belayer_rl.shared.subjects import Subjects
 log = logging.getLogger("belayer.trainer.groups")
 
 WATCH_EVERY_S = 0.05
+EXIT_GRACE_S = 1.0  # how long a failed reply waits for a rank's exit to explain it
 
 
 @dataclass
@@ -156,8 +157,7 @@ class LocalActorGroup:
                     try:
                         results[rank] = task.result()
                     except ServiceError as exc:
-                        kind = "timeout" if exc.code in ("timeout", "no-responders") else "exception"
-                        raise GroupFault(kind, rank, f"{exc.code}: {exc}") from None
+                        raise await self.fault_of(rank, exc) from None
         finally:
             for task in [*replies, watch]:
                 task.cancel()
@@ -167,6 +167,19 @@ class LocalActorGroup:
         if differing:
             raise GroupFault("exception", differing[0], "ranks disagree on the weights after the step")
         return first
+
+    async def fault_of(self, rank: int, error: ServiceError) -> GroupFault:
+        """What a failed reply means. A dead rank's subscription is gone before its exit is reaped,
+        so "no responders" (and a timeout) first waits briefly for an exit to explain it."""
+        if error.code not in ("timeout", "no-responders"):
+            return GroupFault("exception", rank, f"{error.code}: {error}")
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            for dead, process in enumerate(self.processes):
+                if process.returncode is not None:
+                    return GroupFault("exit", dead, exit_cause(process.returncode))
+            await asyncio.sleep(WATCH_EVERY_S)
+        return GroupFault("timeout", rank, f"{error.code}: {error}")
 
     async def watch(self) -> GroupFault:
         """Returns (does not raise) the first fault seen among the running ranks."""

@@ -125,7 +125,8 @@ async def test_a_stopped_rank_is_a_hang_and_is_rebuilt(
     await trainer.run()
     await chaos
     assert [e.kind for e in failed.events] == ["hang"], failed.events
-    assert failed.events[0].detected_s >= FAST.hang_timeout_s
+    silent_s = float(failed.events[0].cause.removeprefix("no heartbeat for ").removesuffix(" s"))
+    assert silent_s >= FAST.hang_timeout_s  # the stop began before the call, maybe during the rollout
     assert same(final_state(trainer), twin)
 
 
