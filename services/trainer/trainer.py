@@ -36,6 +36,7 @@ from belayer_rl.services.trainer.fault_manager import (
 )
 from belayer_rl.services.trainer.groups import LocalActorGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
+from belayer_rl.services.trainer.ray_groups import RayActorGroup
 from belayer_rl.services.trainer.tasks import ReverseDigits
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus
@@ -96,7 +97,7 @@ class StepResult:
 class GroupBackend:
     """The actor as a group of processes (services/trainer/groups.py) behind the fault manager."""
 
-    actor: LocalActorGroup
+    actor: LocalActorGroup | RayActorGroup
     faults: FaultManager
 
     @classmethod
@@ -109,6 +110,24 @@ class GroupBackend:
             await bus.publish(client.nc, client.subjects.event(kind, worker.run), message)
 
         actor = LocalActorGroup(client.nc, client.subjects, worker, folder, config)
+        return cls(actor, FaultManager(config, worker.run, publish))
+
+    @classmethod
+    def ray(
+        cls, client: Client, worker: TrainerGroupConfig, folder: Path, config: FaultManagerConfig
+    ) -> GroupBackend:
+        """Ray actors on the Ray cluster this process has joined (`ray.init`); the trainer
+        publishes rank 0's weights over `client`'s bus."""
+
+        async def publish(kind: str, message: Message) -> None:
+            await bus.publish(client.nc, client.subjects.event(kind, worker.run), message)
+
+        weights = WeightClient(client.nc, subjects=client.subjects)
+
+        async def publish_weights(params: Params) -> str:
+            return (await weights.publish_params(params)).version
+
+        actor = RayActorGroup(worker, folder, config, publish_weights)
         return cls(actor, FaultManager(config, worker.run, publish))
 
     @property

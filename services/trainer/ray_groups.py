@@ -1,0 +1,219 @@
+"""The actor as a group of Ray actors (the Ray backend), behind the same fault manager.
+
+Each rank is a Ray actor in a placement group of its own group (one fractional-CPU bundle per
+rank), running the same rank code as the local backend (services/trainer_group/rank.py): the gloo
+process group through a rendezvous file, the state file written by rank 0 after every step. The
+actor is threaded (two calls at once), so `progress` answers while `update` computes.
+
+A rebuild kills the Ray actors, removes the placement group and waits until every old process is
+gone, then creates a new placement group (ready within a timeout, or the start fails) and new
+actors that load the state file. The ranks run with `max_restarts=0`: a rank restarted in place
+could never rejoin its process group, so its death must surface as a death, at once, and go to the
+targeted rebuild; no call is retried into a dead actor. Single-process groups may use Ray's own
+restarts and task retries (`ray_max_restarts`, `ray_max_task_retries`).
+
+Detection: a rank's death is a RayActorError from its call; a hang is a rank whose `progress`
+call goes unanswered (SIGSTOP) or whose progress counter and CPU time stand still, for the hang
+timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupFault
+from belayer_rl.shared import protocol
+from belayer_rl.shared.config import TrainerGroupConfig
+from belayer_rl.shared.params import Params
+from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated
+
+WATCH_EVERY_S = 0.1
+CPU_PER_RANK = 0.5  # fractional bundles: a 2-rank group fits on 2 cores beside the engine
+
+
+class RankActor:
+    """One rank, inside a Ray worker process. Wrapped by `ray.remote` in RayActorGroup.start."""
+
+    def __init__(self, config: TrainerGroupConfig) -> None:
+        import torch
+
+        from belayer_rl.services.trainer_group.rank import ActorRank
+
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.rank = ActorRank(config)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def update(self, call: bytes) -> tuple[bytes, Params | None]:
+        """The step's result, and rank 0's new weights for the trainer to publish."""
+        decoded = protocol.decode(protocol.decoder_for(ActorUpdate), call)
+        result, fresh = self.rank.update(decoded)
+        if fresh:
+            self.rank.save()
+        weights = self.rank.actor.weights() if self.config.rank == 0 else None
+        return protocol.encode(result), weights
+
+    def progress(self) -> tuple[int, float]:
+        return self.rank.progress, time.process_time()
+
+
+@dataclass
+class RayActorGroup:
+    worker: TrainerGroupConfig
+    folder: Path
+    faults: FaultManagerConfig
+    publish_weights: Callable[[Params], Awaitable[str]]  # -> the version the weight server gave them
+    placement_timeout_s: float = 60.0
+    name: Literal["actor"] = "actor"
+    rebuilds: int = 0
+    builds: int = 0
+    actors: list[Any] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    placement: Any = None
+
+    @property
+    def state_file(self) -> Path:
+        return self.folder / "actor-state.ckpt"
+
+    async def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.builds += 1
+        self.folder.mkdir(parents=True, exist_ok=True)
+        rendezvous = self.folder / f"rendezvous-{self.builds}"
+        rendezvous.unlink(missing_ok=True)
+        bundles = [{"CPU": CPU_PER_RANK} for _ in range(self.worker.world)]
+        self.placement = placement_group(bundles, strategy="PACK")
+        try:
+            await asyncio.wait_for(self.placement.ready(), self.placement_timeout_s)
+        except TimeoutError:
+            raise GroupFault(
+                "start",
+                -1,
+                f"placement group of {len(bundles)} bundles not ready in {self.placement_timeout_s} s",
+            ) from None
+        remote = ray.remote(RankActor)
+        for rank in range(self.worker.world):
+            config = replace(self.worker, rank=rank, rendezvous=rendezvous, state_file=self.state_file)
+            strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+            self.actors.append(
+                remote.options(
+                    num_cpus=CPU_PER_RANK,
+                    max_restarts=0,
+                    max_task_retries=0,
+                    max_concurrency=2,
+                    scheduling_strategy=strategy,
+                ).remote(config)
+            )
+        try:
+            self.pids = list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(a.pid.remote() for a in self.actors)), self.faults.start_timeout_s
+                )
+            )
+        except Exception as exc:
+            raise GroupFault("start", -1, f"{type(exc).__name__}: {exc}") from None
+
+    async def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        for pid in self.pids:  # confirmed dead before anything new starts
+            await _gone(pid)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+        self.actors, self.pids, self.placement = [], [], None
+
+    async def close(self) -> None:
+        await self.stop()
+
+    async def update(self, call: ActorUpdate) -> ActorUpdated:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        encoded = protocol.encode(call)
+        calls = [asyncio.ensure_future(_awaitable(a.update.remote(encoded))) for a in self.actors]
+        watch = asyncio.create_task(self.watch())
+        try:
+            async with asyncio.timeout(self.faults.call_timeout_s):
+                while not all(c.done() for c in calls):
+                    await asyncio.wait(
+                        {*[c for c in calls if not c.done()], watch}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if watch.done():
+                        raise watch.result()
+                    for rank, c in enumerate(calls):
+                        if c.done() and c.exception() is not None:
+                            error = c.exception()
+                            if isinstance(error, RayActorError):
+                                raise GroupFault("exit", rank, f"the Ray actor died: {error}")
+                            if isinstance(error, RayTaskError):
+                                raise GroupFault("exception", rank, str(error).splitlines()[-1])
+                            raise GroupFault("exception", rank, f"{type(error).__name__}: {error}")
+        except TimeoutError:
+            raise GroupFault("timeout", -1, f"no answer within {self.faults.call_timeout_s} s") from None
+        finally:
+            watch.cancel()
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(watch, *calls, return_exceptions=True)
+        results = [protocol.decode(protocol.decoder_for(ActorUpdated), c.result()[0]) for c in calls]
+        if any(r.weight_version != results[0].weight_version for r in results):
+            raise GroupFault("exception", -1, "ranks disagree on the weights after the step")
+        weights = calls[0].result()[1]
+        assert weights is not None
+        published = await self.publish_weights(weights)
+        if published != results[0].weight_version:
+            raise GroupFault(
+                "exception", 0, f"published as {published}, computed {results[0].weight_version}"
+            )
+        return results[0]
+
+    async def watch(self) -> GroupFault:
+        """Returns the first hang seen; deaths surface through the calls themselves."""
+        hang = self.faults.hang_timeout_s
+        now = time.monotonic()
+        moved = [now] * len(self.actors)
+        last: list[tuple[int, float] | None] = [None] * len(self.actors)
+        while True:
+            for rank, actor in enumerate(self.actors):
+                with contextlib.suppress(TimeoutError, Exception):
+                    seen = await asyncio.wait_for(_awaitable(actor.progress.remote()), WATCH_EVERY_S * 5)
+                    if seen != last[rank]:
+                        last[rank], moved[rank] = seen, time.monotonic()
+                silent = time.monotonic() - moved[rank]
+                if silent > hang:
+                    return GroupFault("hang", rank, f"no progress and no CPU time for {silent:.1f} s")
+            await asyncio.sleep(WATCH_EVERY_S)
+
+
+async def _gone(pid: int) -> None:
+    while _alive(pid):  # noqa: ASYNC110 (a pid has no event to wait on)
+        await asyncio.sleep(0.05)
+
+
+async def _awaitable(ref: Any) -> Any:
+    return await ref
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too: its parent (the raylet) reaps it in its own time.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return False
