@@ -41,11 +41,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     train.add_argument(
         "--backend",
         default="local",
-        choices=("local", "inline"),
-        help="local: the actor as a group of processes under the fault manager; inline: in this process",
+        choices=("local", "ray", "inline"),
+        help="local: the actor as a group of processes under the fault manager; ray: as Ray actors;"
+        " inline: in this process",
     )
-    train.add_argument("--world", type=int, default=2, help="data-parallel actor ranks (local backend)")
-    faults = train.add_argument_group("fault manager (local backend)")
+    train.add_argument(
+        "--ray-address", default=None, help="the Ray cluster to join (default: start a local one, 2 CPUs)"
+    )
+    train.add_argument("--world", type=int, default=2, help="data-parallel actor ranks (local and ray)")
+    faults = train.add_argument_group("fault manager (local and ray backends)")
     faults.add_argument(
         "--no-retry", action="store_true", help="enable_retry off: a fault reschedules at once"
     )
@@ -98,7 +102,7 @@ async def train(args: argparse.Namespace) -> int:
     target = resolve_target(args, role="trainer")
     async with await Client.connect(target, "trainer") as client:
         group = None
-        if args.backend == "local":
+        if args.backend != "inline":
             faults = FaultManagerConfig(
                 enable_retry=not args.no_retry,
                 max_task_retries=args.max_task_retries,
@@ -123,7 +127,16 @@ async def train(args: argparse.Namespace) -> int:
                 ppo_epochs=args.ppo_epochs,
                 allowed=",".join(map(str, task.allowed_tokens)),
             )
-            group = GroupBackend.local(client, worker, args.out / "actor", faults)
+            if args.backend == "ray":
+                import ray
+
+                if args.ray_address:
+                    ray.init(address=args.ray_address, logging_level="WARNING")
+                else:  # capped, so that it fits beside the cluster on a laptop
+                    ray.init(num_cpus=2, object_store_memory=200_000_000, include_dashboard=False)
+                group = GroupBackend.ray(client, worker, args.out / "actor", faults)
+            else:
+                group = GroupBackend.local(client, worker, args.out / "actor", faults)
         trainer = Trainer(client, task, settings, group)
         for skipped in await trainer.resume():
             print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)

@@ -810,6 +810,8 @@ class ActorUpdate(Message, tag="actor_update", kw_only=True):
     advantages: list[float]
     versions: list[WeightVersion]  # the version that generated each sample: old log-probs
     publish: bool = True  # rank 0 publishes the new weights to the weight server
+    # The reference policy's log-prob of each response token (the KL term); empty: no KL.
+    ref_logp: list[list[float]] = []
 
 
 class ActorUpdated(Message, tag="actor_updated", kw_only=True):
@@ -821,6 +823,30 @@ class ActorUpdated(Message, tag="actor_updated", kw_only=True):
     grad_norm: float
     ratio_max: float
     tokens: int
+
+
+class RewardRequest(Message, tag="reward_request", kw_only=True):
+    """The reward group scores each (prompt item, answer tokens) pair of a step."""
+
+    step: Annotated[int, Meta(ge=0)]
+    items: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)]
+    answers: Annotated[list[Tokens], Meta(max_length=4096)]
+
+
+class Rewards(Message, tag="rewards", kw_only=True):
+    rewards: list[float]
+
+
+class RefLogprobsRequest(Message, tag="ref_logprobs_request", kw_only=True):
+    """The reference group's log-probs of every response token (prompt + response per sample)."""
+
+    step: Annotated[int, Meta(ge=0)]
+    tokens: Annotated[list[Tokens], Meta(max_length=4096)]
+    prompt_lens: list[Annotated[int, Meta(ge=1)]]
+
+
+class RefLogprobs(Message, tag="ref_logprobs", kw_only=True):
+    logp: list[list[float]]  # per sample, one per response token
 
 
 class GroupHeartbeat(Message, tag="group_heartbeat", kw_only=True):

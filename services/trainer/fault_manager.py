@@ -113,8 +113,14 @@ class FaultManager:
             else self.config.max_restarts
         )
 
-    async def call(self, group: Group, step: int, do: Callable[[], Awaitable[T]]) -> T:
-        """`do()`'s result, through retries and targeted rebuilds; raises RescheduleNeeded."""
+    async def call(
+        self, group: Group, step: int, do: Callable[[], Awaitable[T]], rebuild: tuple[Group, ...] = ()
+    ) -> T:
+        """`do()`, a call to `group`, through retries and targeted rebuilds; raises RescheduleNeeded.
+
+        `rebuild`: the groups a rebuild restarts (default: `group` alone; the actor and the
+        reference go together). The first of them keeps the count its bound applies to."""
+        unit = rebuild or (group,)
         attempt = retries = 0
         while True:
             attempt += 1
@@ -138,16 +144,19 @@ class FaultManager:
                 ):
                     retries += 1
                     continue
-                await self.rebuild(group, step, attempt, str(fault))
+                await self.rebuild(group, unit, step, attempt, str(fault))
                 retries = 0
 
-    async def rebuild(self, group: Group, step: int, attempt: int, cause: str) -> None:
-        """Rebuild `group` until it is up, within its bound; raises RescheduleNeeded past it."""
+    async def rebuild(
+        self, failed: Group, unit: tuple[Group, ...], step: int, attempt: int, cause: str
+    ) -> None:
+        """Rebuild `unit` until it is up, within its bound; raises RescheduleNeeded past it."""
+        group = unit[0]
         while True:
             if not self.config.enable_retry or group.rebuilds >= self.rebuild_bound(group):
-                raise RescheduleNeeded(group.name, attempt, cause)
+                raise RescheduleNeeded(failed.name, attempt, cause)
             try:
-                await self.rebuild_once(group, step)
+                await self.rebuild_once(unit, step)
                 return
             except GroupFault as fault:  # the new processes did not come up
                 cause = str(fault)
@@ -159,12 +168,15 @@ class FaultManager:
                     ),
                 )  # fmt: skip
 
-    async def rebuild_once(self, group: Group, step: int) -> None:
+    async def rebuild_once(self, unit: tuple[Group, ...], step: int) -> None:
+        group = unit[0]
         started = time.monotonic()
-        await group.stop()
+        for member in unit:
+            await member.stop()
         stopped = time.monotonic()
         group.rebuilds += 1
-        await group.start()
+        for member in unit:
+            await member.start()
         done = time.monotonic()
         await self.publish(
             "group_rebuilt",

@@ -1,4 +1,5 @@
-"""The actor as a group of local processes, driven over the bus (the local backend).
+"""A trainer group (actor, reference or reward) as local processes, driven over the bus (the local
+backend).
 
 Each rank is `python -m belayer_rl.services.trainer_group` in a session of its own, so the group
 can be killed whole (SIGKILL to each process group) and its death confirmed before a new one
@@ -21,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
@@ -30,10 +31,12 @@ from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupF
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig, to_argv
-from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat
+from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat, Message
 from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.trainer.groups")
+
+R = TypeVar("R", bound=Message)
 
 WATCH_EVERY_S = 0.05
 EXIT_GRACE_S = 1.0  # how long a failed reply waits for a rank's exit to explain it
@@ -51,13 +54,12 @@ class Beat:
 
 
 @dataclass
-class LocalActorGroup:
+class LocalGroup:
     nc: NATS
     subjects: Subjects
-    worker: TrainerGroupConfig  # every rank's settings but rank, rendezvous and state file
+    worker: TrainerGroupConfig  # every rank's settings but rank, rendezvous and state file; names the group
     folder: Path  # the group's state file, rendezvous files and logs
     faults: FaultManagerConfig
-    name: Literal["actor"] = "actor"
     rebuilds: int = 0
     processes: list[asyncio.subprocess.Process] = field(default_factory=list)
     beats: dict[int, Beat] = field(default_factory=dict)
@@ -65,8 +67,12 @@ class LocalActorGroup:
     _listener: Subscription | None = None
 
     @property
+    def name(self) -> Literal["actor", "reference", "reward"]:
+        return self.worker.group  # type: ignore[return-value]
+
+    @property
     def state_file(self) -> Path:
-        return self.folder / "actor-state.ckpt"
+        return self.folder / f"{self.name}-state.ckpt"
 
     @property
     def pids(self) -> list[int]:
@@ -81,12 +87,12 @@ class LocalActorGroup:
             self._listener = await bus.listen(self.nc, subject, GroupHeartbeat, self.on_heartbeat)
         self.builds += 1
         self.beats.clear()
-        rendezvous = self.folder / f"rendezvous-{self.builds}"
+        rendezvous = self.folder / f"{self.name}-rendezvous-{self.builds}"
         rendezvous.unlink(missing_ok=True)
         (self.folder / "logs").mkdir(parents=True, exist_ok=True)
         for rank in range(self.worker.world):
             config = replace(self.worker, rank=rank, rendezvous=rendezvous, state_file=self.state_file)
-            log_path = self.folder / "logs" / f"actor-{rank}-build{self.builds}.log"
+            log_path = self.folder / "logs" / f"{self.name}-{rank}-build{self.builds}.log"
             with log_path.open("ab") as out:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "belayer_rl.services.trainer_group", *to_argv(config),
@@ -135,15 +141,23 @@ class LocalActorGroup:
 
     # ------------------------------------------------------------------ calls
 
-    async def update(self, call: ActorUpdate) -> ActorUpdated:
-        subject = lambda rank: self.subjects.trainer_group(self.worker.run, self.name, rank, "update")  # noqa: E731
+    async def call(self, verb: str, message: Message, reply: type[R]) -> list[R]:
+        """`message` to every rank at once; their replies by rank, or the GroupFault that ended it."""
         timeout = self.faults.call_timeout_s
         replies = {
-            asyncio.create_task(bus.request_struct(self.nc, subject(rank), call, ActorUpdated, timeout)): rank
+            asyncio.create_task(
+                bus.request_struct(
+                    self.nc,
+                    self.subjects.trainer_group(self.worker.run, self.name, rank, verb),
+                    message,
+                    reply,
+                    timeout,
+                )
+            ): rank
             for rank in range(len(self.processes))
         }
         watch = asyncio.create_task(self.watch())
-        results: dict[int, ActorUpdated] = {}
+        results: dict[int, R] = {}
         try:
             while len(results) < len(replies):
                 pending = {t for t in replies if not t.done()}
@@ -162,11 +176,17 @@ class LocalActorGroup:
             for task in [*replies, watch]:
                 task.cancel()
             await asyncio.gather(*replies, watch, return_exceptions=True)
-        first = results[0]
-        differing = [r for r, result in results.items() if result.weight_version != first.weight_version]
+        return [results[rank] for rank in sorted(results)]
+
+    async def update(self, call: ActorUpdate) -> ActorUpdated:
+        """The actor's step on every rank; the ranks must agree on the weights after it."""
+        results = await self.call("update", call, ActorUpdated)
+        differing = [
+            r for r, result in enumerate(results) if result.weight_version != results[0].weight_version
+        ]
         if differing:
             raise GroupFault("exception", differing[0], "ranks disagree on the weights after the step")
-        return first
+        return results[0]
 
     async def fault_of(self, rank: int, error: ServiceError) -> GroupFault:
         """What a failed reply means. A dead rank's subscription is gone before its exit is reaped,

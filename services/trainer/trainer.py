@@ -20,9 +20,10 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import msgspec
 import torch
 
 from belayer_rl.services.trainer import checkpoint
@@ -32,9 +33,10 @@ from belayer_rl.services.trainer.fault_manager import (
     FaultBoundExceeded,
     FaultManager,
     FaultManagerConfig,
+    GroupFault,
     RescheduleNeeded,
 )
-from belayer_rl.services.trainer.groups import LocalActorGroup
+from belayer_rl.services.trainer.groups import LocalGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
 from belayer_rl.services.trainer.ray_groups import RayActorGroup
 from belayer_rl.services.trainer.tasks import ReverseDigits
@@ -44,7 +46,16 @@ from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.params import Params
 from belayer_rl.shared.presets import PRESETS
-from belayer_rl.shared.protocol import ActorUpdate, Message, Reschedule, TrainerStep
+from belayer_rl.shared.protocol import (
+    ActorUpdate,
+    Message,
+    RefLogprobs,
+    RefLogprobsRequest,
+    Reschedule,
+    RewardRequest,
+    Rewards,
+    TrainerStep,
+)
 
 log = logging.getLogger("belayer.trainer")
 
@@ -97,8 +108,31 @@ class StepResult:
 class GroupBackend:
     """The actor as a group of processes (services/trainer/groups.py) behind the fault manager."""
 
-    actor: LocalActorGroup | RayActorGroup
+    actor: LocalGroup | RayActorGroup
     faults: FaultManager
+    reference: LocalGroup | None = None  # with a KL term; else no reference is consulted
+    reward: LocalGroup | None = None  # None: rewards computed in the trainer
+
+    @property
+    def groups(self) -> list[LocalGroup | RayActorGroup]:
+        return [g for g in (self.actor, self.reference, self.reward) if g is not None]
+
+    @property
+    def with_actor(self) -> tuple[LocalGroup | RayActorGroup, ...]:
+        """What a rebuild of the actor or of the reference restarts: both, on the actor's count."""
+        return (self.actor, self.reference) if self.reference is not None else (self.actor,)
+
+    async def start(self) -> None:
+        for group in self.groups:
+            await group.start()
+
+    async def stop(self) -> None:
+        for group in self.groups:
+            await group.stop()
+
+    async def close(self) -> None:
+        for group in self.groups:
+            await group.close()
 
     @classmethod
     def local(
@@ -109,8 +143,15 @@ class GroupBackend:
         async def publish(kind: str, message: Message) -> None:
             await bus.publish(client.nc, client.subjects.event(kind, worker.run), message)
 
-        actor = LocalActorGroup(client.nc, client.subjects, worker, folder, config)
-        return cls(actor, FaultManager(config, worker.run, publish))
+        actor = LocalGroup(client.nc, client.subjects, worker, folder, config)
+        single = replace(worker, world=1, rendezvous=None)
+        reference = None
+        if worker.kl_beta > 0:
+            reference = LocalGroup(
+                client.nc, client.subjects, replace(single, group="reference"), folder, config
+            )
+        reward = LocalGroup(client.nc, client.subjects, replace(single, group="reward"), folder, config)
+        return cls(actor, FaultManager(config, worker.run, publish), reference, reward)
 
     @classmethod
     def ray(
@@ -256,7 +297,24 @@ class Trainer:
                 for p, item in enumerate(items)
                 for g in range(s.group_size)
             ]
-        return [t.result() for t in tasks], time.perf_counter() - started
+        samples = [t.result() for t in tasks]
+        if self.group is not None and self.group.reward is not None:
+            samples = await self.rewarded(step, samples, self.group.reward)
+        return samples, time.perf_counter() - started
+
+    async def rewarded(self, step: int, samples: list[Sample], reward: LocalGroup) -> list[Sample]:
+        """The samples with the reward group's rewards (through the fault manager)."""
+        ask = RewardRequest(step=step, items=[x.item for x in samples], answers=[x.answer for x in samples])
+        assert self.group is not None
+
+        async def score() -> list[float]:
+            scores = (await reward.call("reward", ask, Rewards))[0].rewards
+            if len(scores) != len(samples):
+                raise GroupFault("exception", 0, f"{len(scores)} rewards for {len(samples)} samples")
+            return scores
+
+        scores = await self.group.faults.call(reward, step, score)
+        return [replace(x, reward=r) for x, r in zip(samples, scores, strict=True)]
 
     # ------------------------------------------------------------------ update
 
@@ -298,8 +356,19 @@ class Trainer:
             advantages=group_advantages(rewards, self.settings.group_size).tolist(),
             versions=[x.weight_version for x in samples],
         )
-        actor = self.group.actor
-        updated = await self.group.faults.call(actor, self.step, lambda: actor.update(call))
+        actor, reference, faults = self.group.actor, self.group.reference, self.group.faults
+        if reference is not None:
+            ask = RefLogprobsRequest(step=self.step, tokens=call.tokens, prompt_lens=call.prompt_lens)
+            answers = await faults.call(
+                reference,
+                self.step,
+                lambda: reference.call("logprobs", ask, RefLogprobs),
+                rebuild=self.group.with_actor,
+            )
+            call = msgspec.structs.replace(call, ref_logp=answers[0].logp)
+        updated = await faults.call(
+            actor, self.step, lambda: actor.update(call), rebuild=self.group.with_actor
+        )
         self.version = updated.weight_version
         if self.settings.off_policy or self.settings.checkpoint_every:
             self.kept = await asyncio.to_thread(lambda: dict(checkpoint.read(actor.state_file)["kept"]))
@@ -324,7 +393,7 @@ class Trainer:
             return
         reschedules = 0
         try:
-            await self.group.actor.start()
+            await self.group.start()
             while True:
                 try:
                     await self.run_steps(on_step)
@@ -338,7 +407,7 @@ class Trainer:
                             f" and {exc.group} rebuilds {self.group.actor.rebuilds}, with"
                             f" {reschedules - 1} reschedules spent; last cause: {exc.cause}"
                         ) from exc
-                    await self.group.actor.stop()
+                    await self.group.stop()
                     await self.restart_from_checkpoint()
                     event = Reschedule(
                         run=self.settings.run, attempt=reschedules, from_step=self.step,
@@ -347,10 +416,11 @@ class Trainer:
                     await bus.publish(
                         self.client.nc, self.client.subjects.event("reschedule", self.settings.run), event
                     )
-                    self.group.actor.rebuilds = 0  # a fresh workflow gets its rebuilds again
-                    await self.group.actor.start()
+                    for group in self.group.groups:  # a fresh workflow gets its rebuilds again
+                        group.rebuilds = 0
+                    await self.group.start()
         finally:
-            await self.group.actor.close()
+            await self.group.close()
 
     async def restart_from_checkpoint(self) -> None:
         """Back to the newest good checkpoint, or to the very start when there is none."""

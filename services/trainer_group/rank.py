@@ -1,4 +1,4 @@
-"""One rank of the actor group: its copy of the weights and optimizer, its shard of every batch,
+"""The ranks of the trainer groups. The actor: its copy of the weights and optimizer, its shard of every batch,
 and the group's state file. Blocking torch code: the service runs it in a thread.
 
 Every rank holds the whole model (data parallel) and takes rows rank, rank + world, ... of each
@@ -21,12 +21,19 @@ import torch
 import torch.distributed as dist
 
 from belayer_rl.services.trainer import checkpoint
-from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, initial_weights
+from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, initial_weights, token_logprobs
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.params import Params, save_params
 from belayer_rl.shared.presets import PRESETS
-from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated
+from belayer_rl.shared.protocol import (
+    ActorUpdate,
+    ActorUpdated,
+    RefLogprobs,
+    RefLogprobsRequest,
+    RewardRequest,
+    Rewards,
+)
 
 
 class StateBehind(Exception):
@@ -52,6 +59,54 @@ class GlooGroup:
         self.on_pass()
 
 
+class RewardRank:
+    """The reward group's one process: the workload's reward of each answer. Stateless, so a
+    restart in place loses nothing."""
+
+    def __init__(self, config: TrainerGroupConfig) -> None:
+        from belayer_rl.services.trainer.tasks import workload
+
+        self.task = workload(config.workload, length=config.length)
+        self.progress = 0
+        self.step = 0
+
+    def reward(self, call: RewardRequest) -> Rewards:
+        if len(call.items) != len(call.answers):
+            raise ValueError(f"{len(call.items)} items but {len(call.answers)} answers")
+        self.progress += 1
+        self.step = call.step
+        return Rewards(
+            rewards=[
+                self.task.reward(item, answer) for item, answer in zip(call.items, call.answers, strict=True)
+            ]
+        )
+
+
+class ReferenceRank:
+    """The reference policy: the initial weights, frozen. Its log-probs feed the KL term."""
+
+    def __init__(self, config: TrainerGroupConfig) -> None:
+        self.config = config
+        self.params = initial_weights(config.preset, config.seed)
+        self.progress = 0
+        self.step = 0
+
+    def logprobs(self, call: RefLogprobsRequest) -> RefLogprobs:
+        rows = list(range(len(call.tokens)))
+        fake = ActorUpdate(
+            step=call.step, tokens=call.tokens, prompt_lens=call.prompt_lens,
+            advantages=[0.0] * len(rows), versions=["ref"] * len(rows),
+        )  # fmt: skip
+        batch, _ = shard(fake, rows)
+        with torch.no_grad():
+            logp = token_logprobs(
+                self.params, PRESETS[self.config.preset], batch.tokens, self.config.allowed_tokens
+            )
+        self.progress += 1
+        self.step = call.step
+        return RefLogprobs(logp=[logp[r][batch.response_mask[r]].tolist() for r in rows])
+
+
 class ActorRank:
     def __init__(self, config: TrainerGroupConfig) -> None:
         self.config = config
@@ -70,7 +125,7 @@ class ActorRank:
                 timeout=datetime.timedelta(seconds=config.init_timeout_s),
             )
         settings = ActorSettings(lr=config.lr, ppo_epochs=config.ppo_epochs)
-        grpo = GrpoConfig(eps_low=config.eps_low, eps_high=config.eps_high)
+        grpo = GrpoConfig(eps_low=config.eps_low, eps_high=config.eps_high, kl_beta=config.kl_beta)
         self.actor = Actor(
             PRESETS[config.preset],
             initial_weights(config.preset, config.seed),
@@ -125,13 +180,18 @@ class ActorRank:
             raise StateBehind(f"update for step {call.step}, but the state has {self.step} steps applied")
         rows = list(range(self.config.rank, len(call.tokens), self.config.world))
         batch, versions = shard(call, rows)
+        ref_logp = None
+        if call.ref_logp:
+            ref_logp = torch.zeros(batch.response_mask.shape)  # [b, S-1], response positions filled
+            for r, i in enumerate(rows):
+                ref_logp[r][batch.response_mask[r]] = torch.tensor(call.ref_logp[i])
         old_logp = torch.empty(batch.response_mask.shape)
         for version in sorted(set(versions)):
             if version not in self.kept:
                 raise StateBehind(f"no weights of version {version} (have {sorted(self.kept)})")
             picked = torch.tensor([i for i, v in enumerate(versions) if v == version])
             old_logp[picked] = self.actor.logprobs(self.kept[version], batch.tokens[picked])
-        stats = self.actor.update(batch, old_logp, dp=self.dp)
+        stats = self.actor.update(batch, old_logp, ref_logp, dp=self.dp)
         if self.dp is None:
             self.passed()
         self.step += 1

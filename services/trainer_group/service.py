@@ -1,10 +1,10 @@
 """A trainer group worker as a service: what it owns, listens to and publishes; `setup` is what
 the runtime runs (shared/runtime.py).
 
-Owns one rank of the actor group (services/trainer_group/rank.py). Answers ActorUpdate on
-`belayer.<cluster>.trainer.<run>.actor.<rank>.update`, one call at a time, the torch work in a
-thread; rank 0 then publishes the new weights to the weight server over the bus and writes the
-group's state file. Publishes `group_heartbeat` every --heartbeat seconds with its progress
+Owns one rank of a group (services/trainer_group/rank.py) and answers on
+`belayer.<cluster>.trainer.<run>.<group>.<rank>.<verb>`, one call at a time, the work in a thread:
+the actor's `update` (rank 0 then publishes the new weights to the weight server over the bus and
+writes the group's state file), the reference's `logprobs`, the reward's `reward`. Publishes `group_heartbeat` every --heartbeat seconds with its progress
 counter and CPU time, from the event loop, so a long step keeps beating and a stopped process
 (SIGSTOP) falls silent.
 """
@@ -14,13 +14,24 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-from belayer_rl.services.trainer_group.rank import ActorRank
+from belayer_rl.services.trainer_group.rank import ActorRank, ReferenceRank, RewardRank
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig
-from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat
+from belayer_rl.shared.protocol import (
+    ActorUpdate,
+    ActorUpdated,
+    GroupHeartbeat,
+    RefLogprobsRequest,
+    RewardRequest,
+)
 from belayer_rl.shared.runtime import Endpoint, Runtime
+
+M = TypeVar("M")
+R = TypeVar("R")
 
 
 async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
@@ -29,13 +40,60 @@ async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
     torch.set_num_threads(config.threads)
     nc = await rt.connect()
     names = rt.subjects
-    rank = await asyncio.to_thread(ActorRank, config)  # joins the process group, loads the state
-    rt.on_close(rank.close)
-    weights = WeightClient(nc, subjects=names)
     one_at_a_time = asyncio.Lock()
+    subject = lambda verb: names.trainer_group(config.run, config.group, config.rank, verb)  # noqa: E731
+    rank: ActorRank | ReferenceRank | RewardRank
+    if config.group == "reward":
+        rank = RewardRank(config)
+        endpoint = Endpoint(subject("reward"), RewardRequest, call_in_thread(rank.reward, one_at_a_time))
+    elif config.group == "reference":
+        rank = await asyncio.to_thread(ReferenceRank, config)
+        endpoint = Endpoint(
+            subject("logprobs"), RefLogprobsRequest, call_in_thread(rank.logprobs, one_at_a_time)
+        )
+    else:
+        rank = await asyncio.to_thread(ActorRank, config)  # joins the process group, loads the state
+        rt.on_close(rank.close)
+        endpoint = Endpoint(
+            subject("update"),
+            ActorUpdate,
+            actor_update(rank, WeightClient(nc, subjects=names), config, one_at_a_time),
+        )
 
+    async def heartbeat() -> None:
+        beat = GroupHeartbeat(
+            run=config.run,
+            group=config.group,  # type: ignore[arg-type]
+            rank=config.rank,
+            pid=os.getpid(),
+            step=rank.step,
+            progress=rank.progress,
+            cpu_s=time.process_time(),
+        )
+        await rt.publish(names.event("group_heartbeat", config.run), beat)
+
+    await rt.serve(endpoint)
+    rt.every(config.heartbeat_s, heartbeat, "heartbeat")
+    await heartbeat()
+    rt.ready(f"{config.group} rank {config.rank}/{config.world} at step {rank.step}")
+
+
+def call_in_thread(work: Callable[[M], R], lock: asyncio.Lock) -> Callable[[M], Awaitable[R]]:
+    async def handler(call: M) -> R:
+        async with lock:
+            try:
+                return await asyncio.to_thread(work, call)
+            except Exception as exc:
+                raise ServiceError("update-failed", f"{type(exc).__name__}: {exc}") from None
+
+    return handler
+
+
+def actor_update(
+    rank: ActorRank, weights: WeightClient, config: TrainerGroupConfig, lock: asyncio.Lock
+) -> Callable[[ActorUpdate], Awaitable[ActorUpdated]]:
     async def on_update(call: ActorUpdate) -> ActorUpdated:
-        async with one_at_a_time:
+        async with lock:
             try:
                 result, fresh = await asyncio.to_thread(rank.update, call)
             except Exception as exc:
@@ -52,21 +110,4 @@ async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
                     await asyncio.to_thread(rank.save)
             return result
 
-    async def heartbeat() -> None:
-        beat = GroupHeartbeat(
-            run=config.run,
-            group=config.group,  # type: ignore[arg-type]
-            rank=config.rank,
-            pid=os.getpid(),
-            step=rank.step,
-            progress=rank.progress,
-            cpu_s=time.process_time(),
-        )
-        await rt.publish(names.event("group_heartbeat", config.run), beat)
-
-    await rt.serve(
-        Endpoint(names.trainer_group(config.run, config.group, config.rank, "update"), ActorUpdate, on_update)
-    )
-    rt.every(config.heartbeat_s, heartbeat, "heartbeat")
-    await heartbeat()
-    rt.ready(f"{config.group} rank {config.rank}/{config.world} at step {rank.step}, version {rank.version}")
+    return on_update

@@ -43,6 +43,7 @@ def group_trainer(
     train: TrainSettings,
     faults: FaultManagerConfig,
     step_delay_s: float = 0.0,
+    kl_beta: float = 0.0,
 ) -> Trainer:
     worker = TrainerGroupConfig(
         nats_url=cluster.nats.url,
@@ -57,6 +58,7 @@ def group_trainer(
         allowed=",".join(map(str, DIGIT_TOKENS)),
         heartbeat_s=0.2,
         step_delay_s=step_delay_s,
+        kl_beta=kl_beta,
     )
     return Trainer(cluster.client, TASK, train, GroupBackend.local(cluster.client, worker, folder, faults))
 
@@ -86,13 +88,16 @@ async def twin(train_cluster: Cluster, tmp_path: Path) -> dict[str, torch.Tensor
     return final_state(trainer)
 
 
-async def fault_during(trainer: Trainer, step: int, delay_s: float, sig: signal.Signals, rank: int) -> str:
-    """Send `sig` to `rank` `delay_s` after step `step`'s rollout began (polling the trainer)."""
+async def fault_during(
+    trainer: Trainer, step: int, delay_s: float, sig: signal.Signals, rank: int, group: str = "actor"
+) -> str:
+    """Send `sig` to `group`'s `rank` `delay_s` after step `step`'s rollout began (polling the trainer)."""
     while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
         await asyncio.sleep(0.01)
     await asyncio.sleep(delay_s)
     assert trainer.group is not None
-    pid = trainer.group.actor.pids[rank]
+    target = {g.name: g for g in trainer.group.groups}[group]
+    pid = target.pids[rank]
     os.kill(pid, sig)
     return f"{sig.name} to rank {rank} (pid {pid}) {delay_s:.3f} s into step {step}"
 
@@ -206,3 +211,41 @@ async def test_the_oracle_catches_a_skipped_sample(
     mutant = SkipsOne(base.client, TASK, base.settings, base.group)
     await mutant.run()
     assert not same(final_state(mutant), twin)
+
+
+async def test_a_killed_reward_worker_is_restarted_in_place(
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor]
+) -> None:
+    failed = await EventLog.start(train_cluster.client, "group_failed")
+    rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
+    trainer = group_trainer(train_cluster, tmp_path / "reward", settings("rewardkill"), FAST)
+    chaos = asyncio.create_task(fault_during(trainer, FAULTY_STEP, 0.05, signal.SIGKILL, 0, group="reward"))
+    await trainer.run()
+    print(await chaos)
+    assert [(e.group, e.kind) for e in failed.events] == [("reward", "exit")], failed.events
+    assert [e.group for e in rebuilt.events] == ["reward"]  # the actor kept running
+    assert same(final_state(trainer), twin)
+
+
+async def test_a_killed_reference_is_rebuilt_with_the_actor_and_the_kl_run_matches_its_twin(
+    train_cluster: Cluster, tmp_path: Path
+) -> None:
+    twin = group_trainer(train_cluster, tmp_path / "kltwin", settings("kltwin"), FAST, kl_beta=0.1)
+    await twin.run()
+    failed = await EventLog.start(train_cluster.client, "group_failed")
+    rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
+    trainer = group_trainer(train_cluster, tmp_path / "klfaulty", settings("klfaulty"), FAST, kl_beta=0.1)
+    assert trainer.group is not None and trainer.group.reference is not None
+    chaos = asyncio.create_task(
+        fault_during(trainer, FAULTY_STEP, 0.05, signal.SIGKILL, 0, group="reference")
+    )
+    await trainer.run()
+    print(await chaos)
+    assert [(e.group, e.kind) for e in failed.events] == [("reference", "exit")], failed.events
+    assert [e.group for e in rebuilt.events] == ["actor"]  # the actor's rebuild, the reference with it
+    assert trainer.group.actor.builds == 2 and trainer.group.reference.builds == 2
+    assert same(final_state(trainer), final_state(twin))
+    # The KL term was really in the loss: the run without it ends elsewhere.
+    plain = group_trainer(train_cluster, tmp_path / "plain", settings("klplain"), FAST)
+    await plain.run()
+    assert not same(final_state(plain), final_state(twin))
