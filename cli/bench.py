@@ -25,3 +25,6 @@ def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) ->
     from belayer_rl.cli import bench_env_recovery
 
     bench_env_recovery.add_parser(kinds)
+    from belayer_rl.cli import bench_train_recovery
+
+    bench_train_recovery.add_parser(kinds)

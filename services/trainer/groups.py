@@ -190,8 +190,11 @@ class LocalGroup:
 
     async def fault_of(self, rank: int, error: ServiceError) -> GroupFault:
         """What a failed reply means. A dead rank's subscription is gone before its exit is reaped,
-        so "no responders" (and a timeout) first waits briefly for an exit to explain it."""
-        if error.code not in ("timeout", "no-responders"):
+        and its peers' collectives fail ("connection reset by peer") before it is, so a timeout,
+        "no responders", or any error of a multi-rank group first waits briefly for an exit to
+        explain it: the cause is the death, not its echo."""
+        transport = error.code in ("timeout", "no-responders")
+        if not transport and len(self.processes) == 1:
             return GroupFault("exception", rank, f"{error.code}: {error}")
         deadline = time.monotonic() + EXIT_GRACE_S
         while time.monotonic() < deadline:
@@ -199,7 +202,7 @@ class LocalGroup:
                 if process.returncode is not None:
                     return GroupFault("exit", dead, exit_cause(process.returncode))
             await asyncio.sleep(WATCH_EVERY_S)
-        return GroupFault("timeout", rank, f"{error.code}: {error}")
+        return GroupFault("timeout" if transport else "exception", rank, f"{error.code}: {error}")
 
     async def watch(self) -> GroupFault:
         """Returns (does not raise) the first fault seen among the running ranks."""

@@ -35,6 +35,7 @@ from belayer_rl.shared.params import Params
 from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated
 
 WATCH_EVERY_S = 0.1
+EXIT_GRACE_S = 1.0  # how long a failed call waits for a peer's death to explain it
 CPU_PER_RANK = 0.5  # fractional bundles: a 2-rank group fits on 2 cores beside the engine
 
 
@@ -154,14 +155,25 @@ class RayActorGroup:
                     )
                     if watch.done():
                         raise watch.result()
-                    for rank, c in enumerate(calls):
-                        if c.done() and c.exception() is not None:
-                            error = c.exception()
-                            if isinstance(error, RayActorError):
-                                raise GroupFault("exit", rank, f"the Ray actor died: {error}")
-                            if isinstance(error, RayTaskError):
-                                raise GroupFault("exception", rank, str(error).splitlines()[-1])
-                            raise GroupFault("exception", rank, f"{type(error).__name__}: {error}")
+                    if any(c.done() and c.exception() is not None for c in calls):
+                        # A dead rank's peers fail their collectives at once: give its own call a
+                        # moment to report the death, which is the cause.
+                        await asyncio.wait(calls, timeout=EXIT_GRACE_S)
+                        died = [
+                            r
+                            for r, c in enumerate(calls)
+                            if c.done() and isinstance(c.exception(), RayActorError)
+                        ]
+                        if died:
+                            raise GroupFault(
+                                "exit", died[0], f"the Ray actor died: {calls[died[0]].exception()}"
+                            )
+                        rank, error = next(
+                            (r, c.exception()) for r, c in enumerate(calls) if c.done() and c.exception()
+                        )
+                        if isinstance(error, RayTaskError):
+                            raise GroupFault("exception", rank, str(error).splitlines()[-1])
+                        raise GroupFault("exception", rank, f"{type(error).__name__}: {error}")
         except TimeoutError:
             raise GroupFault("timeout", -1, f"no answer within {self.faults.call_timeout_s} s") from None
         finally:

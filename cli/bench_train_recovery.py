@@ -1,0 +1,210 @@
+"""`belayer bench train-recovery`: what one trainer-group failure costs, against a failure-free run
+and against rescheduling the whole workflow, all in one run on one local cluster.
+
+    belayer bench train-recovery [--minutes 10] [--kinds actor,reference,reward,hang] [--json]
+
+It starts a local cluster (router, weight and KV servers, shadow supervisor, one tiny worker),
+calibrates the step time with a few steps, and sizes a GRPO run on `reverse` (actor of 2 gloo
+ranks, a reference for the KL term, a reward group) to last --minutes without failures. It then
+runs the same steps again once per failure kind, with one fault half way: SIGKILL of an actor rank,
+of the reference or of the reward worker, or SIGSTOP of an actor rank (a hang). Each is recovered by
+a targeted rebuild (the reward: a restart in place). A last run takes the actor kill with no
+rebuilds allowed, so the fault manager reschedules from the last checkpoint: the cold baseline.
+Reported per kind: seconds and percent added to the failure-free run, detection and rebuild seconds
+from the events; and the targeted rebuild against the reschedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import uvloop
+
+from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
+from belayer_rl.services.trainer.grpo import GrpoConfig
+from belayer_rl.services.trainer.tasks import ReverseDigits
+from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSettings
+from belayer_rl.shared.client import Client
+from belayer_rl.shared.config import TrainerGroupConfig
+from belayer_rl.shared.protocol import EVENT_TYPES, decode, decoder_for
+
+KINDS = {  # kind -> (group, signal)
+    "actor": ("actor", signal.SIGKILL),
+    "reference": ("reference", signal.SIGKILL),
+    "reward": ("reward", signal.SIGKILL),
+    "hang": ("actor", signal.SIGSTOP),
+}
+KL_BETA = 0.05  # so that the reference group exists in every run
+CHECKPOINT_EVERY = 10
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = kinds.add_parser(
+        "train-recovery", help="trainer group failures: time added, rebuild vs reschedule"
+    )
+    bench.add_argument("--minutes", type=float, default=10.0, help="length of the failure-free run")
+    bench.add_argument("--kinds", default=",".join(KINDS), help="failure kinds, one run each")
+    bench.add_argument("--hang-timeout", type=float, default=30.0, help="the fault manager's hang timeout")
+    bench.add_argument("--no-reschedule", action="store_true", help="skip the reschedule baseline run")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise SystemExit(
+            f"belayer bench train-recovery: unknown kinds {sorted(unknown)}; one of {list(KINDS)}"
+        )
+    report = uvloop.run(measure(args, kinds))
+    report["machine"] = {"cpus": os.cpu_count()}
+    return emit(report, args.json, print_table)
+
+
+class Events:
+    """group_failed, group_rebuilt and reschedule events of one run."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, object]] = []
+
+    async def follow(self, client: Client, run: str) -> None:
+        for kind in ("group_failed", "group_rebuilt", "reschedule"):
+            decoder = decoder_for(EVENT_TYPES[kind])
+
+            async def on_message(msg, kind=kind, decoder=decoder) -> None:  # type: ignore[no-untyped-def]
+                event = decode(decoder, msg.data)
+                self.seen.append({"kind": kind, **{f: getattr(event, f) for f in event.__struct_fields__}})
+
+            await client.nc.subscribe(client.subjects.event(kind, run), cb=on_message)
+
+
+async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, object]:
+    task = ReverseDigits(length=2)
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
+        root = Path(state)
+        config = ClusterConfig(
+            state_dir=root / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny"
+        )
+        async with local_cluster(config) as supervisor:
+            async with await Client.connect(supervisor.target("admin"), "bench") as client:
+                await client.wait_for_engines(1, 600)
+                base = TrainSettings(
+                    run="calibrate", steps=6, seed=args.seed, grpo=GrpoConfig(kl_beta=KL_BETA)
+                )
+                creds = supervisor.access("trainer").creds  # the group workers' credential
+                faults = FaultManagerConfig(hang_timeout_s=args.hang_timeout)
+
+                async def one(
+                    run: str, steps: int, fault: tuple[str, signal.Signals] | None, **changes: object
+                ):  # type: ignore[no-untyped-def]
+                    folder = root / run
+                    train = dataclasses.replace(
+                        base,
+                        run=run,
+                        steps=steps,
+                        checkpoint_every=CHECKPOINT_EVERY,
+                        checkpoint_dir=folder / "ckpt",
+                    )
+                    worker = TrainerGroupConfig(
+                        nats_url=supervisor.nats_url, nats_creds=creds, metrics_port=-1, run=run, world=2,
+                        rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=KL_BETA,
+                        allowed=",".join(map(str, task.allowed_tokens)),
+                    )  # fmt: skip
+                    run_faults = dataclasses.replace(faults, **changes)  # type: ignore[arg-type]
+                    trainer = Trainer(
+                        client, task, train, GroupBackend.local(client, worker, folder, run_faults)
+                    )
+                    events = Events()
+                    await events.follow(client, run)
+                    chaos = None
+                    if fault is not None:
+                        chaos = asyncio.create_task(inject(trainer, steps // 2, *fault))
+                    started = time.perf_counter()
+                    await trainer.run()
+                    wall = time.perf_counter() - started
+                    if chaos is not None:
+                        await chaos
+                    return wall, events.seen
+
+                calibration, _ = await one("calibrate", 6, None)
+                step_s = calibration / 6
+                steps = max(12, math.ceil(args.minutes * 60 / step_s))
+                print(f"calibration: {step_s:.2f} s a step; runs of {steps} steps", flush=True)
+                clean, _ = await one("clean", steps, None)
+                print(f"failure-free: {clean:.1f} s", flush=True)
+                results: dict[str, object] = {}
+                for kind in kinds:
+                    wall, seen = await one(f"fault-{kind}", steps, KINDS[kind])
+                    results[kind] = summarise(wall, clean, seen)
+                    print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", flush=True)
+                reschedule = None
+                if not args.no_reschedule:
+                    wall, seen = await one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
+                    reschedule = summarise(wall, clean, seen)
+                    print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", flush=True)
+    return {
+        "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
+        "steps": steps,
+        "step_s": step_s,
+        "failure_free_s": clean,
+        "hang_timeout_s": args.hang_timeout,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "faults": results,
+        "reschedule": reschedule,
+    }
+
+
+async def inject(trainer: Trainer, step: int, group: str, sig: signal.Signals) -> None:
+    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # into the step's rollout or update
+    assert trainer.group is not None
+    target = {g.name: g for g in trainer.group.groups}[group]
+    os.kill(target.pids[0], sig)
+
+
+def summarise(wall: float, clean: float, seen: list[dict[str, object]]) -> dict[str, object]:
+    failed = [e for e in seen if e["kind"] == "group_failed"]
+    rebuilt = [e for e in seen if e["kind"] == "group_rebuilt"]
+    return {
+        "wall_s": wall,
+        "added_s": wall - clean,
+        "added_pct": 100 * (wall - clean) / clean,
+        "detected_s": [e["detected_s"] for e in failed],
+        "rebuild_s": [e["total_s"] for e in rebuilt],
+        "rescheduled": sum(e["kind"] == "reschedule" for e in seen),
+    }
+
+
+def print_table(report: dict[str, object]) -> None:
+    print(
+        f"failure-free: {report['failure_free_s']:.1f} s ({report['steps']} steps of {report['step_s']:.2f} s);"
+        f" hang timeout {report['hang_timeout_s']} s; checkpoint every {report['checkpoint_every']} steps"
+    )
+    print(f"{'failure':<12} {'added':>10} {'added %':>9} {'detected':>10} {'rebuild':>9}")
+    rows = dict(report["faults"])  # type: ignore[call-overload]
+    if report["reschedule"] is not None:
+        rows["reschedule"] = report["reschedule"]
+    for kind, r in rows.items():
+        detected = "/".join(f"{d:.2f}" for d in r["detected_s"]) or "-"
+        rebuild = "/".join(f"{d:.2f}" for d in r["rebuild_s"]) or "-"
+        print(f"{kind:<12} {r['added_s']:>+9.1f}s {r['added_pct']:>+8.2f}% {detected:>9}s {rebuild:>8}s")
+    if report["reschedule"] is not None and "actor" in report["faults"]:  # type: ignore[operator]
+        targeted = report["faults"]["actor"]["added_s"]  # type: ignore[index]
+        cold = report["reschedule"]["added_s"]  # type: ignore[index]
+        print(
+            f"actor kill: targeted rebuild +{targeted:.1f} s vs reschedule +{cold:.1f} s ({cold / max(targeted, 1e-9):.1f}x)"
+        )
+    print("added: each run's wall time minus the failure-free run's, same steps, same cluster")
