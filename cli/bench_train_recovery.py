@@ -85,7 +85,7 @@ class Events:
 
             async def on_message(msg, kind=kind, decoder=decoder) -> None:  # type: ignore[no-untyped-def]
                 event = decode(decoder, msg.data)
-                self.seen.append({"kind": kind, **{f: getattr(event, f) for f in event.__struct_fields__}})
+                self.seen.append({**{f: getattr(event, f) for f in event.__struct_fields__}, "event": kind})
 
             await client.nc.subscribe(client.subjects.event(kind, run), cb=on_message)
 
@@ -176,15 +176,16 @@ async def inject(trainer: Trainer, step: int, group: str, sig: signal.Signals) -
 
 
 def summarise(wall: float, clean: float, seen: list[dict[str, object]]) -> dict[str, object]:
-    failed = [e for e in seen if e["kind"] == "group_failed"]
-    rebuilt = [e for e in seen if e["kind"] == "group_rebuilt"]
+    failed = [e for e in seen if e["event"] == "group_failed"]
+    rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
         "wall_s": wall,
         "added_s": wall - clean,
         "added_pct": 100 * (wall - clean) / clean,
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
-        "rescheduled": sum(e["kind"] == "reschedule" for e in seen),
+        "rescheduled": sum(e["event"] == "reschedule" for e in seen),
+        "events": seen,
     }
 
 
