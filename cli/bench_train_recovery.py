@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -141,19 +142,21 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                 calibration, _ = await one("calibrate", 6, None)
                 step_s = calibration / 6
                 steps = max(12, math.ceil(args.minutes * 60 / step_s))
-                print(f"calibration: {step_s:.2f} s a step; runs of {steps} steps", flush=True)
+                print(
+                    f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True
+                )
                 clean, _ = await one("clean", steps, None)
-                print(f"failure-free: {clean:.1f} s", flush=True)
+                print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
                 results: dict[str, object] = {}
                 for kind in kinds:
                     wall, seen = await one(f"fault-{kind}", steps, KINDS[kind])
                     results[kind] = summarise(wall, clean, seen)
-                    print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", flush=True)
+                    print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
                 reschedule = None
                 if not args.no_reschedule:
                     wall, seen = await one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
                     reschedule = summarise(wall, clean, seen)
-                    print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", flush=True)
+                    print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
         "steps": steps,

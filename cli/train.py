@@ -13,6 +13,7 @@ groups, their fault manager and the Ray backend are not part of this command yet
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -60,18 +61,34 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     faults.add_argument(
         "--hang-timeout", type=float, default=30.0, help="seconds without progress that make a worker hung"
     )
+    train.add_argument(
+        "--chaos",
+        default="",
+        metavar="SPEC",
+        help="faults to inject: GROUP@STEP:ACTION,... (actor|reference|reward, kill|stop), e.g. actor@3:kill",
+    )
+    train.add_argument("--chaos-seed", type=int, default=0, help="seeds the faults' delays and ranks")
     train.add_argument("--out", type=Path, default=Path("train"))
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from belayer_rl.services.trainer import chaos
+
+    try:
+        chaos.schedule(args.chaos, args.chaos_seed)
+    except ValueError as exc:
+        raise SystemExit(f"belayer train: {exc}") from None
+    if args.chaos and args.backend == "inline":
+        raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
     return uvloop.run(train(args))
 
 
 async def train(args: argparse.Namespace) -> int:
     import torch
 
+    from belayer_rl.services.trainer import chaos
     from belayer_rl.services.trainer.actor import ActorSettings
     from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
     from belayer_rl.services.trainer.grpo import GrpoConfig
@@ -159,11 +176,21 @@ async def train(args: argparse.Namespace) -> int:
             )
             progress.advance(1)
 
+        faults = chaos.schedule(args.chaos, args.chaos_seed)
+        for fault in faults:
+            print(f"chaos (seed {args.chaos_seed}): {fault}", flush=True)
+        injected: list[str] = []
+        injector = asyncio.create_task(chaos.inject(trainer, faults, injected)) if faults else None
         try:
             await trainer.run(on_step)
         finally:
             log.close()
             progress.close()
+            if injector is not None:
+                injector.cancel()
+                await asyncio.gather(injector, return_exceptions=True)
+        for line in injected:
+            print(f"chaos: {line}", flush=True)
         after = await trainer.accuracy(task.held_out)
     if steps:
         plot_rewards(steps, args.out / "reward.png", f"{task.name}, seed {args.seed}")

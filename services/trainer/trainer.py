@@ -199,6 +199,10 @@ class Trainer:
         self.next_rollout_version = ""
         self.kept: dict[str, Params] = {}  # version -> weights, while a pending sample may need them
 
+    def groups_by_name(self) -> dict[str, LocalGroup | RayActorGroup]:
+        """The running worker groups (none with the inline actor): what chaos aims at."""
+        return {} if self.group is None else {g.name: g for g in self.group.groups}
+
     # ------------------------------------------------------------------ versions
 
     async def publish(self) -> str:

@@ -23,7 +23,7 @@ from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSett
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.processes import free_port
 from tests.support import Cluster, EventLog
-from tests.trainer.test_fault_manager import FAULTY_STEP, final_state, same, settings
+from tests.trainer.test_fault_manager import FAULTY_STEP, fault_during, final_state, same, settings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -81,14 +81,6 @@ def ray_trainer(
     return Trainer(cluster.client, TASK, train, GroupBackend.ray(cluster.client, worker, folder, faults))
 
 
-async def signal_rank(trainer: Trainer, step: int, delay_s: float, sig: signal.Signals, rank: int) -> None:
-    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(delay_s)
-    assert trainer.group is not None
-    os.kill(trainer.group.actor.pids[rank], sig)
-
-
 async def test_on_ray_a_killed_rank_is_seen_dead_rebuilt_and_the_run_matches_its_twin(
     ray_cluster: str, train_cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -103,7 +95,7 @@ async def test_on_ray_a_killed_rank_is_seen_dead_rebuilt_and_the_run_matches_its
     failed = await EventLog.start(train_cluster.client, "group_failed")
     rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
     faulty = ray_trainer(train_cluster, tmp_path / "faulty", settings("rayfaulty"), FAST, step_delay_s=0.3)
-    chaos = asyncio.create_task(signal_rank(faulty, FAULTY_STEP, delay, signal.SIGKILL, rank))
+    chaos = asyncio.create_task(fault_during(faulty, FAULTY_STEP, delay, signal.SIGKILL, rank))
     await faulty.run()
     await chaos
     assert [e.kind for e in failed.events] == ["exit"] and "died" in failed.events[0].cause, failed.events
@@ -113,7 +105,7 @@ async def test_on_ray_a_killed_rank_is_seen_dead_rebuilt_and_the_run_matches_its
     # A stopped Ray worker is a hang, rebuilt the same way.
     failed.events.clear()
     hung = ray_trainer(train_cluster, tmp_path / "hung", settings("rayhung"), FAST, step_delay_s=0.3)
-    chaos = asyncio.create_task(signal_rank(hung, FAULTY_STEP, 0.4, signal.SIGSTOP, 1))
+    chaos = asyncio.create_task(fault_during(hung, FAULTY_STEP, 0.4, signal.SIGSTOP, 1))
     await hung.run()
     await chaos
     assert [e.kind for e in failed.events] == ["hang"], failed.events

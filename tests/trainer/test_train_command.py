@@ -15,10 +15,10 @@ from tests.cli.helpers import belayer
 from tests.support import Cluster
 
 
-async def run_train(url: str, out: Path, steps: int) -> str:
+async def run_train(url: str, out: Path, steps: int, *more: str) -> str:
     done = await asyncio.to_thread(
         belayer, "--nats", url, "train", "--steps", str(steps), "--prompts", "4", "--group-size", "4",
-        "--checkpoint-every", "1", "--seed", "4", "--out", str(out), timeout_s=300,
+        "--checkpoint-every", "1", "--seed", "4", "--out", str(out), *more, timeout_s=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -35,7 +35,10 @@ async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Clu
     assert "held-out exact match" in first
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    second = await run_train(url, out, 5)  # resumes after step 3
+    second = await run_train(
+        url, out, 5, "--chaos", "actor@4:kill", "--chaos-seed", "2"
+    )  # resumes after step 3
+    assert "chaos (seed 2): kill actor" in second and "chaos: kill actor" in second, second
     assert [line.split()[1] for line in second.splitlines() if line.startswith("step ")] == ["4", "5"]
     logged = [
         msgspec.json.decode(line, type=TrainerStep)
@@ -45,3 +48,10 @@ async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Clu
     assert all(e.generated_with == [previous.weight_version] for previous, e in itertools.pairwise(logged))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["weight_version"] == logged[-1].weight_version
+
+
+def test_a_bad_chaos_spec_is_a_clear_error() -> None:
+    done = belayer("--nats", "nats://127.0.0.1:1", "train", "--chaos", "actor@x:explode")
+    assert (
+        done.returncode != 0 and "is not GROUP@STEP:ACTION" in done.stderr and "Traceback" not in done.stderr
+    )
