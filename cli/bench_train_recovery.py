@@ -133,28 +133,33 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                     if fault is not None:
                         chaos = asyncio.create_task(inject(trainer, steps // 2, *fault))
                     started = time.perf_counter()
-                    await trainer.run()
+                    marks: list[float] = []
+                    try:
+                        await trainer.run(lambda _: marks.append(time.perf_counter()))
+                    finally:
+                        if chaos is not None and not chaos.done():
+                            chaos.cancel()
                     wall = time.perf_counter() - started
                     if chaos is not None:
-                        await chaos
-                    return wall, events.seen
+                        await asyncio.gather(chaos, return_exceptions=True)
+                    return wall, events.seen, marks
 
-                calibration, _ = await one("calibrate", 6, None)
-                step_s = calibration / 6
+                _, _, marks = await one("calibrate", 8, None)
+                step_s = (marks[-1] - marks[1]) / (len(marks) - 2)  # steps alone: no start-up, no first step
                 steps = max(12, math.ceil(args.minutes * 60 / step_s))
                 print(
                     f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True
                 )
-                clean, _ = await one("clean", steps, None)
+                clean, _, _ = await one("clean", steps, None)
                 print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
                 results: dict[str, object] = {}
                 for kind in kinds:
-                    wall, seen = await one(f"fault-{kind}", steps, KINDS[kind])
+                    wall, seen, _ = await one(f"fault-{kind}", steps, KINDS[kind])
                     results[kind] = summarise(wall, clean, seen)
                     print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
                 reschedule = None
                 if not args.no_reschedule:
-                    wall, seen = await one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
+                    wall, seen, _ = await one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
                     reschedule = summarise(wall, clean, seen)
                     print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
     return {

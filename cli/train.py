@@ -5,9 +5,11 @@
 
 Samples are generated through the cluster's router (the `belayer up` cluster by default) and every
 step's weights are published to its weight server over the bus, under the trainer's credential.
-Writes DIR/steps.jsonl (one TrainerStep per line), DIR/reward.png and DIR/summary.json; with
---checkpoint-every, DIR/checkpoints, from which a rerun with the same flags resumes. Trainer worker
-groups, their fault manager and the Ray backend are not part of this command yet.
+Writes DIR/steps.jsonl (one TrainerStep per line; a step replayed after a reschedule is written
+again), DIR/reward.png and DIR/summary.json; with --checkpoint-every, DIR/checkpoints, from which
+a rerun with the same flags resumes. The actor runs as --world ranks under the fault manager
+(--backend local: processes; ray: Ray actors), the reward as a group of its own on the local
+backend, and so does the reference with --kl-beta; --chaos injects a seeded schedule of faults.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         chaos.schedule(args.chaos, args.chaos_seed)
     except ValueError as exc:
         raise SystemExit(f"belayer train: {exc}") from None
+    if args.kl_beta and args.backend == "ray":
+        raise SystemExit(
+            "belayer train: --kl-beta needs the reference group, which the Ray backend lacks yet"
+        )
     if args.chaos and args.backend == "inline":
         raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
     return uvloop.run(train(args))
@@ -142,6 +148,9 @@ async def train(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 lr=args.lr,
                 ppo_epochs=args.ppo_epochs,
+                kl_beta=args.kl_beta,
+                workload=args.workload,
+                length=args.length,
                 allowed=",".join(map(str, task.allowed_tokens)),
             )
             if args.backend == "ray":

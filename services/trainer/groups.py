@@ -31,6 +31,7 @@ from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupF
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig, to_argv
+from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat, Message
 from belayer_rl.shared.subjects import Subjects
 
@@ -97,6 +98,7 @@ class LocalGroup:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "belayer_rl.services.trainer_group", *to_argv(config),
                     stdout=out, stderr=out, start_new_session=True,
+                    preexec_fn=dies_with_parent(signal.SIGKILL),  # a SIGKILLed trainer leaves no ranks
                 )  # fmt: skip
             self.processes.append(process)
         deadline = time.monotonic() + self.faults.start_timeout_s
@@ -172,6 +174,8 @@ class LocalGroup:
                         results[rank] = task.result()
                     except ServiceError as exc:
                         raise await self.fault_of(rank, exc) from None
+                    except Exception as exc:  # a reply that does not decode, a closed connection
+                        raise GroupFault("exception", rank, f"{type(exc).__name__}: {exc}") from None
         finally:
             for task in [*replies, watch]:
                 task.cancel()
@@ -205,22 +209,25 @@ class LocalGroup:
         return GroupFault("timeout" if transport else "exception", rank, f"{error.code}: {error}")
 
     async def watch(self) -> GroupFault:
-        """Returns (does not raise) the first fault seen among the running ranks."""
+        """Returns (does not raise) the first fault seen among the running ranks: an exit; a rank
+        with no heartbeat for the hang timeout (stopped, or stuck in the kernel); or a group none
+        of whose ranks made progress or spent CPU time on its work for that long. The last is
+        judged on the group, since a rank blocked in a collective waits for a slower peer, and
+        idle time before the call does not count."""
         hang = self.faults.hang_timeout_s
+        started = time.monotonic()
         while True:
             now = time.monotonic()
             for rank, process in enumerate(self.processes):
                 if process.returncode is not None:
                     return GroupFault("exit", rank, exit_cause(process.returncode))
                 beat = self.beats.get(rank)
-                if beat is None:
-                    continue
-                if now - beat.seen > hang:
+                if beat is not None and now - beat.seen > hang:
                     return GroupFault("hang", rank, f"no heartbeat for {now - beat.seen:.1f} s")
-                if now - beat.moved > hang:
-                    return GroupFault(
-                        "hang", rank, f"no progress and no CPU time for {now - beat.moved:.1f} s"
-                    )
+            if self.beats:
+                still = now - max(started, *(b.moved for b in self.beats.values()))
+                if still > hang:
+                    return GroupFault("hang", -1, f"no progress and no CPU time for {still:.1f} s")
             await asyncio.sleep(WATCH_EVERY_S)
 
 

@@ -86,8 +86,10 @@ def grpo_loss(
     if config.kl_beta > 0:
         if ref_logp is None:
             raise ValueError("kl_beta > 0 needs the reference policy's logp")
-        delta = ref_logp.detach() - logp
-        kl = torch.exp(delta) - delta - 1  # [B, T], >= 0
+        # Masked before exp: at prompt and padding positions the two log-probs need not be close,
+        # and exp of a large difference would be inf, and inf * 0 a NaN in the loss.
+        delta = torch.where(mask.bool(), ref_logp.detach() - logp, torch.zeros_like(logp))
+        kl = torch.exp(delta) - delta - 1  # [B, T], >= 0, 0 where masked
         per_token = per_token + config.kl_beta * kl
         kl_sum = float((kl.detach() * m).sum())
     # A token is clipped when the clipped branch is the one min() took and it is flat in rho.
@@ -96,7 +98,7 @@ def grpo_loss(
     clipped_tokens = int(((outside & took_clipped) * mask.bool()).sum())
     masked_ratio = torch.where(mask.bool(), ratio.detach(), torch.zeros_like(ratio))
     return LossParts(
-        loss=(per_token * m).sum() / total_tokens,
+        loss=torch.where(mask.bool(), per_token, torch.zeros_like(per_token)).sum() / total_tokens,
         clipped_tokens=clipped_tokens,
         kl_sum=kl_sum,
         ratio_max=float(masked_ratio.max()) if mask.any() else 1.0,

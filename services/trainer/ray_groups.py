@@ -57,14 +57,13 @@ class RankActor:
     def update(self, call: bytes) -> tuple[bytes, Params | None]:
         """The step's result, and rank 0's new weights for the trainer to publish."""
         decoded = protocol.decode(protocol.decoder_for(ActorUpdate), call)
-        result, fresh = self.rank.update(decoded)
-        if fresh:
-            self.rank.save()
+        result, _ = self.rank.update(decoded)
+        self.rank.save()  # when the file holds an older step (a retried call included)
         weights = self.rank.actor.weights() if self.config.rank == 0 else None
         return protocol.encode(result), weights
 
     def progress(self) -> tuple[int, float]:
-        return self.rank.progress, time.process_time()
+        return self.rank.progress, self.rank.work.seconds()
 
 
 @dataclass
@@ -186,7 +185,12 @@ class RayActorGroup:
             raise GroupFault("exception", -1, "ranks disagree on the weights after the step")
         weights = calls[0].result()[1]
         assert weights is not None
-        published = await self.publish_weights(weights)
+        try:
+            published = await self.publish_weights(weights)
+        except Exception as exc:
+            raise GroupFault(
+                "exception", 0, f"publishing the new weights: {type(exc).__name__}: {exc}"
+            ) from None
         if published != results[0].weight_version:
             raise GroupFault(
                 "exception", 0, f"published as {published}, computed {results[0].weight_version}"
@@ -194,25 +198,38 @@ class RayActorGroup:
         return results[0]
 
     async def watch(self) -> GroupFault:
-        """Returns the first hang seen; deaths surface through the calls themselves."""
+        """Returns the first hang seen: a rank whose `progress` goes unanswered (stopped), or a
+        group none of whose ranks moved, for the hang timeout. Deaths surface through the calls."""
         hang = self.faults.hang_timeout_s
-        now = time.monotonic()
-        moved = [now] * len(self.actors)
+        started = time.monotonic()
+        answered = [started] * len(self.actors)
+        moved = started
         last: list[tuple[int, float] | None] = [None] * len(self.actors)
         while True:
             for rank, actor in enumerate(self.actors):
-                with contextlib.suppress(TimeoutError, Exception):
+                with contextlib.suppress(Exception):  # unanswered in time: silence
                     seen = await asyncio.wait_for(_awaitable(actor.progress.remote()), WATCH_EVERY_S * 5)
-                    if seen != last[rank]:
-                        last[rank], moved[rank] = seen, time.monotonic()
-                silent = time.monotonic() - moved[rank]
+                    answered[rank] = time.monotonic()
+                    if last[rank] is not None and seen != last[rank]:
+                        moved = time.monotonic()
+                    last[rank] = seen
+                silent = time.monotonic() - answered[rank]
                 if silent > hang:
-                    return GroupFault("hang", rank, f"no progress and no CPU time for {silent:.1f} s")
+                    return GroupFault("hang", rank, f"no answer to progress for {silent:.1f} s")
+            if time.monotonic() - moved > hang:
+                return GroupFault(
+                    "hang", -1, f"no progress and no CPU time for {time.monotonic() - moved:.1f} s"
+                )
             await asyncio.sleep(WATCH_EVERY_S)
 
 
-async def _gone(pid: int) -> None:
-    while _alive(pid):  # noqa: ASYNC110 (a pid has no event to wait on)
+async def _gone(pid: int, timeout_s: float = 30.0) -> None:
+    """Wait for a local Ray worker process to end. The Ray backend runs on one host: its ranks
+    share the state and rendezvous files with the trainer."""
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise GroupFault("start", -1, f"Ray worker {pid} still alive {timeout_s} s after ray.kill")
         await asyncio.sleep(0.05)
 
 

@@ -16,6 +16,7 @@ single-threaded torch, so a run resumed from a checkpoint repeats its failure-fr
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -59,7 +60,9 @@ from belayer_rl.shared.protocol import (
 
 log = logging.getLogger("belayer.trainer")
 
-RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,40}")
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,24}")  # it prefixes request ids (64 characters at most)
+GENERATION_TRIES = 3
+MAX_BATCH = 4096  # samples a step (ActorUpdate's bound)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class TrainSettings:
             raise ValueError(f"run id {self.run!r} must match {RUN_ID.pattern} (it prefixes request ids)")
         if self.steps < 0 or self.prompts_per_step < 1 or self.group_size < 2:
             raise ValueError("need steps >= 0, prompts_per_step >= 1 and group_size >= 2")
+        if self.prompts_per_step * self.group_size > MAX_BATCH:
+            raise ValueError(f"prompts_per_step x group_size must be <= {MAX_BATCH} samples a step")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
 
@@ -271,15 +276,32 @@ class Trainer:
 
         async def one(index: int, item: str) -> Sample:
             prompt = self.task.prompt_tokens(item)
-            async with gate:
-                generation = await self.client.generate_all(
-                    prompt,
-                    max_tokens=self.task.answer_tokens,
-                    seed=sample_seed(s.seed, step, index),
-                    temperature=s.temperature,
-                    allowed_tokens=list(self.task.allowed_tokens),
-                    weight_version=version,
-                    request_id=f"{s.run}-s{step}-{index}",
+            seed = sample_seed(s.seed, step, index)
+            # The same id for the same request: a step run again after a fault attaches to the
+            # generation the router logged (same tokens). The digest keeps another run, or other
+            # weights, from ever sharing it.
+            digest = hashlib.sha256(f"{version}|{seed}|{item}".encode()).hexdigest()[:10]
+            for attempt in range(GENERATION_TRIES):
+                generation = None
+                async with gate:
+                    generation = await self.client.generate_all(
+                        prompt,
+                        max_tokens=self.task.answer_tokens,
+                        seed=seed,
+                        temperature=s.temperature,
+                        allowed_tokens=list(self.task.allowed_tokens),
+                        weight_version=version,
+                        request_id=f"{s.run}-s{step}-{index}-{digest}" + (f"-r{attempt}" if attempt else ""),
+                    )
+                # Anything short of a whole answer (a generation cancelled by an earlier, abandoned
+                # try) is never trained on; a fresh request regenerates it, token for token.
+                if generation.finish_reason == "length" and len(generation.tokens) == self.task.answer_tokens:
+                    break
+                log.warning("sample %d of step %d ended %s after %d tokens; generating it again",
+                            index, step, generation.finish_reason, len(generation.tokens))  # fmt: skip
+            else:
+                raise RuntimeError(
+                    f"sample {index} of step {step}: no whole answer in {GENERATION_TRIES} tries"
                 )
             if generation.weight_version != version:
                 raise RuntimeError(
@@ -396,6 +418,9 @@ class Trainer:
             await self.run_steps(on_step)
             return
         reschedules = 0
+        if self.step == 0:  # a fresh run: a state file left by an earlier run in this folder is not ours
+            for group in self.group.groups:
+                group.state_file.unlink(missing_ok=True)
         try:
             await self.group.start()
             while True:

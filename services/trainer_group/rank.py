@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,10 +68,12 @@ class RewardRank:
         from belayer_rl.services.trainer.tasks import workload
 
         self.task = workload(config.workload, length=config.length)
+        self.work = WorkClock()
         self.progress = 0
         self.step = 0
 
     def reward(self, call: RewardRequest) -> Rewards:
+        self.work.enter()
         if len(call.items) != len(call.answers):
             raise ValueError(f"{len(call.items)} items but {len(call.answers)} answers")
         self.progress += 1
@@ -88,10 +91,12 @@ class ReferenceRank:
     def __init__(self, config: TrainerGroupConfig) -> None:
         self.config = config
         self.params = initial_weights(config.preset, config.seed)
+        self.work = WorkClock()
         self.progress = 0
         self.step = 0
 
     def logprobs(self, call: RefLogprobsRequest) -> RefLogprobs:
+        self.work.enter()
         rows = list(range(len(call.tokens)))
         fake = ActorUpdate(
             step=call.step, tokens=call.tokens, prompt_lens=call.prompt_lens,
@@ -107,11 +112,34 @@ class ReferenceRank:
         return RefLogprobs(logp=[logp[r][batch.response_mask[r]].tolist() for r in rows])
 
 
+class WorkClock:
+    """CPU seconds of the threads that did a rank's work. The process's CPU time would not do as
+    a hang signal: the heartbeats themselves spend it, so a deadlocked worker thread would look busy."""
+
+    def __init__(self) -> None:
+        self.clocks: set[int] = set()
+
+    def enter(self) -> None:
+        """Called on the thread about to work."""
+        self.clocks.add(time.pthread_getcpuclockid(threading.get_ident()))
+
+    def seconds(self) -> float:
+        total = 0.0
+        for clock in list(self.clocks):
+            try:
+                total += time.clock_gettime(clock)
+            except OSError:  # that pool thread is gone; its seconds no longer move
+                self.clocks.discard(clock)
+        return total
+
+
 class ActorRank:
     def __init__(self, config: TrainerGroupConfig) -> None:
         self.config = config
         self.progress = 0  # forward/backward passes done: the hang detector's signal
+        self.work = WorkClock()
         self.step = 0
+        self.saved_step = -1  # the step the state file holds (rank 0)
         self.version = ""
         self.kept: dict[str, Params] = {}
         self.last: ActorUpdated | None = None
@@ -135,6 +163,7 @@ class ActorRank:
         )
         if config.state_file is not None and config.state_file.exists():
             self.load(checkpoint.read(config.state_file))
+            self.saved_step = self.step
         else:
             self.version = version_of(self.actor.weights())
             self.kept = {self.version: self.actor.weights()}
@@ -167,13 +196,16 @@ class ActorRank:
         self.last = msgspec.convert(state["last"], ActorUpdated) if state["last"] is not None else None
 
     def save(self) -> None:
-        if self.config.rank == 0 and self.config.state_file is not None:
+        """Rank 0 writes the group's state file, when it holds an older step than the ranks."""
+        if self.config.rank == 0 and self.config.state_file is not None and self.saved_step < self.step:
             checkpoint.write_file(self.config.state_file, self.state())
+            self.saved_step = self.step
 
     # ------------------------------------------------------------------ the update
 
     def update(self, call: ActorUpdate) -> tuple[ActorUpdated, bool]:
         """The step's result, and whether it was computed now (False: it was already applied)."""
+        self.work.enter()
         if call.step == self.step - 1 and self.last is not None and self.last.step == self.step:
             return self.last, False
         if call.step != self.step:

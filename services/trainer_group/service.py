@@ -6,14 +6,14 @@ Owns one rank of a group (services/trainer_group/rank.py) and answers on
 the actor's `update` (rank 0 then publishes the new weights to the weight server over the bus and
 writes the group's state file), the reference's `logprobs`, the reward's `reward`. Publishes `group_heartbeat` every --heartbeat seconds with its progress
 counter and CPU time, from the event loop, so a long step keeps beating and a stopped process
-(SIGSTOP) falls silent.
+(SIGSTOP) falls silent. Its CPU time is that of the threads doing its work, so a worker thread
+that deadlocks shows no progress and no CPU time while the heartbeats go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -68,7 +68,7 @@ async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
             pid=os.getpid(),
             step=rank.step,
             progress=rank.progress,
-            cpu_s=time.process_time(),
+            cpu_s=rank.work.seconds(),
         )
         await rt.publish(names.event("group_heartbeat", config.run), beat)
 
@@ -95,10 +95,13 @@ def actor_update(
     async def on_update(call: ActorUpdate) -> ActorUpdated:
         async with lock:
             try:
-                result, fresh = await asyncio.to_thread(rank.update, call)
+                result, _ = await asyncio.to_thread(rank.update, call)
             except Exception as exc:
                 raise ServiceError("update-failed", f"{type(exc).__name__}: {exc}") from None
             if config.rank == 0:
+                # Saved before the publication: a publication that fails and is retried finds its
+                # step applied (not fresh) and must not leave the state file a step behind.
+                await asyncio.to_thread(rank.save)
                 if call.publish:
                     handles = await weights.publish_params(rank.actor.weights())
                     if handles.version != result.weight_version:
@@ -106,8 +109,6 @@ def actor_update(
                             "update-failed",
                             f"published as {handles.version}, computed {result.weight_version}",
                         )
-                if fresh:
-                    await asyncio.to_thread(rank.save)
             return result
 
     return on_update

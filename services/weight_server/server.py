@@ -240,17 +240,25 @@ class WeightServer:
         """Load a weights file as the newest version: from `path` on this host, or from the object
         `object_name` a trainer put in the weights bucket (deleted once loaded)."""
         if request.object_name:
-            with tempfile.TemporaryDirectory(prefix="belayer-weights-") as folder:
-                path = Path(folder) / "weights.pt"
-                await self.fetch(request.object_name, path)
-                handles = await self.publish_file(path, request.object_name)
-            if self.objects is not None:
-                await self.objects.delete(request.object_name)
-            return handles
+            try:
+                with tempfile.TemporaryDirectory(prefix="belayer-weights-") as folder:
+                    path = Path(folder) / "weights.pt"
+                    await self.fetch(request.object_name, path)
+                    return await self.publish_file(path, request.object_name)
+            finally:  # loaded or refused, the object has served: the bucket does not fill up
+                await self.forget(request.object_name)
         path = Path(request.path)
         if not path.is_absolute():
             raise ServiceError("bad-weights", f"{request.path} is not an absolute path")
         return await self.publish_file(path, request.path)
+
+    async def forget(self, name: str) -> None:
+        if self.objects is None:
+            return
+        try:
+            await self.objects.delete(name)
+        except Exception as exc:  # absent (unknown-object), or the bus: a leftover, not an error
+            log.info("could not delete weights object %s: %s", name, exc)
 
     async def fetch(self, name: str, path: Path) -> None:
         if self.objects is None:
