@@ -306,7 +306,11 @@ async def test_weights_published_over_the_bus_need_no_shared_disk(
     """A trainer's weights travel through the weights bucket: the version is the file's digest,
     the object is gone once loaded, and weights with a NaN are refused while the version before
     them stays the newest. An unknown object and a request naming both sources are clear errors."""
-    server = await start("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny")
+    async with running("weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny") as server:
+        await published_over_the_bus(nc, server, tmp_path)
+
+
+async def published_over_the_bus(nc, server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     client = WeightClient(nc, subjects=NAMES)
     params = init_params(PRESETS["tiny"], 3)
     (tmp_path / "local").mkdir()
