@@ -200,6 +200,8 @@ async def train(args: argparse.Namespace) -> int:
                 await asyncio.gather(injector, return_exceptions=True)
         for line in injected:
             print(f"chaos: {line}", flush=True)
+        for fault in faults[len(injected) :]:
+            print(f"chaos: not carried out (the run ended first): {fault}", flush=True)
         after = await trainer.accuracy(task.held_out)
     if steps:
         plot_rewards(steps, args.out / "reward.png", f"{task.name}, seed {args.seed}")
