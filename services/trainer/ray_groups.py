@@ -1,7 +1,7 @@
 """The actor as a group of Ray actors (the Ray backend), behind the same fault manager.
 
 Each rank is a Ray actor in a placement group of its own group (one fractional-CPU bundle per
-rank), running the same rank code as the local backend (services/trainer_group/rank.py): the gloo
+rank), running the same rank code as the local backend (services/trainer/ranks.py): the gloo
 process group through a rendezvous file, the state file written by rank 0 after every step. The
 actor is threaded (two calls at once), so `progress` answers while `update` computes.
 
@@ -45,7 +45,7 @@ class RankActor:
     def __init__(self, config: TrainerGroupConfig) -> None:
         import torch
 
-        from belayer_rl.services.trainer_group.rank import ActorRank
+        from belayer_rl.services.trainer.ranks import ActorRank
 
         torch.set_num_threads(config.threads)
         self.config = config

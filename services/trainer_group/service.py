@@ -1,7 +1,7 @@
 """A trainer group worker as a service: what it owns, listens to and publishes; `setup` is what
 the runtime runs (shared/runtime.py).
 
-Owns one rank of a group (services/trainer_group/rank.py) and answers on
+Owns one rank of a group (services/trainer/ranks.py) and answers on
 `belayer.<cluster>.trainer.<run>.<group>.<rank>.<verb>`, one call at a time, the work in a thread:
 the actor's `update` (rank 0 then publishes the new weights to the weight server over the bus and
 writes the group's state file), the reference's `logprobs`, the reward's `reward`. Publishes `group_heartbeat` every --heartbeat seconds with its progress
@@ -17,7 +17,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from belayer_rl.services.trainer_group.rank import ActorRank, ReferenceRank, RewardRank
+from belayer_rl.services.trainer.ranks import ActorRank, ReferenceRank, RewardRank
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig
