@@ -38,6 +38,7 @@ from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSett
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.protocol import EVENT_TYPES, decode, decoder_for
+from belayer_rl.shared.subjects import event_kind
 
 KINDS = {  # kind -> (group, signal)
     "actor": ("actor", signal.SIGKILL),
@@ -81,14 +82,20 @@ class Events:
         self.seen: list[dict[str, object]] = []
 
     async def follow(self, client: Client, run: str) -> None:
-        for kind in ("group_failed", "group_rebuilt", "reschedule"):
+        names = client.subjects
+        for subject in (
+            names.event("group_failed", run),
+            names.event("group_rebuilt", run),
+            names.event("reschedule", run),
+        ):
+            kind = event_kind(subject)
             decoder = decoder_for(EVENT_TYPES[kind])
 
             async def on_message(msg, kind=kind, decoder=decoder) -> None:  # type: ignore[no-untyped-def]
                 event = decode(decoder, msg.data)
                 self.seen.append({**{f: getattr(event, f) for f in event.__struct_fields__}, "event": kind})
 
-            await client.nc.subscribe(client.subjects.event(kind, run), cb=on_message)
+            await client.nc.subscribe(subject, cb=on_message)
 
 
 async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, object]:

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
-from belayer_rl.shared.protocol import GroupFailed, GroupRebuilt, Message
+from belayer_rl.shared.protocol import GroupFailed, GroupRebuilt
 
 log = logging.getLogger("belayer.trainer.faults")
 
@@ -100,11 +100,14 @@ class Group(Protocol):
 
 class FaultManager:
     def __init__(
-        self, config: FaultManagerConfig, run: str, publish: Callable[[str, Message], Awaitable[None]]
+        self,
+        config: FaultManagerConfig,
+        run: str,
+        publish: Callable[[GroupFailed | GroupRebuilt], Awaitable[None]],
     ) -> None:
         self.config = config
         self.run = run
-        self.publish = publish  # (event kind, message)
+        self.publish = publish  # onto the event's subject
 
     def rebuild_bound(self, group: Group) -> int:
         return (
@@ -130,7 +133,6 @@ class FaultManager:
             except GroupFault as fault:
                 detected_s = time.monotonic() - started
                 await self.publish(
-                    "group_failed",
                     GroupFailed(
                         run=self.run, group=group.name, rank=fault.rank, kind=fault.kind, cause=fault.cause,
                         step=step, attempt=attempt, detected_s=detected_s,
@@ -161,7 +163,6 @@ class FaultManager:
             except GroupFault as fault:  # the new processes did not come up
                 cause = str(fault)
                 await self.publish(
-                    "group_failed",
                     GroupFailed(
                         run=self.run, group=group.name, rank=fault.rank, kind=fault.kind, cause=fault.cause,
                         step=step, attempt=attempt, detected_s=0.0,
@@ -179,7 +180,6 @@ class FaultManager:
             await member.start()
         done = time.monotonic()
         await self.publish(
-            "group_rebuilt",
             GroupRebuilt(
                 run=self.run, group=group.name, rebuild=group.rebuilds, step=step,
                 stop_s=stopped - started, start_s=done - stopped, total_s=done - started,

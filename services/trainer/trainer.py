@@ -49,7 +49,8 @@ from belayer_rl.shared.params import Params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
     ActorUpdate,
-    Message,
+    GroupFailed,
+    GroupRebuilt,
     RefLogprobs,
     RefLogprobsRequest,
     Reschedule,
@@ -109,6 +110,19 @@ class StepResult:
     stats: UpdateStats
 
 
+def group_events(client: Client, run: str) -> Callable[[GroupFailed | GroupRebuilt], Awaitable[None]]:
+    """How the fault manager's events reach the bus: each kind onto its own subject."""
+
+    async def publish(event: GroupFailed | GroupRebuilt) -> None:
+        if isinstance(event, GroupFailed):
+            subject = client.subjects.event("group_failed", run)
+        else:
+            subject = client.subjects.event("group_rebuilt", run)
+        await bus.publish(client.nc, subject, event)
+
+    return publish
+
+
 @dataclass
 class GroupBackend:
     """The actor as a group of processes (services/trainer/groups.py) behind the fault manager."""
@@ -145,8 +159,7 @@ class GroupBackend:
     ) -> GroupBackend:
         """Local processes driven over `client`'s bus; `worker` holds every rank's settings."""
 
-        async def publish(kind: str, message: Message) -> None:
-            await bus.publish(client.nc, client.subjects.event(kind, worker.run), message)
+        publish = group_events(client, worker.run)
 
         actor = LocalGroup(client.nc, client.subjects, worker, folder, config)
         single = replace(worker, world=1, rendezvous=None)
@@ -165,8 +178,7 @@ class GroupBackend:
         """Ray actors on the Ray cluster this process has joined (`ray.init`); the trainer
         publishes rank 0's weights over `client`'s bus."""
 
-        async def publish(kind: str, message: Message) -> None:
-            await bus.publish(client.nc, client.subjects.event(kind, worker.run), message)
+        publish = group_events(client, worker.run)
 
         weights = WeightClient(client.nc, subjects=client.subjects)
 

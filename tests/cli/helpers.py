@@ -193,4 +193,51 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
             trajectory="t2", sandbox="t2", host_id="h1", container_id="c0ffee", step=5, delay_s=0.12
         ),
     ),
+    "trainer_step": (
+        "run1",
+        protocol.TrainerStep(
+            run="run1",
+            step=3,
+            weight_version="sha256:ab",
+            generated_with=["sha256:aa"],
+            reward_mean=0.5,
+            loss=-0.01,
+            kl=0.0,
+            clipped_fraction=0.02,
+            samples=256,
+            response_tokens=512,
+            tokens_per_s=900.0,
+            resumes=0,
+            rollout_s=0.5,
+            update_s=0.3,
+            publish_s=0.05,
+        ),
+    ),
+    "group_heartbeat": (
+        "run1",
+        protocol.GroupHeartbeat(run="run1", group="actor", rank=1, pid=103, step=3, progress=6, cpu_s=1.5),
+    ),
+    "group_failed": (
+        "run1",
+        protocol.GroupFailed(
+            run="run1",
+            group="actor",
+            rank=0,
+            kind="exit",
+            cause="killed by SIGKILL",
+            step=3,
+            attempt=1,
+            detected_s=0.01,
+        ),
+    ),
+    "group_rebuilt": (
+        "run1",
+        protocol.GroupRebuilt(
+            run="run1", group="actor", rebuild=1, step=3, stop_s=0.05, start_s=7.0, total_s=7.05
+        ),
+    ),
+    "reschedule": (
+        "run1",
+        protocol.Reschedule(run="run1", attempt=1, from_step=2, failed_step=3, cause="group actor failed"),
+    ),
 }
