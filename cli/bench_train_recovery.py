@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import uvloop
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.services.trainer import chaos as chaos_faults
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.services.trainer.tasks import ReverseDigits
@@ -40,11 +40,11 @@ from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.protocol import EVENT_TYPES, decode, decoder_for
 from belayer_rl.shared.subjects import event_kind
 
-KINDS = {  # kind -> (group, signal)
-    "actor": ("actor", signal.SIGKILL),
-    "reference": ("reference", signal.SIGKILL),
-    "reward": ("reward", signal.SIGKILL),
-    "hang": ("actor", signal.SIGSTOP),
+KINDS = {  # kind -> (group, chaos action)
+    "actor": ("actor", "kill"),
+    "reference": ("reference", "kill"),
+    "reward": ("reward", "kill"),
+    "hang": ("actor", "stop"),
 }
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
@@ -114,9 +114,7 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                 creds = supervisor.access("trainer").creds  # the group workers' credential
                 faults = FaultManagerConfig(hang_timeout_s=args.hang_timeout)
 
-                async def one(
-                    run: str, steps: int, fault: tuple[str, signal.Signals] | None, **changes: object
-                ):  # type: ignore[no-untyped-def]
+                async def one(run: str, steps: int, fault: tuple[str, str] | None, **changes: object):  # type: ignore[no-untyped-def]
                     folder = root / run
                     train = dataclasses.replace(
                         base,
@@ -138,7 +136,10 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                     await events.follow(client, run)
                     chaos = None
                     if fault is not None:
-                        chaos = asyncio.create_task(inject(trainer, steps // 2, *fault))
+                        group, action = fault
+                        # Rank 0, 0.2 s into the step's rollout or update.
+                        planned = [chaos_faults.Fault(group, steps // 2, action, delay_s=0.2, rank_draw=0.0)]
+                        chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, []))
                     started = time.perf_counter()
                     marks: list[float] = []
                     try:
@@ -179,15 +180,6 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         "faults": results,
         "reschedule": reschedule,
     }
-
-
-async def inject(trainer: Trainer, step: int, group: str, sig: signal.Signals) -> None:
-    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # into the step's rollout or update
-    assert trainer.group is not None
-    target = {g.name: g for g in trainer.group.groups}[group]
-    os.kill(target.pids[0], sig)
 
 
 def summarise(wall: float, clean: float, seen: list[dict[str, object]]) -> dict[str, object]:
