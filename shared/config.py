@@ -532,6 +532,10 @@ class TrainerGroupConfig(ServiceConfig):
     heartbeat_s: float = setting(0.5, "seconds between group_heartbeat events")
     init_timeout_s: float = setting(60.0, "seconds to wait for the other ranks to join")
     step_delay_s: float = setting(0.0, "tests: seconds each forward/backward pass is made to last")
+    fault_points: str = setting(
+        "",
+        "chaos: GROUP:RANK:STEP:POINT:ACTION,... where a rank signals itself, once (services/trainer/chaos.py)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -547,6 +551,9 @@ class TrainerGroupConfig(ServiceConfig):
         positive("--init-timeout", self.init_timeout_s)
         if self.threads < 1 or self.ppo_epochs < 1 or self.lr < 0:
             raise ConfigError("--threads and --ppo-epochs must be >= 1 and --lr >= 0")
+        for entry in filter(None, self.fault_points.split(",")):
+            if not re.fullmatch(r"(actor|reference|reward):\d+:\d+:[a-z-]+:(kill|stop)", entry):
+                raise ConfigError(f"--fault-points: {entry!r} is not GROUP:RANK:STEP:POINT:kill|stop")
 
     @property
     def allowed_tokens(self) -> tuple[int, ...]:

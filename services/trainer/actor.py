@@ -8,6 +8,7 @@ weights of the version that generated each sample, never read back from the engi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -131,26 +132,38 @@ class Actor:
         ref_logp: torch.Tensor | None = None,
         *,
         dp: DataParallel | None = None,
+        at: Callable[[str], None] | None = None,
     ) -> UpdateStats:
         """`settings.ppo_epochs` optimizer steps on the batch. Raises NonFiniteUpdate, with weights
         and optimizer state as they were, when any step goes non-finite.
 
         With `dp`, `batch` is this rank's shard: the loss is divided by the token count of the
         whole batch and the gradients are summed over the ranks before clipping, so every rank
-        takes the same step as one process on the whole batch would (to float rounding)."""
+        takes the same step as one process on the whole batch would (to float rounding).
+
+        `at` (chaos) is told when the first epoch reaches "forward" (before its forward pass) and
+        "backward" (inside its backward pass, from a gradient hook)."""
         before = (self.weights(), _clone_state(self.optimizer.state_dict()))
         local_tokens = torch.tensor([float(batch.response_mask.sum())])
         if dp is not None:
             dp.sum(local_tokens)
         total_tokens = int(local_tokens.item())
         losses, clipped, kl, norms, ratio_max = [], 0, 0.0, [], 1.0
-        for _ in range(self.settings.ppo_epochs):
-            logp = token_logprobs(self.params, self.config, batch.tokens, self.allowed)
-            parts = grpo_loss(
-                logp, old_logp, batch.advantages, batch.response_mask, total_tokens, self.grpo, ref_logp
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            parts.loss.backward()
+        for epoch in range(self.settings.ppo_epochs):
+            hook = None
+            if at is not None and epoch == 0:
+                at("forward")
+                hook = next(iter(self.params.values())).register_hook(lambda grad: at("backward"))
+            try:
+                logp = token_logprobs(self.params, self.config, batch.tokens, self.allowed)
+                parts = grpo_loss(
+                    logp, old_logp, batch.advantages, batch.response_mask, total_tokens, self.grpo, ref_logp
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                parts.loss.backward()
+            finally:
+                if hook is not None:
+                    hook.remove()
             terms = torch.tensor([float(parts.loss.detach()), parts.clipped_tokens, parts.kl_sum])
             if dp is not None:
                 for t in self.params.values():

@@ -13,6 +13,7 @@ import hashlib
 import io
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ def write(folder: Path, step: int, state: dict[str, Any]) -> Path:
     return write_file(path_for(folder, step), state)
 
 
-def write_file(final: Path, state: dict[str, Any]) -> Path:
-    """`state` into `final`, atomically and durably. Blocking."""
+def write_file(final: Path, state: dict[str, Any], midway: Callable[[], None] | None = None) -> Path:
+    """`state` into `final`, atomically and durably. Blocking. `midway` (chaos) runs when half the
+    payload is on disk under the temporary name."""
     folder = final.parent
     folder.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -56,7 +58,13 @@ def write_file(final: Path, state: dict[str, Any]) -> Path:
     tmp = folder / f".tmp-{final.name}-{os.getpid()}"
     with tmp.open("wb") as f:
         f.write(hashlib.sha256(payload).hexdigest().encode())
-        f.write(payload)
+        if midway is not None:
+            f.write(payload[: len(payload) // 2])
+            f.flush()
+            midway()
+            f.write(payload[len(payload) // 2 :])
+        else:
+            f.write(payload)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -66,6 +74,15 @@ def write_file(final: Path, state: dict[str, Any]) -> Path:
     finally:
         os.close(fd)
     return final
+
+
+def remove_leftovers(final: Path) -> list[Path]:
+    """Delete the temporary files of writes to `final` that never finished (a writer killed
+    mid-write). Only for the file's one writer, once the earlier writer is known dead."""
+    leftovers = sorted(final.parent.glob(f".tmp-{final.name}-*"))
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return leftovers
 
 
 def read(path: Path) -> dict[str, Any]:

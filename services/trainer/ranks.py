@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from belayer_rl.services.trainer import checkpoint
 from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, initial_weights, token_logprobs
+from belayer_rl.services.trainer.chaos import FaultPoints
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.params import Params, save_params
@@ -68,6 +69,7 @@ class RewardRank:
         from belayer_rl.services.trainer.tasks import workload
 
         self.task = workload(config.workload, length=config.length)
+        self.points = fault_points(config)
         self.work = WorkClock()
         self.progress = 0
         self.step = 0
@@ -76,13 +78,14 @@ class RewardRank:
         self.work.enter()
         if len(call.items) != len(call.answers):
             raise ValueError(f"{len(call.items)} items but {len(call.answers)} answers")
+        rewards = []
+        for index, (item, answer) in enumerate(zip(call.items, call.answers, strict=True)):
+            if index == len(call.items) // 2:
+                self.points.reached(call.step, "forward")
+            rewards.append(self.task.reward(item, answer))
         self.progress += 1
         self.step = call.step
-        return Rewards(
-            rewards=[
-                self.task.reward(item, answer) for item, answer in zip(call.items, call.answers, strict=True)
-            ]
-        )
+        return Rewards(rewards=rewards)
 
 
 class ReferenceRank:
@@ -91,6 +94,7 @@ class ReferenceRank:
     def __init__(self, config: TrainerGroupConfig) -> None:
         self.config = config
         self.params = initial_weights(config.preset, config.seed)
+        self.points = fault_points(config)
         self.work = WorkClock()
         self.progress = 0
         self.step = 0
@@ -103,6 +107,7 @@ class ReferenceRank:
             advantages=[0.0] * len(rows), versions=["ref"] * len(rows),
         )  # fmt: skip
         batch, _ = shard(fake, rows)
+        self.points.reached(call.step, "forward")
         with torch.no_grad():
             logp = token_logprobs(
                 self.params, PRESETS[self.config.preset], batch.tokens, self.config.allowed_tokens
@@ -138,6 +143,7 @@ class ActorRank:
         self.config = config
         self.progress = 0  # forward/backward passes done: the hang detector's signal
         self.work = WorkClock()
+        self.points = fault_points(config)
         self.step = 0
         self.saved_step = -1  # the step the state file holds (rank 0)
         self.version = ""
@@ -161,6 +167,8 @@ class ActorRank:
             grpo,
             config.allowed_tokens,
         )
+        if config.rank == 0 and config.state_file is not None:  # the writer before us is dead
+            checkpoint.remove_leftovers(config.state_file)
         if config.state_file is not None and config.state_file.exists():
             self.load(checkpoint.read(config.state_file))
             self.saved_step = self.step
@@ -198,7 +206,9 @@ class ActorRank:
     def save(self) -> None:
         """Rank 0 writes the group's state file, when it holds an older step than the ranks."""
         if self.config.rank == 0 and self.config.state_file is not None and self.saved_step < self.step:
-            checkpoint.write_file(self.config.state_file, self.state())
+            step = self.step - 1  # the call that made this state
+            midway = lambda: self.points.reached(step, "state-write")  # noqa: E731
+            checkpoint.write_file(self.config.state_file, self.state(), midway)
             self.saved_step = self.step
 
     # ------------------------------------------------------------------ the update
@@ -223,7 +233,8 @@ class ActorRank:
                 raise StateBehind(f"no weights of version {version} (have {sorted(self.kept)})")
             picked = torch.tensor([i for i, v in enumerate(versions) if v == version])
             old_logp[picked] = self.actor.logprobs(self.kept[version], batch.tokens[picked])
-        stats = self.actor.update(batch, old_logp, ref_logp, dp=self.dp)
+        at = lambda point: self.points.reached(call.step, point)  # noqa: E731
+        stats = self.actor.update(batch, old_logp, ref_logp, dp=self.dp, at=at)
         if self.dp is None:
             self.passed()
         self.step += 1
@@ -246,6 +257,12 @@ class ActorRank:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def fault_points(config: TrainerGroupConfig) -> FaultPoints:
+    """The rank's chaos points; their marks live beside the group's state file."""
+    folder = config.state_file.parent if config.state_file is not None else None
+    return FaultPoints(config.fault_points, config.group, config.rank, folder)
 
 
 def shard(call: ActorUpdate, rows: list[int]) -> tuple[Rollouts, list[str]]:

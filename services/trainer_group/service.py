@@ -102,6 +102,7 @@ def actor_update(
                 # Saved before the publication: a publication that fails and is retried finds its
                 # step applied (not fresh) and must not leave the state file a step behind.
                 await asyncio.to_thread(rank.save)
+                rank.points.reached(call.step, "publish")
                 if call.publish:
                     handles = await weights.publish_params(rank.actor.weights())
                     if handles.version != result.weight_version:
