@@ -130,7 +130,7 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                     )  # fmt: skip
                     run_faults = dataclasses.replace(faults, **changes)  # type: ignore[arg-type]
                     trainer = Trainer(
-                        client, task, train, GroupBackend.local(client, worker, folder, run_faults)
+                        client, task, train, GroupBackend.create("local", client, worker, folder, run_faults)
                     )
                     events = Events()
                     await events.follow(client, run)

@@ -8,21 +8,28 @@ step's weights are published to its weight server over the bus, under the traine
 Writes DIR/steps.jsonl (one TrainerStep per line; a step replayed after a reschedule is written
 again), DIR/reward.png and DIR/summary.json; with --checkpoint-every, DIR/checkpoints, from which
 a rerun with the same flags resumes. The actor runs as --world ranks under the fault manager
-(--backend local: processes; ray: Ray actors), the reward as a group of its own on the local
-backend, and so does the reference with --kl-beta; --chaos injects a seeded schedule of faults.
+(--backend local: processes; ray: Ray actors), the reward as a group of its own, and so does the
+reference with --kl-beta; --chaos injects a seeded schedule of faults (services/trainer/chaos.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvloop
 
 from belayer_rl.cli.target import resolve_target
+
+if TYPE_CHECKING:
+    from belayer_rl.shared.metrics import TrainerMetrics
+    from belayer_rl.shared.protocol import TrainerStep
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -67,9 +74,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--chaos",
         default="",
         metavar="SPEC",
-        help="faults to inject: GROUP@STEP:ACTION,... (actor|reference|reward, kill|stop), e.g. actor@3:kill",
+        help="faults to inject: GROUP@STEP:ACTION[@POINT],... (actor|reference|reward, kill|stop;"
+        " points forward, backward, publish, state-write), e.g. actor@3:kill,actor@5:kill@backward",
     )
     train.add_argument("--chaos-seed", type=int, default=0, help="seeds the faults' delays and ranks")
+    train.add_argument(
+        "--metrics-port", type=int, default=-1, help="serve Prometheus metrics here (0: a free port; -1: off)"
+    )
+    train.add_argument("--metrics-host", default="127.0.0.1")
     train.add_argument("--out", type=Path, default=Path("train"))
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=cmd_train)
@@ -82,10 +94,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         chaos.schedule(args.chaos, args.chaos_seed)
     except ValueError as exc:
         raise SystemExit(f"belayer train: {exc}") from None
-    if args.kl_beta and args.backend == "ray":
-        raise SystemExit(
-            "belayer train: --kl-beta needs the reference group, which the Ray backend lacks yet"
-        )
     if args.chaos and args.backend == "inline":
         raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
     return uvloop.run(train(args))
@@ -103,9 +111,10 @@ async def train(args: argparse.Namespace) -> int:
     from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
     from belayer_rl.shared.client import Client
     from belayer_rl.shared.config import TrainerGroupConfig
-    from belayer_rl.shared.protocol import TrainerStep, encode
+    from belayer_rl.shared.protocol import encode
 
     torch.set_num_threads(1)  # repeatable updates; the engine has the other cores
+    planned = chaos.schedule(args.chaos, args.chaos_seed)
     task = workload(args.workload, length=args.length)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = TrainSettings(
@@ -123,7 +132,10 @@ async def train(args: argparse.Namespace) -> int:
     steps: list[TrainerStep] = []
     progress = Bar(args.steps, enabled=not args.no_progress and sys.stderr.isatty())
     target = resolve_target(args, role="trainer")
-    async with await Client.connect(target, "trainer") as client:
+    async with (
+        serving_metrics(args.metrics_host, args.metrics_port) as metrics,
+        await Client.connect(target, "trainer") as client,
+    ):
         group = None
         if args.backend != "inline":
             faults = FaultManagerConfig(
@@ -152,6 +164,7 @@ async def train(args: argparse.Namespace) -> int:
                 workload=args.workload,
                 length=args.length,
                 allowed=",".join(map(str, task.allowed_tokens)),
+                fault_points=chaos.armed(planned, args.world),
             )
             if args.backend == "ray":
                 import ray
@@ -159,11 +172,12 @@ async def train(args: argparse.Namespace) -> int:
                 if args.ray_address:
                     ray.init(address=args.ray_address, logging_level="WARNING")
                 else:  # capped, so that it fits beside the cluster on a laptop
-                    ray.init(num_cpus=2, object_store_memory=200_000_000, include_dashboard=False)
-                group = GroupBackend.ray(client, worker, args.out / "actor", faults)
-            else:
-                group = GroupBackend.local(client, worker, args.out / "actor", faults)
-        trainer = Trainer(client, task, settings, group)
+                    from belayer_rl.services.trainer.ray_groups import cpus_for
+
+                    cpus = max(2.0, cpus_for(args.world, with_reference=args.kl_beta > 0))
+                    ray.init(num_cpus=cpus, object_store_memory=200_000_000, include_dashboard=False)
+            group = GroupBackend.create(args.backend, client, worker, args.out / "actor", faults, metrics)
+        trainer = Trainer(client, task, settings, group, metrics)
         for skipped in await trainer.resume():
             print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)
         if not trainer.version:
@@ -185,11 +199,11 @@ async def train(args: argparse.Namespace) -> int:
             )
             progress.advance(1)
 
-        faults = chaos.schedule(args.chaos, args.chaos_seed)
-        for fault in faults:
+        for fault in planned:
             print(f"chaos (seed {args.chaos_seed}): {fault}", flush=True)
+        timed = [f for f in planned if not f.point]
         injected: list[str] = []
-        injector = asyncio.create_task(chaos.inject(trainer, faults, injected)) if faults else None
+        injector = asyncio.create_task(chaos.inject(trainer, timed, injected)) if timed else None
         try:
             await trainer.run(on_step)
         finally:
@@ -200,8 +214,11 @@ async def train(args: argparse.Namespace) -> int:
                 await asyncio.gather(injector, return_exceptions=True)
         for line in injected:
             print(f"chaos: {line}", flush=True)
-        for fault in faults[len(injected) :]:
+        for fault in timed[len(injected) :]:
             print(f"chaos: not carried out (the run ended first): {fault}", flush=True)
+        for fault in (f for f in planned if f.point):
+            done = chaos.fired(fault, args.out / "actor", args.world)
+            print(f"chaos: {fault}: {'fired' if done else 'not reached'}", flush=True)
         after = await trainer.accuracy(task.held_out)
     if steps:
         plot_rewards(steps, args.out / "reward.png", f"{task.name}, seed {args.seed}")
@@ -220,6 +237,24 @@ async def train(args: argparse.Namespace) -> int:
         f" {trainer.step} steps; weights {trainer.version}; see {args.out}"
     )
     return 0
+
+
+@contextlib.asynccontextmanager
+async def serving_metrics(host: str, port: int) -> AsyncIterator[TrainerMetrics]:
+    """The trainer's metrics, served on `host`:`port` while the run lasts (port -1: off)."""
+    from belayer_rl.shared.metrics import Metrics, MetricsServer, TrainerMetrics, url
+
+    registry = Metrics(enabled=port >= 0)
+    server = None
+    if registry.registry is not None:
+        server = MetricsServer(registry.registry, lambda: (True, "training"))
+        bound = await server.start(host, port)
+        print(f"metrics at {url(host, bound)}", flush=True)
+    try:
+        yield TrainerMetrics(registry)
+    finally:
+        if server is not None:
+            await server.close()
 
 
 class Bar:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, cast
 from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -61,6 +61,9 @@ class NullMetric:
         pass
 
     def observe(self, amount: float) -> None:
+        pass
+
+    def set(self, value: float) -> None:
         pass
 
 
@@ -123,6 +126,11 @@ class Metrics:
         if self.registry is None:
             return cast(Histogram, NULL)
         return Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        if self.registry is None:
+            return cast(Gauge, NULL)
+        return Gauge(name, doc, labels, registry=self.registry)
 
 
 # ---------------------------------------------------------------- the project's metrics, by service
@@ -350,4 +358,34 @@ class PolicyMetrics:
             "belayer_policy_expected_visible_cost_seconds",
             "The expected visible checkpoint cost of the adaptive decisions.",
             SANDBOX_S,
+        )
+
+
+class TrainerMetrics:
+    """The trainer's (`belayer train --metrics-port`): its steps and the fault manager's work."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.steps = m.counter("belayer_trainer_steps_total", "Training steps done (a replayed step again).")
+        self.samples = m.counter("belayer_trainer_samples_total", "Samples trained on.")
+        self.reward = m.gauge("belayer_trainer_reward_mean", "The mean reward of the last step's samples.")
+        self.phase_seconds = m.histogram(
+            "belayer_trainer_phase_seconds",
+            "Seconds of each step's phases: rollout (with the reward), update, publish (with worker"
+            " groups the publication is part of the update, and publish is 0).",
+            SANDBOX_S,
+            ["phase"],
+        )
+        self.group_failures = m.counter(
+            "belayer_trainer_group_failures_total",
+            "Worker group failures seen by the fault manager, by group and kind (exit, hang, ...).",
+            ["group", "kind"],
+        )
+        self.group_rebuilds = m.counter(
+            "belayer_trainer_group_rebuilds_total", "Targeted rebuilds, by the group counted.", ["group"]
+        )
+        self.rebuild_seconds = m.histogram(
+            "belayer_trainer_group_rebuild_seconds", "Seconds a targeted rebuild took.", RECOVERY_S, ["group"]
+        )
+        self.reschedules = m.counter(
+            "belayer_trainer_reschedules_total", "Whole-workflow restarts from the last trainer checkpoint."
         )

@@ -168,6 +168,8 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(
                 s.event("router_started", "*"),  # the client re-attaches after a router restart
                 s.event("group_heartbeat", "*"),
+                s.event("worker_failed", "*"),  # the rollout side failing with the actor: reschedule
+                s.event("handover", "*"),
                 f"{r}.trainer.>",  # its group workers' RPC (the same credential runs them)
             ),
             replies=True,

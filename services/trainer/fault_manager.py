@@ -12,7 +12,12 @@ The ladder, as the verl FaultMgr RFC lays it out, bounded at every rung:
    so a restart in place (`max_restarts`) is for single-process groups only;
 3. past its rebuilds, `RescheduleNeeded`: the trainer restarts the whole workflow from its last
    checkpoint, at most `max_reschedule_times` times, and past that the error surfaces naming the
-   group, the attempts and the cause.
+   group, the attempts and the cause. The actor (or the reference) failing together with the
+   rollout side, a rollout worker failed within `joint_window_s` of it, goes here at once: the
+   weights the rollout would be re-synced from are the ones being rebuilt. The rollout side's
+   report (the supervisor's handover, the router's worker_failed) may come a moment after the
+   actor's failure is seen, so an actor failure waits up to `joint_grace_s` for it; a hang is
+   dated a hang timeout before it was seen. A joint failure with no reschedule left ends the run.
 
 Detection: a worker's exit (an OOM kill is a SIGKILL), an error reply, a call past its timeout,
 and a hang: a worker whose heartbeats stop, or whose progress counter and CPU time both stand still,
@@ -23,6 +28,7 @@ trainer).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +56,8 @@ class FaultManagerConfig:
     call_timeout_s: float = 120.0
     hang_timeout_s: float = 30.0
     start_timeout_s: float = 120.0
+    joint_window_s: float = 30.0  # a rollout failure this close to an actor failure: both at once
+    joint_grace_s: float = 1.0  # how long an actor failure waits for the rollout side's report
 
     def __post_init__(self) -> None:
         bounds = (
@@ -61,8 +69,10 @@ class FaultManagerConfig:
         )
         if min(bounds) < 0:
             raise ValueError(f"fault_manager bounds must be >= 0: {self}")
-        if not (self.call_timeout_s > 0 and self.hang_timeout_s > 0 and self.start_timeout_s > 0):
-            raise ValueError("fault_manager timeouts must be > 0")
+        if min(self.call_timeout_s, self.hang_timeout_s, self.start_timeout_s, self.joint_window_s) <= 0:
+            raise ValueError("fault_manager timeouts and the joint window must be > 0")
+        if self.joint_grace_s < 0:
+            raise ValueError("fault_manager joint_grace_s must be >= 0")
 
 
 class GroupFault(Exception):
@@ -108,6 +118,30 @@ class FaultManager:
         self.config = config
         self.run = run
         self.publish = publish  # onto the event's subject
+        self.rollout_failure: tuple[float, str] | None = None  # (wall-clock time, cause), the latest
+        # The rollout workers (engine, pid) whose failure has been answered by a reschedule: the
+        # router's worker_failed and the supervisor's handover both report one failure.
+        self.answered: set[tuple[str, int]] = set()
+        self.rollout_worker: tuple[str, int] | None = None
+
+    def note_rollout_failure(self, at: float, worker: tuple[str, int], cause: str) -> None:
+        """Rollout worker `worker` (engine, pid) failed at wall-clock time `at` (a handover's
+        detection time, or when the router's worker_failed arrived)."""
+        if worker not in self.answered:
+            self.rollout_failure, self.rollout_worker = (at, cause), worker
+
+    async def joint_with_rollout(self, failed_at: float) -> str | None:
+        """The rollout failure within the joint window of an actor failure at `failed_at`, if
+        any, waiting up to the joint grace for one to be reported."""
+        deadline = time.monotonic() + self.config.joint_grace_s
+        while True:
+            if self.rollout_failure is not None:
+                at, cause = self.rollout_failure
+                if abs(failed_at - at) <= self.config.joint_window_s:
+                    return cause
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.05)
 
     def rebuild_bound(self, group: Group) -> int:
         return (
@@ -139,6 +173,18 @@ class FaultManager:
                     ),
                 )  # fmt: skip
                 log.warning("%s failed at step %d (%.2f s in): %s", group.name, step, detected_s, fault)
+                rollout = None
+                if group.name in ("actor", "reference"):
+                    # When it failed: a hang began a hang timeout before it was seen.
+                    hung_for = self.config.hang_timeout_s if fault.kind == "hang" else 0.0
+                    rollout = await self.joint_with_rollout(time.time() - hung_for)
+                if rollout is not None:
+                    assert self.rollout_worker is not None
+                    self.answered.add(self.rollout_worker)  # the reschedule answers both
+                    self.rollout_failure = self.rollout_worker = None
+                    raise RescheduleNeeded(
+                        group.name, attempt, f"{fault}, with the rollout side: {rollout}"
+                    ) from fault
                 if (
                     fault.kind == "exception"
                     and self.config.enable_retry

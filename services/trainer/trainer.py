@@ -23,9 +23,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import torch
+from nats.aio.subscription import Subscription
 
 from belayer_rl.services.trainer import checkpoint
 from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, UpdateStats, initial_weights
@@ -39,27 +41,33 @@ from belayer_rl.services.trainer.fault_manager import (
 )
 from belayer_rl.services.trainer.groups import LocalGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
-from belayer_rl.services.trainer.ray_groups import RayActorGroup
+from belayer_rl.services.trainer.ray_groups import RayGroup
 from belayer_rl.services.trainer.tasks import ReverseDigits
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import TrainerGroupConfig
+from belayer_rl.shared.metrics import Metrics, TrainerMetrics
 from belayer_rl.shared.params import Params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
     ActorUpdate,
     GroupFailed,
     GroupRebuilt,
+    Handover,
     RefLogprobs,
     RefLogprobsRequest,
     Reschedule,
     RewardRequest,
     Rewards,
     TrainerStep,
+    WorkerFailed,
 )
 
 log = logging.getLogger("belayer.trainer")
+
+WorkerGroup = LocalGroup | RayGroup
+NO_METRICS = TrainerMetrics(Metrics(enabled=False))  # every metric NULL: stateless, safe to share
 
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,24}")  # it prefixes request ids (64 characters at most)
 GENERATION_TRIES = 3
@@ -110,14 +118,20 @@ class StepResult:
     stats: UpdateStats
 
 
-def group_events(client: Client, run: str) -> Callable[[GroupFailed | GroupRebuilt], Awaitable[None]]:
-    """How the fault manager's events reach the bus: each kind onto its own subject."""
+def group_events(
+    client: Client, run: str, metrics: TrainerMetrics
+) -> Callable[[GroupFailed | GroupRebuilt], Awaitable[None]]:
+    """How the fault manager's events reach the bus, each kind onto its own subject, and the
+    metrics."""
 
     async def publish(event: GroupFailed | GroupRebuilt) -> None:
         if isinstance(event, GroupFailed):
             subject = client.subjects.event("group_failed", run)
+            metrics.group_failures.labels(event.group, event.kind).inc()
         else:
             subject = client.subjects.event("group_rebuilt", run)
+            metrics.group_rebuilds.labels(event.group).inc()
+            metrics.rebuild_seconds.labels(event.group).observe(event.total_s)
         await bus.publish(client.nc, subject, event)
 
     return publish
@@ -125,19 +139,20 @@ def group_events(client: Client, run: str) -> Callable[[GroupFailed | GroupRebui
 
 @dataclass
 class GroupBackend:
-    """The actor as a group of processes (services/trainer/groups.py) behind the fault manager."""
+    """The worker groups behind the fault manager: local processes (services/trainer/groups.py)
+    or Ray actors (services/trainer/ray_groups.py)."""
 
-    actor: LocalGroup | RayActorGroup
+    actor: WorkerGroup
     faults: FaultManager
-    reference: LocalGroup | None = None  # with a KL term; else no reference is consulted
-    reward: LocalGroup | None = None  # None: rewards computed in the trainer
+    reference: WorkerGroup | None = None  # with a KL term; else no reference is consulted
+    reward: WorkerGroup | None = None  # None: rewards computed in the trainer
 
     @property
-    def groups(self) -> list[LocalGroup | RayActorGroup]:
+    def groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.reference, self.reward) if g is not None]
 
     @property
-    def with_actor(self) -> tuple[LocalGroup | RayActorGroup, ...]:
+    def with_actor(self) -> tuple[WorkerGroup, ...]:
         """What a rebuild of the actor or of the reference restarts: both, on the actor's count."""
         return (self.actor, self.reference) if self.reference is not None else (self.actor,)
 
@@ -154,39 +169,43 @@ class GroupBackend:
             await group.close()
 
     @classmethod
-    def local(
-        cls, client: Client, worker: TrainerGroupConfig, folder: Path, config: FaultManagerConfig
+    def create(
+        cls,
+        backend: Literal["local", "ray"],
+        client: Client,
+        worker: TrainerGroupConfig,
+        folder: Path,
+        config: FaultManagerConfig,
+        metrics: TrainerMetrics = NO_METRICS,
     ) -> GroupBackend:
-        """Local processes driven over `client`'s bus; `worker` holds every rank's settings."""
-
-        publish = group_events(client, worker.run)
-
-        actor = LocalGroup(client.nc, client.subjects, worker, folder, config)
-        single = replace(worker, world=1, rendezvous=None)
-        reference = None
-        if worker.kl_beta > 0:
-            reference = LocalGroup(
-                client.nc, client.subjects, replace(single, group="reference"), folder, config
-            )
-        reward = LocalGroup(client.nc, client.subjects, replace(single, group="reward"), folder, config)
-        return cls(actor, FaultManager(config, worker.run, publish), reference, reward)
-
-    @classmethod
-    def ray(
-        cls, client: Client, worker: TrainerGroupConfig, folder: Path, config: FaultManagerConfig
-    ) -> GroupBackend:
-        """Ray actors on the Ray cluster this process has joined (`ray.init`); the trainer
-        publishes rank 0's weights over `client`'s bus."""
-
-        publish = group_events(client, worker.run)
-
+        """The groups on `backend`: local processes driven over `client`'s bus, or Ray actors on
+        the Ray cluster this process has joined (`ray.init`), rank 0's weights published by the
+        trainer over `client`'s bus. `worker` holds every rank's settings."""
         weights = WeightClient(client.nc, subjects=client.subjects)
 
         async def publish_weights(params: Params) -> str:
             return (await weights.publish_params(params)).version
 
-        actor = RayActorGroup(worker, folder, config, publish_weights)
-        return cls(actor, FaultManager(config, worker.run, publish))
+        def make(group: TrainerGroupConfig) -> WorkerGroup:
+            if backend == "local":
+                return LocalGroup(client.nc, client.subjects, group, folder, config)
+            return RayGroup(group, folder, config, publish_weights)
+
+        faults = FaultManager(config, worker.run, group_events(client, worker.run, metrics))
+        return cls.of(make, worker, faults)
+
+    @classmethod
+    def of(
+        cls,
+        make: Callable[[TrainerGroupConfig], WorkerGroup],
+        worker: TrainerGroupConfig,
+        faults: FaultManager,
+    ) -> GroupBackend:
+        """The actor on `worker`'s settings, the reward (and, with a KL term, the reference) as
+        single processes on the same ones."""
+        single = replace(worker, world=1, rendezvous=None)
+        reference = make(replace(single, group="reference")) if worker.kl_beta > 0 else None
+        return cls(make(worker), faults, reference, make(replace(single, group="reward")))
 
     @property
     def config(self) -> FaultManagerConfig:
@@ -195,9 +214,15 @@ class GroupBackend:
 
 class Trainer:
     def __init__(
-        self, client: Client, task: ReverseDigits, settings: TrainSettings, group: GroupBackend | None = None
+        self,
+        client: Client,
+        task: ReverseDigits,
+        settings: TrainSettings,
+        group: GroupBackend | None = None,
+        metrics: TrainerMetrics = NO_METRICS,
     ) -> None:
         self.client = client
+        self.metrics = metrics
         self.group = group  # None: the actor runs here, in a thread
         self.weights = WeightClient(client.nc, subjects=client.subjects)
         self.task = task
@@ -216,7 +241,7 @@ class Trainer:
         self.next_rollout_version = ""
         self.kept: dict[str, Params] = {}  # version -> weights, while a pending sample may need them
 
-    def groups_by_name(self) -> dict[str, LocalGroup | RayActorGroup]:
+    def groups_by_name(self) -> dict[str, WorkerGroup]:
         """The running worker groups (none with the inline actor): what chaos aims at."""
         return {} if self.group is None else {g.name: g for g in self.group.groups}
 
@@ -340,7 +365,7 @@ class Trainer:
             samples = await self.rewarded(step, samples, self.group.reward)
         return samples, time.perf_counter() - started
 
-    async def rewarded(self, step: int, samples: list[Sample], reward: LocalGroup) -> list[Sample]:
+    async def rewarded(self, step: int, samples: list[Sample], reward: WorkerGroup) -> list[Sample]:
         """The samples with the reward group's rewards (through the fault manager)."""
         ask = RewardRequest(step=step, items=[x.item for x in samples], answers=[x.answer for x in samples])
         assert self.group is not None
@@ -430,10 +455,28 @@ class Trainer:
             await self.run_steps(on_step)
             return
         reschedules = 0
-        if self.step == 0:  # a fresh run: a state file left by an earlier run in this folder is not ours
+        if self.step == 0:  # a fresh run: state files and chaos marks an earlier run left are not ours
             for group in self.group.groups:
                 group.state_file.unlink(missing_ok=True)
+                for mark in group.state_file.parent.glob("chaos-fired-*"):
+                    mark.unlink(missing_ok=True)
+        faults = self.group.faults
+
+        async def on_worker_failed(failed: WorkerFailed) -> None:
+            cause = f"engine {failed.engine_id} worker {failed.pid}: {failed.reason}"
+            faults.note_rollout_failure(time.time(), (failed.engine_id, failed.pid), cause)
+
+        async def on_handover(handover: Handover) -> None:
+            cause = f"engine {handover.engine_id} worker {handover.old_pid}: {handover.reason}"
+            faults.note_rollout_failure(handover.detected_at, (handover.engine_id, handover.old_pid), cause)
+
+        names = self.client.subjects
+        rollout_watch: list[Subscription] = []
         try:
+            failures = names.event("worker_failed", "*")
+            rollout_watch.append(await bus.listen(self.client.nc, failures, WorkerFailed, on_worker_failed))
+            handovers = names.event("handover", "*")
+            rollout_watch.append(await bus.listen(self.client.nc, handovers, Handover, on_handover))
             await self.group.start()
             while True:
                 try:
@@ -457,10 +500,13 @@ class Trainer:
                     await bus.publish(
                         self.client.nc, self.client.subjects.event("reschedule", self.settings.run), event
                     )
+                    self.metrics.reschedules.inc()
                     for group in self.group.groups:  # a fresh workflow gets its rebuilds again
                         group.rebuilds = 0
                     await self.group.start()
         finally:
+            for subscription in rollout_watch:
+                await subscription.unsubscribe()
             await self.group.close()
 
     async def restart_from_checkpoint(self) -> None:
@@ -507,6 +553,7 @@ class Trainer:
                 # The newest version, and the one the batch in flight is generated on.
                 self.forget_versions_except({self.version, self.next_rollout_version})
                 event = self.step_event(samples, stats, generated_with, rollout_s, update_s, publish_s)
+                self.count(event)
                 await bus.publish(self.client.nc, self.client.subjects.event("trainer_step", s.run), event)
                 if s.checkpoint_every and self.step % s.checkpoint_every == 0:
                     await self.save()
@@ -518,6 +565,18 @@ class Trainer:
             if pending is not None:
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
+
+    def count(self, event: TrainerStep) -> None:
+        m = self.metrics
+        m.steps.inc()
+        m.samples.inc(event.samples)
+        m.reward.set(event.reward_mean)
+        for phase, seconds in (
+            ("rollout", event.rollout_s),
+            ("update", event.update_s),
+            ("publish", event.publish_s),
+        ):
+            m.phase_seconds.labels(phase).observe(seconds)
 
     def step_event(
         self,
