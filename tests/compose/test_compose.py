@@ -11,6 +11,7 @@ every test of the module and is taken down (`down -v`) at the end, whatever happ
   token-exact, and so does one after. A restart of each other service, one at a time, leaves the
   cluster serving the same tokens.
 - The checkpointer in its container checkpoints and restores a sandbox, processes included.
+- The trainer (profile `train`) runs GRPO steps in its container, and a rerun resumes.
 
 Off CI a machine without Docker skips these tests; with CI=true they fail instead.
 """
@@ -527,6 +528,23 @@ async def _answer(policy: PolicyClient, request: PolicyDecide) -> PolicyDecision
         return await policy.decide(request)
     except ServiceError:  # the container may still be starting
         return None
+
+
+async def test_trainer_in_its_container_trains_and_a_rerun_resumes(stack: Stack) -> None:
+    """`docker compose --profile train run trainer`: GRPO steps on the stack's rollouts with the
+    trainer's credential, its groups inside the container, the run kept in the `train` volume."""
+
+    def train(steps: int) -> str:
+        return stack.compose(
+            "--profile", "train", "run", "--rm", "-T", "trainer", "--steps", str(steps), "--prompts", "4",
+            "--group-size", "4", "--checkpoint-every", "1", timeout_s=600,
+        )  # fmt: skip
+
+    first = await asyncio.to_thread(train, 2)
+    assert [line.split()[1] for line in first.splitlines() if line.startswith("step ")] == ["1", "2"], first
+    assert "held-out exact match" in first and "metrics at http://0.0.0.0:9100/metrics" in first
+    again = await asyncio.to_thread(train, 3)
+    assert [line.split()[1] for line in again.splitlines() if line.startswith("step ")] == ["3"], again
 
 
 async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack, seed: int) -> None:

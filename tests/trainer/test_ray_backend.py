@@ -17,13 +17,20 @@ from pathlib import Path
 import pytest
 
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupFault
-from belayer_rl.services.trainer.ray_groups import RayActorGroup
+from belayer_rl.services.trainer.ray_groups import RayGroup
 from belayer_rl.services.trainer.tasks import DIGIT_TOKENS, ReverseDigits
 from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSettings
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.processes import free_port
 from tests.support import Cluster, EventLog
-from tests.trainer.test_fault_manager import FAULTY_STEP, fault_during, final_state, same, settings
+from tests.trainer.test_fault_manager import (
+    FAULTY_STEP,
+    fault_during,
+    final_state,
+    run_the_schedule,
+    same,
+    settings,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,6 +71,8 @@ def ray_trainer(
     train: TrainSettings,
     faults: FaultManagerConfig,
     step_delay_s: float = 0.0,
+    kl_beta: float = 0.0,
+    fault_points: str = "",
 ) -> Trainer:
     worker = TrainerGroupConfig(
         nats_url=cluster.nats.url,
@@ -77,8 +86,12 @@ def ray_trainer(
         ppo_epochs=train.actor.ppo_epochs,
         allowed=",".join(map(str, DIGIT_TOKENS)),
         step_delay_s=step_delay_s,
+        kl_beta=kl_beta,
+        fault_points=fault_points,
     )
-    return Trainer(cluster.client, TASK, train, GroupBackend.ray(cluster.client, worker, folder, faults))
+    return Trainer(
+        cluster.client, TASK, train, GroupBackend.create("ray", cluster.client, worker, folder, faults)
+    )
 
 
 async def test_on_ray_a_killed_rank_is_seen_dead_rebuilt_and_the_run_matches_its_twin(
@@ -112,6 +125,22 @@ async def test_on_ray_a_killed_rank_is_seen_dead_rebuilt_and_the_run_matches_its
     assert same(final_state(hung), expected)
 
 
+async def test_on_ray_the_printed_schedule_hits_every_group_at_every_point_and_matches_its_twin(
+    ray_cluster: str, train_cluster: Cluster, tmp_path: Path
+) -> None:
+    """The local backend's schedule on Ray. The reward's death is Ray's to recover: its actor is
+    restarted and the interrupted call retried (max_restarts, max_task_retries), so the fault
+    manager sees nothing of it; every other fault is a targeted rebuild of the actor with the
+    reference, placement groups removed and made again."""
+    trainer, failed = await run_the_schedule(train_cluster, tmp_path, ray_trainer, "raysched")
+    assert failed == [
+        ("actor", "exit", 0), ("reference", "exit", 1), ("actor", "exit", 1), ("actor", "exit", 2),
+        ("actor", "exit", 3), ("actor", "hang", 4),
+    ]  # fmt: skip
+    assert trainer.group is not None and trainer.group.reward is not None
+    assert trainer.group.reward.builds == 1  # restarted by Ray, not rebuilt
+
+
 async def test_a_placement_group_that_cannot_be_placed_fails_the_start_in_time(
     ray_cluster: str, train_cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -123,7 +152,7 @@ async def test_a_placement_group_that_cannot_be_placed_fails_the_start_in_time(
     async def publish(_: object) -> str:
         raise AssertionError("nothing is published")
 
-    group = RayActorGroup(worker, tmp_path, FAST, publish, placement_timeout_s=3.0)  # type: ignore[arg-type]
+    group = RayGroup(worker, tmp_path, FAST, publish, placement_timeout_s=3.0)  # type: ignore[arg-type]
     with pytest.raises(GroupFault) as failed:
         await group.start()
     await group.stop()
