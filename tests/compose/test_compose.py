@@ -530,23 +530,6 @@ async def _answer(policy: PolicyClient, request: PolicyDecide) -> PolicyDecision
         return None
 
 
-async def test_trainer_in_its_container_trains_and_a_rerun_resumes(stack: Stack) -> None:
-    """`docker compose --profile train run trainer`: GRPO steps on the stack's rollouts with the
-    trainer's credential, its groups inside the container, the run kept in the `train` volume."""
-
-    def train(steps: int) -> str:
-        return stack.compose(
-            "--profile", "train", "run", "--rm", "-T", "trainer", "--steps", str(steps), "--prompts", "4",
-            "--group-size", "4", "--checkpoint-every", "1", timeout_s=600,
-        )  # fmt: skip
-
-    first = await asyncio.to_thread(train, 2)
-    assert [line.split()[1] for line in first.splitlines() if line.startswith("step ")] == ["1", "2"], first
-    assert "held-out exact match" in first and "metrics at http://0.0.0.0:9100/metrics" in first
-    again = await asyncio.to_thread(train, 3)
-    assert [line.split()[1] for line in again.splitlines() if line.startswith("step ")] == ["3"], again
-
-
 async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack, seed: int) -> None:
     rng = random.Random(seed + 1)
     async with await Client.connect(stack.target, "compose-test") as client:
@@ -585,3 +568,22 @@ async def test_compose_restart_of_each_service_leaves_generation_token_exact(sta
         after = json.loads(stack.belayer(*generate_args(request_seed)))
         print(f"restart {service}: healthy and generated again in {time.monotonic() - started:.1f} s")
         assert after["tokens"] == reference, f"after restarting {service} the tokens differ"
+
+
+async def test_trainer_in_its_container_trains_and_a_rerun_resumes(stack: Stack) -> None:
+    """`docker compose --profile train run trainer`: GRPO steps on the stack's rollouts with the
+    trainer's credential, its groups inside the container, the run kept in the `train` volume.
+    Last in the module: it publishes new weights, so the newest version the other tests generate
+    on changes (and a restarted weight server would start from the seed's version again)."""
+
+    def train(steps: int) -> str:
+        return stack.compose(
+            "--profile", "train", "run", "--rm", "-T", "trainer", "--steps", str(steps), "--prompts", "4",
+            "--group-size", "4", "--checkpoint-every", "1", timeout_s=600,
+        )  # fmt: skip
+
+    first = await asyncio.to_thread(train, 2)
+    assert [line.split()[1] for line in first.splitlines() if line.startswith("step ")] == ["1", "2"], first
+    assert "held-out exact match" in first and "metrics at http://0.0.0.0:9100/metrics" in first
+    again = await asyncio.to_thread(train, 3)
+    assert [line.split()[1] for line in again.splitlines() if line.startswith("step ")] == ["3"], again
