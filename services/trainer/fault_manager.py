@@ -118,26 +118,29 @@ class FaultManager:
         self.config = config
         self.run = run
         self.publish = publish  # onto the event's subject
-        self.rollout_failure: tuple[float, str] | None = None  # (wall-clock time, cause), the latest
+        # The latest rollout failure not yet answered: (wall-clock time, worker, cause).
+        self.rollout_failure: tuple[float, tuple[str, int], str] | None = None
         # The rollout workers (engine, pid) whose failure has been answered by a reschedule: the
         # router's worker_failed and the supervisor's handover both report one failure.
         self.answered: set[tuple[str, int]] = set()
-        self.rollout_worker: tuple[str, int] | None = None
 
     def note_rollout_failure(self, at: float, worker: tuple[str, int], cause: str) -> None:
         """Rollout worker `worker` (engine, pid) failed at wall-clock time `at` (a handover's
         detection time, or when the router's worker_failed arrived)."""
         if worker not in self.answered:
-            self.rollout_failure, self.rollout_worker = (at, cause), worker
+            self.rollout_failure = (at, worker, cause)
 
     async def joint_with_rollout(self, failed_at: float) -> str | None:
-        """The rollout failure within the joint window of an actor failure at `failed_at`, if
-        any, waiting up to the joint grace for one to be reported."""
+        """The cause of the rollout failure within the joint window of an actor failure at
+        `failed_at`, if any, waiting up to the joint grace for one to be reported. A failure
+        returned is answered: its worker's later reports are ignored."""
         deadline = time.monotonic() + self.config.joint_grace_s
         while True:
             if self.rollout_failure is not None:
-                at, cause = self.rollout_failure
+                at, worker, cause = self.rollout_failure
                 if abs(failed_at - at) <= self.config.joint_window_s:
+                    self.answered.add(worker)  # the reschedule answers both
+                    self.rollout_failure = None
                     return cause
             if time.monotonic() >= deadline:
                 return None
@@ -179,9 +182,6 @@ class FaultManager:
                     hung_for = self.config.hang_timeout_s if fault.kind == "hang" else 0.0
                     rollout = await self.joint_with_rollout(time.time() - hung_for)
                 if rollout is not None:
-                    assert self.rollout_worker is not None
-                    self.answered.add(self.rollout_worker)  # the reschedule answers both
-                    self.rollout_failure = self.rollout_worker = None
                     raise RescheduleNeeded(
                         group.name, attempt, f"{fault}, with the rollout side: {rollout}"
                     ) from fault
