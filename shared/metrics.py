@@ -190,6 +190,7 @@ ColdReason = Literal[
     "flush-failed",  # the arena flush failed
     "no-shadow",
     "promotion-failed",  # the shadow failed its device check, exited or timed out
+    "restart-requested",  # EngineRestart: the cold path on purpose
 ]
 
 

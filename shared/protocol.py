@@ -62,8 +62,8 @@ ErrorCode = Literal[
     # weight and KV servers
     "unknown-version", "bad-weights", "dead-holder", "unknown-engine", "unknown-preset", "shape-mismatch",
     "too-large", "no-space", "unknown-object",
-    # trainer groups
-    "update-failed",
+    # trainer groups, and the shadow supervisor's engine restarts
+    "update-failed", "engine-quarantined", "restart-failed",
     # checkpointer
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
     "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
@@ -796,7 +796,8 @@ class TrainerStep(Message, tag="trainer_step", kw_only=True):
 # `belayer.<cluster>.trainer.<run>.<group>.<rank>.<verb>`; workers publish `group_heartbeat`.
 
 RunId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,40}$")]
-GroupName = Literal["actor", "reference", "reward"]
+# "rollout": the rollout engines, as the trainer's fault manager rebuilds them (engine restarts).
+GroupName = Literal["actor", "reference", "reward", "rollout"]
 
 
 class ActorUpdate(Message, tag="actor_update", kw_only=True):
@@ -1086,6 +1087,22 @@ class KvArenaRequest(Message, tag="kv_arena", kw_only=True):
     preset: Annotated[str, Meta(min_length=1, max_length=64)]
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 24)]
     block_size: Annotated[int, Meta(ge=1, le=1 << 12)]
+
+
+class EngineRestart(Message, tag="engine_restart", kw_only=True):
+    """Replace the engine's workers by the cold path: main and shadow killed and their deaths
+    confirmed, a worker started from scratch (its own weights and arena), a new shadow behind it.
+    Sent on `belayer.<cluster>.engines.<engine>.restart` to the supervisor that runs the engine."""
+
+    reason: Annotated[str, Meta(max_length=200)]  # why, for the handover event and the logs
+
+
+class EngineRestarted(Message, tag="engine_restarted", kw_only=True):
+    engine_id: EngineId
+    old_pid: int
+    new_pid: int
+    epoch: Epoch  # the new worker's
+    took_s: float  # from the request's arrival to the new worker serving
 
 
 class KvFlush(Message, tag="kv_flush", kw_only=True):

@@ -135,6 +135,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("worker_failed", "*"),
                 f"$KV.{engines}.*",  # quarantines an engine it runs
             ),
+            subscribe=(s.engine_restart("*"),),
             replies=True,
             reads=(kv_stream(engines),),
             stats="shadow-supervisor",
@@ -158,6 +159,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("group_rebuilt", "*"),
                 s.event("reschedule", "*"),
                 f"{r}.trainer.>",  # calls to its group workers
+                s.engine_restart("*"),  # a rollout rebuild: the engines restarted by the cold path
                 s.router_generate,
                 s.router_attach,
                 s.router_cancel,

@@ -143,6 +143,11 @@ class Subjects:
     def engine_registry_bucket(self) -> str:
         return f"belayer_engines_{self.cluster_id}"
 
+    def engine_restart(self, engine_id: str) -> str:
+        """Served by the shadow supervisor that runs the engine (one subject per engine, so each
+        host's supervisor answers for its own)."""
+        return f"{self.root}.engines.{engine_id}.restart"
+
     # ------------------------------------------------------------ sandboxes
 
     def sandbox_rpc(self, host_id: str, verb: str) -> str:

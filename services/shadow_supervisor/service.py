@@ -2,7 +2,8 @@
 the runtime runs (shared/runtime.py).
 
 It alone starts, replaces and kills the workers of its engines (services/shadow_supervisor/
-supervisor.py); stopping it stops every worker it started, those still starting included.
+supervisor.py); stopping it stops every worker it started, those still starting included. Each
+engine's restart subject (EngineRestart) is served once its workers run.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from belayer_rl.services.shadow_supervisor.supervisor import ShadowSupervisor
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import ShadowSupervisorConfig
 from belayer_rl.shared.metrics import SupervisorMetrics
-from belayer_rl.shared.runtime import Runtime
+from belayer_rl.shared.protocol import EngineRestart
+from belayer_rl.shared.runtime import Endpoint, Runtime
 
 
 async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
@@ -20,4 +22,12 @@ async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
     supervisor = ShadowSupervisor(config, nc, kv, SupervisorMetrics(rt.metrics))
     rt.on_close(supervisor.stop)
     await supervisor.start()
+    await rt.serve(
+        *(
+            Endpoint(
+                rt.subjects.engine_restart(engine), EngineRestart, supervisor.on_restart, with_subject=True
+            )
+            for engine in config.engines
+        )
+    )
     rt.ready(f"engines {', '.join(config.engines)}, each with a main and a shadow")

@@ -3,7 +3,10 @@
 Owns: every rollout-worker process of its engines (it alone starts, replaces and kills them), each
 engine's failure history and quarantine.
 Listens: its workers' reports on stdout (shared/protocol.py's shadow pipe: WorkerIdle, MainFailed,
-WorkerReady, WorkerUnhealthy, one per line), its children's exits.
+WorkerReady, WorkerUnhealthy, one per line), its children's exits, and
+`belayer.<cluster>.engines.<engine>.restart` (EngineRestart) for each of its engines: the trainer's
+rollout rebuild, which replaces the engine's workers by the cold path even though none reported
+a failure (a main and shadow both stopped, say).
 Publishes: `belayer.<cluster>.evt.handover.<engine>` with each phase's duration,
 `belayer.<cluster>.evt.engine_quarantined.<engine>`, process events; the registry's quarantine mark.
 
@@ -13,6 +16,8 @@ not reused; (3) the weight and KV servers must answer and the arena is flushed; 
 checks its device and installs itself under a new epoch (compare-and-set on the registry); (5) the
 router sees the new epoch and resumes the interrupted requests on it. Anything not proven healthy
 sends the engine down the cold path: a worker from scratch, with its own weights and arena.
+A requested restart is a handover that takes the cold path on purpose; it is not a failure, so it
+counts towards no quarantine.
 
 A worker's stdout line that does not decode as a report is logged and dropped; commands (only
 PromoteShadow so far) go to its stdin the same way, one encoded message per line.
@@ -43,6 +48,8 @@ from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
     BadMessage,
     EngineQuarantined,
+    EngineRestart,
+    EngineRestarted,
     EngineWorkers,
     Handover,
     KvFlush,
@@ -173,6 +180,10 @@ class EngineSlot:
     quarantined: bool = False
     generation: int = 0  # names heartbeat files uniquely
     shadow_started: asyncio.Event = field(default_factory=asyncio.Event)
+    # Restart requests not yet answered: the watch hands over on `restart_asked`, then gives each
+    # waiter the handover (None when no worker could be started).
+    restart_asked: asyncio.Event = field(default_factory=asyncio.Event)
+    restart_waiters: list[asyncio.Future[Handover | None]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- the supervisor
@@ -269,22 +280,65 @@ class ShadowSupervisor:
     # ------------------------------------------------------------ watching
 
     async def watch(self, slot: EngineSlot) -> None:
-        """Wait for the main to fail (its exit, or the shadow's report) and hand over; forever."""
-        while not self.stopping and not slot.quarantined:
-            assert slot.main is not None
-            main_exit = asyncio.create_task(slot.main.process.wait())
-            report = asyncio.create_task(self.shadow_report(slot))
-            done, _ = await asyncio.wait([main_exit, report], return_when=asyncio.FIRST_COMPLETED)
-            detected_at = time.time()
-            for task in (main_exit, report):
-                task.cancel()
-            if self.stopping:
-                return
-            reason = report.result() if report in done and not report.cancelled() else "exit"
-            if reason == "shadow-gone":
-                await self.replace_shadow(slot)
-                continue
-            await self.handover(slot, reason, detected_at)
+        """Wait for the main to fail (its exit, or the shadow's report) or a restart request, and
+        hand over; forever."""
+        try:
+            while not self.stopping and not slot.quarantined:
+                assert slot.main is not None
+                main_exit = asyncio.create_task(slot.main.process.wait())
+                report = asyncio.create_task(self.shadow_report(slot))
+                asked = asyncio.create_task(slot.restart_asked.wait())
+                waits = (main_exit, report, asked)
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                detected_at = time.time()
+                for task in waits:
+                    task.cancel()
+                if self.stopping:
+                    return
+                if main_exit in done:
+                    reason = "exit"
+                elif report in done and not report.cancelled():
+                    reason = report.result()
+                else:
+                    reason = "restart"
+                if reason == "shadow-gone":
+                    await self.replace_shadow(slot)
+                    continue
+                slot.restart_asked.clear()  # a request made from here on gets the next handover
+                waiters, slot.restart_waiters = slot.restart_waiters, []
+                event = await self.handover(slot, reason, detected_at)
+                for waiter in waiters:  # any replacement made after the request answers it
+                    if not waiter.done():
+                        waiter.set_result(event)
+        finally:
+            for waiter in slot.restart_waiters:  # quarantined or stopping: nothing will restart it
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def on_restart(self, request: EngineRestart, subject: str) -> EngineRestarted:
+        """Restart the engine the subject names by the cold path; answer once its new worker
+        serves."""
+        arrived = time.monotonic()
+        engine_id = subject.split(".")[-2]
+        slot = self.slots.get(engine_id)
+        if slot is None:
+            raise bus.ServiceError("unknown-engine", f"this supervisor does not run engine {engine_id!r}")
+        if slot.quarantined:
+            raise bus.ServiceError("engine-quarantined", f"engine {engine_id} is quarantined")
+        log.info("engine %s: restart requested: %s", engine_id, request.reason)
+        answered: asyncio.Future[Handover | None] = asyncio.get_running_loop().create_future()
+        slot.restart_waiters.append(answered)
+        slot.restart_asked.set()
+        event = await answered
+        if event is None:
+            raise bus.ServiceError("restart-failed", f"engine {engine_id}: no worker could be started")
+        return EngineRestarted(
+            engine_id=engine_id,
+            old_pid=event.old_pid,
+            new_pid=event.new_pid,
+            epoch=event.epoch,
+            took_s=time.monotonic() - arrived,
+        )
 
     async def shadow_report(self, slot: EngineSlot) -> Literal["exit", "hang", "shadow-gone"]:
         """ "exit" or "hang" when the shadow reports its main failed; "shadow-gone" if it died."""
@@ -321,7 +375,9 @@ class ShadowSupervisor:
 
     # ------------------------------------------------------------ handover
 
-    async def handover(self, slot: EngineSlot, reason: str, detected_at: float) -> None:
+    async def handover(self, slot: EngineSlot, reason: str, detected_at: float) -> Handover | None:
+        """Replace the main (the shadow path, else the cold path); the event, or None when the
+        engine was quarantined or no worker could be started."""
         assert slot.main is not None
         old, shadow = slot.main, slot.shadow
         phases: dict[str, float] = {}
@@ -338,11 +394,14 @@ class ShadowSupervisor:
         if not await old.kill_confirmed(self.config.death_timeout_s):
             cold.append(("kill-unconfirmed", f"old main pid {old.pid} not confirmed dead"))
         phase("kill_confirmed")
-        now = time.monotonic()
-        slot.failures = [f for f in slot.failures if now - f < self.config.failure_window_s] + [now]
-        if len(slot.failures) >= 2:
-            await self.quarantine(slot)
-            return
+        if reason == "restart":
+            cold.append(("restart-requested", "restart requested"))
+        else:
+            now = time.monotonic()
+            slot.failures = [f for f in slot.failures if now - f < self.config.failure_window_s] + [now]
+            if len(slot.failures) >= 2:
+                await self.quarantine(slot)
+                return None
         cold += await self.servers_unfit(shadow)
         phase("servers_checked")
         if not cold:
@@ -370,7 +429,7 @@ class ShadowSupervisor:
                 new = await self.start_worker(slot, "cold")
             except (StartFailed, TimeoutError) as exc:
                 log.error("engine %s: cold start failed: %s", slot.engine_id, exc)
-                return
+                return None
             phase("cold_started")
         slot.main = new
         slot.shadow = None
@@ -391,6 +450,7 @@ class ShadowSupervisor:
         self.count(event, cold, time.time() - detected_at)
         log.info("engine %s handover after %s (%s path): %s", slot.engine_id, reason, event.path, phases)
         self.spawn_task(self.replace_shadow(slot), f"shadow-{slot.engine_id}")
+        return event
 
     def count(self, event: Handover, cold: list[tuple[ColdReason, str]], took_s: float) -> None:
         """The handover's metrics: one handover, and each reason for a cold path once."""

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from belayer_rl.services.worker.shadow import INJECT_DEVICE_FAULT_ENV
-from belayer_rl.shared.protocol import EngineQuarantined, Handover, RequestResumed
+from belayer_rl.shared import bus
+from belayer_rl.shared.protocol import (
+    EngineQuarantined,
+    EngineRestart,
+    EngineRestarted,
+    Handover,
+    RequestResumed,
+)
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import Cluster, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
 
@@ -232,6 +239,8 @@ async def test_two_failures_in_window_quarantine_and_spread(nats_server, tmp_pat
         await alerts.wait_for(lambda e: isinstance(e, EngineQuarantined) and e.engine_id == "e0")
         results = await asyncio.gather(*running)
         state = engines(cluster)["e0"]
+        with pytest.raises(bus.ServiceError) as refused:  # a restart is no way out of a quarantine
+            await restart(cluster, "e0")
 
     moved = [
         e
@@ -242,9 +251,59 @@ async def test_two_failures_in_window_quarantine_and_spread(nats_server, tmp_pat
     assert set(on_e0) <= {e.request_id for e in moved}
     assert abs(targets.count("e1") - targets.count("e2")) <= 1  # spread evenly
     assert state["quarantined"]
+    assert refused.value.code == "engine-quarantined"
     expected = reference_tokens(jobs)
     for job, result in zip(jobs, results, strict=True):
         assert result.tokens == expected[job.request_id]
+
+
+async def restart(cluster: Cluster, engine_id: str) -> EngineRestarted:
+    """What the trainer's rollout rebuild asks of the engine's supervisor."""
+    subject = cluster.client.subjects.engine_restart(engine_id)
+    return await bus.request_struct(
+        cluster.client.nc, subject, EngineRestart(reason="test"), EngineRestarted, 180
+    )
+
+
+async def test_a_restart_request_takes_the_cold_path_with_main_and_shadow_stopped(
+    nats_server, tmp_path, seed
+) -> None:
+    """The shadow and then the main SIGSTOPped mid-generation: nobody reports a failure and the
+    requests stand still past the hang timeout. A restart request kills both (confirmed), starts a
+    worker by the cold path and a new shadow, and the requests end token-exact. A restart is not a
+    failure: a second one inside the failure window does not quarantine the engine. An engine no
+    supervisor runs has no responder."""
+    rng = random.Random(seed)
+    async with shadowed(nats_server, tmp_path, hang_timeout_s=1.0, failure_window_s=120) as cluster:
+        handovers = await EventLog.start(cluster.client, "handover")
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        jobs = [make_job(rng, f"restart-{i}", max_tokens=300) for i in range(4)]
+        running = asyncio.gather(*(run(cluster.client, job) for job in jobs))
+        await poll(lambda: busy_requests(cluster.client, 0, 250))
+        kill(pids["shadow"], signal.SIGSTOP)
+        kill(pids["main"], signal.SIGSTOP)
+        await asyncio.sleep(3.0)  # three hang timeouts: nobody noticed
+        unnoticed = list(handovers.events)
+        first = await restart(cluster, "e0")
+        stopped_gone = not alive(pids["main"]) and not alive(pids["shadow"])
+        results = await running
+        await poll(lambda: shadow_ready(cluster, "e0", set(pids.values())), timeout_s=120)
+        second = await restart(cluster, "e0")
+        with pytest.raises(bus.ServiceError) as unknown:
+            await restart(cluster, "e9")
+        state = engines(cluster)["e0"]
+
+    assert unnoticed == []
+    assert (first.old_pid, second.old_pid) == (pids["main"], first.new_pid)
+    assert stopped_gone  # SIGKILLed and reaped, not resumed
+    assert second.epoch > first.epoch
+    events = [e for e in handovers.events if isinstance(e, Handover)]
+    assert [(e.reason, e.path) for e in events] == [("restart", "cold"), ("restart", "cold")]
+    assert "restart requested" in events[0].cold_reason
+    assert not state["quarantined"]
+    assert unknown.value.code == "no-responders"
+    expected = reference_tokens(jobs)
+    assert [r.tokens for r in results] == [expected[j.request_id] for j in jobs]
 
 
 async def requests_on(cluster: Cluster, engine_id: str, at_least: int) -> set[str] | None:
