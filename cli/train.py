@@ -65,10 +65,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     faults.add_argument("--max-task-retries", type=int, default=1)
     faults.add_argument("--actor-max-rebuild-times", type=int, default=2)
+    faults.add_argument("--max-restarts", type=int, default=1, help="restarts in place of the reward worker")
+    faults.add_argument(
+        "--rollout-max-rebuild-times",
+        type=int,
+        default=1,
+        help="restarts of the rollout engines through the shadow supervisors' cold path",
+    )
     faults.add_argument("--max-reschedule-times", type=int, default=1)
     faults.add_argument("--call-timeout", type=float, default=120.0, help="seconds one group call may take")
     faults.add_argument(
         "--hang-timeout", type=float, default=30.0, help="seconds without progress that make a worker hung"
+    )
+    faults.add_argument(
+        "--rollout-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a generation finished that make the rollout side hung",
     )
     train.add_argument(
         "--chaos",
@@ -141,10 +154,13 @@ async def train(args: argparse.Namespace) -> int:
             faults = FaultManagerConfig(
                 enable_retry=not args.no_retry,
                 max_task_retries=args.max_task_retries,
+                max_restarts=args.max_restarts,
                 actor_max_rebuild_times=args.actor_max_rebuild_times,
+                rollout_max_rebuild_times=args.rollout_max_rebuild_times,
                 max_reschedule_times=args.max_reschedule_times,
                 call_timeout_s=args.call_timeout,
                 hang_timeout_s=args.hang_timeout,
+                rollout_timeout_s=args.rollout_timeout,
             )
             worker = TrainerGroupConfig(
                 nats_url=target.url,

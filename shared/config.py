@@ -315,6 +315,9 @@ class WorkerConfig(ServiceConfig):
     role: Literal["standalone", "main", "shadow"] = setting("standalone", "standalone, or main/shadow")
     heartbeat_file: Path | None = setting(None, "file whose mtime the scheduling loop refreshes")
     shared_memory: bool = setting(False, "map weights and KV arena from the weight and KV servers")
+    follow_versions: bool = setting(
+        False, "without shared memory: still map the weight server's versions when it answers"
+    )
     watch_pid: int = setting(0, "shadow: pid of the main it stands behind")
     watch_file: Path | None = setting(None, "shadow: the main's heartbeat file")
     hang_timeout_s: float = setting(2.0, "shadow: a main's heartbeat file older than this is a hang")

@@ -229,6 +229,7 @@ class ShadowSupervisor:
             role="main" if role == "cold" else role,  # type: ignore[arg-type]
             heartbeat_file=heartbeat_file,
             shared_memory=role != "cold",
+            follow_versions=role == "cold",  # a trainer's versions, once the weight server answers
             watch_pid=watch.pid if watch is not None else 0,
             watch_file=watch.heartbeat_file if watch is not None else None,
             hang_timeout_s=c.hang_timeout_s,

@@ -9,7 +9,9 @@ The ladder, as the verl FaultMgr RFC lays it out, bounded at every rung:
    group's state, and the failed call run again; at most `actor_max_rebuild_times` per group (the
    actor's counter also covers the reference, rebuilt with it). A worker that died, hung or timed
    out goes straight here: in a data-parallel group one lost rank means forming the group again,
-   so a restart in place (`max_restarts`) is for single-process groups only;
+   so a restart in place (`max_restarts`) is for single-process groups only. The rollout side is
+   a group too (services/trainer/rollout_side.py): its rebuild restarts the engines through the
+   shadow supervisors' cold path and re-syncs the weights, at most `rollout_max_rebuild_times`;
 3. past its rebuilds, `RescheduleNeeded`: the trainer restarts the whole workflow from its last
    checkpoint, at most `max_reschedule_times` times, and past that the error surfaces naming the
    group, the attempts and the cause. The actor (or the reference) failing together with the
@@ -21,7 +23,7 @@ The ladder, as the verl FaultMgr RFC lays it out, bounded at every rung:
 
 Detection: a worker's exit (an OOM kill is a SIGKILL), an error reply, a call past its timeout,
 and a hang: a worker whose heartbeats stop, or whose progress counter and CPU time both stand still,
-for `hang_timeout_s`. A step that is slow but still progressing is not hung. Every failure and
+for `hang_timeout_s`; for the rollout side, no generation finishing for `rollout_timeout_s`. A step that is slow but still progressing is not hung. Every failure and
 rebuild is an event with its timings (`group_failed`, `group_rebuilt`; `reschedule` from the
 trainer).
 """
@@ -55,6 +57,7 @@ class FaultManagerConfig:
     max_reschedule_times: int = 1  # whole-workflow restarts from the last trainer checkpoint
     call_timeout_s: float = 120.0
     hang_timeout_s: float = 30.0
+    rollout_timeout_s: float = 60.0  # a step's rollout with no generation finished this long: hung
     start_timeout_s: float = 120.0
     joint_window_s: float = 30.0  # a rollout failure this close to an actor failure: both at once
     joint_grace_s: float = 1.0  # how long an actor failure waits for the rollout side's report
@@ -69,7 +72,14 @@ class FaultManagerConfig:
         )
         if min(bounds) < 0:
             raise ValueError(f"fault_manager bounds must be >= 0: {self}")
-        if min(self.call_timeout_s, self.hang_timeout_s, self.start_timeout_s, self.joint_window_s) <= 0:
+        timeouts = (
+            self.call_timeout_s,
+            self.hang_timeout_s,
+            self.rollout_timeout_s,
+            self.start_timeout_s,
+            self.joint_window_s,
+        )
+        if min(timeouts) <= 0:
             raise ValueError("fault_manager timeouts and the joint window must be > 0")
         if self.joint_grace_s < 0:
             raise ValueError("fault_manager joint_grace_s must be >= 0")
@@ -100,7 +110,7 @@ class FaultBoundExceeded(Exception):
 
 
 class Group(Protocol):
-    name: Literal["actor", "reference", "reward"]
+    name: Literal["actor", "reference", "reward", "rollout"]
     rebuilds: int
 
     async def start(self) -> None: ...
@@ -147,11 +157,11 @@ class FaultManager:
             await asyncio.sleep(0.05)
 
     def rebuild_bound(self, group: Group) -> int:
-        return (
-            self.config.actor_max_rebuild_times
-            if group.name in ("actor", "reference")
-            else self.config.max_restarts
-        )
+        if group.name in ("actor", "reference"):
+            return self.config.actor_max_rebuild_times
+        if group.name == "rollout":
+            return self.config.rollout_max_rebuild_times
+        return self.config.max_restarts
 
     async def call(
         self, group: Group, step: int, do: Callable[[], Awaitable[T]], rebuild: tuple[Group, ...] = ()

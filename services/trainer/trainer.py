@@ -42,10 +42,11 @@ from belayer_rl.services.trainer.fault_manager import (
 from belayer_rl.services.trainer.groups import LocalGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
 from belayer_rl.services.trainer.ray_groups import RayGroup
+from belayer_rl.services.trainer.rollout_side import RolloutSide
 from belayer_rl.services.trainer.tasks import ReverseDigits
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus
-from belayer_rl.shared.client import Client
+from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.metrics import Metrics, TrainerMetrics
 from belayer_rl.shared.params import Params
@@ -240,6 +241,8 @@ class Trainer:
         # one before it (kept in checkpoints, so a resumed run generates what its twin did).
         self.next_rollout_version = ""
         self.kept: dict[str, Params] = {}  # version -> weights, while a pending sample may need them
+        # The engines, as the fault manager rebuilds them (group mode).
+        self.rollout_side = RolloutSide(client, self.resync_weights)
 
     def groups_by_name(self) -> dict[str, WorkerGroup]:
         """The running worker groups (none with the inline actor): what chaos aims at."""
@@ -256,6 +259,22 @@ class Trainer:
 
     def forget_versions_except(self, needed: set[str]) -> None:
         self.kept = {v: w for v, w in self.kept.items() if v in needed}
+
+    async def republish(self, versions: dict[str, Params]) -> None:
+        """Publish `versions` again: the weight server may have freed them since, or restarted."""
+        for version, params in versions.items():
+            again = await self.weights.publish_params(params)
+            if again.version != version:
+                raise RuntimeError(f"republished {version} came back as {again.version}")
+
+    async def resync_weights(self) -> None:
+        """The rollout rebuild's re-sync: every version a step in hand may generate on, published
+        again (in group mode, the versions the actor's state file keeps)."""
+        kept = self.kept
+        if self.group is not None and self.group.actor.state_file.exists():
+            state_file = self.group.actor.state_file
+            kept = await asyncio.to_thread(lambda: dict(checkpoint.read(state_file)["kept"]))
+        await self.republish(kept)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -305,8 +324,50 @@ class Trainer:
     # ------------------------------------------------------------------ rollout
 
     async def rollout(self, step: int, position: DataPosition, version: str) -> tuple[list[Sample], float]:
-        """G samples of each of the step's prompts, generated on `version`; returns them and the
-        seconds it took."""
+        """G samples of each of the step's prompts, generated on `version` and rewarded; returns
+        them and the seconds it took. In group mode the generation goes through the fault manager,
+        with the rollout side as its group."""
+        started = time.perf_counter()
+        if self.group is None:
+            samples = await self.generate(step, position, version)
+            return samples, time.perf_counter() - started
+        faults, timeout_s = self.group.faults, self.group.config.rollout_timeout_s
+        samples = await faults.call(
+            self.rollout_side, step, lambda: self.generate_watched(step, position, version, timeout_s)
+        )
+        if self.group.reward is not None:
+            samples = await self.rewarded(step, samples, self.group.reward)
+        return samples, time.perf_counter() - started
+
+    async def generate_watched(
+        self, step: int, position: DataPosition, version: str, timeout_s: float
+    ) -> list[Sample]:
+        """`generate`, where no generation finishing for `timeout_s` is a hang of the rollout side
+        and an error from the router is its exception (GroupFault)."""
+        try:
+            async with asyncio.timeout(timeout_s) as deadline:
+                loop = asyncio.get_running_loop()
+                finished = lambda: deadline.reschedule(loop.time() + timeout_s)  # noqa: E731
+                return await self.generate(step, position, version, finished)
+        except TimeoutError as exc:
+            why = f"no generation of step {step} finished in {timeout_s:g} s"
+            raise GroupFault("hang", -1, why) from exc
+        except ExceptionGroup as errors:  # from the generations' task group
+            refused = errors.subgroup((bus.ServiceError, GenerationError))
+            if refused is None:
+                raise
+            raise GroupFault("exception", -1, f"the router: {refused.exceptions[0]}") from errors
+
+    async def generate(
+        self,
+        step: int,
+        position: DataPosition,
+        version: str,
+        finished: Callable[[], None] = lambda: None,
+    ) -> list[Sample]:
+        """G samples of each of the step's prompts, generated on `version` through the router and
+        scored by the task (the reward group rescores them in group mode). `finished` is called
+        as each generation ends."""
         s = self.settings
         items, _ = take(self.task.train, s.seed, position, s.prompts_per_step)
         gate = asyncio.Semaphore(s.concurrency)
@@ -332,6 +393,7 @@ class Trainer:
                     )
                 # Anything short of a whole answer (a generation cancelled by an earlier, abandoned
                 # try) is never trained on; a fresh request regenerates it, token for token.
+                finished()
                 if generation.finish_reason == "length" and len(generation.tokens) == self.task.answer_tokens:
                     break
                 log.warning("sample %d of step %d ended %s after %d tokens; generating it again",
@@ -353,17 +415,13 @@ class Trainer:
                 resumes=generation.resumes,
             )
 
-        started = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             tasks = [
                 group.create_task(one(p * s.group_size + g, item))
                 for p, item in enumerate(items)
                 for g in range(s.group_size)
             ]
-        samples = [t.result() for t in tasks]
-        if self.group is not None and self.group.reward is not None:
-            samples = await self.rewarded(step, samples, self.group.reward)
-        return samples, time.perf_counter() - started
+        return [t.result() for t in tasks]
 
     async def rewarded(self, step: int, samples: list[Sample], reward: WorkerGroup) -> list[Sample]:
         """The samples with the reward group's rewards (through the fault manager)."""
@@ -467,6 +525,8 @@ class Trainer:
             faults.note_rollout_failure(time.time(), (failed.engine_id, failed.pid), cause)
 
         async def on_handover(handover: Handover) -> None:
+            if handover.reason == "restart":  # asked for (a rollout rebuild): not a failure
+                return
             cause = f"engine {handover.engine_id} worker {handover.old_pid}: {handover.reason}"
             faults.note_rollout_failure(handover.detected_at, (handover.engine_id, handover.old_pid), cause)
 
@@ -503,6 +563,7 @@ class Trainer:
                     self.metrics.reschedules.inc()
                     for group in self.group.groups:  # a fresh workflow gets its rebuilds again
                         group.rebuilds = 0
+                    self.rollout_side.rebuilds = 0
                     await self.group.start()
         finally:
             for subscription in rollout_watch:
@@ -526,10 +587,8 @@ class Trainer:
         if not self.version:
             await self.publish()
         else:  # resumed: the weight server may have freed these since, or restarted
-            for version in dict.fromkeys(v for v in (self.next_rollout_version, self.version) if v):
-                again = await self.weights.publish_params(self.kept[version])
-                if again.version != version:
-                    raise RuntimeError(f"republished {version} came back as {again.version}")
+            needed = dict.fromkeys(v for v in (self.next_rollout_version, self.version) if v)
+            await self.republish({version: self.kept[version] for version in needed})
         pending: asyncio.Task[tuple[list[Sample], float]] | None = None
         pending_version = ""
         try:

@@ -1,7 +1,8 @@
 """The worker as a service: what it listens to and what it starts; `setup` is what
 the runtime runs (shared/runtime.py).
 
-Builds its engine (own weights and arena, or mapped from the weight and KV servers), then serves
+Builds its engine (own weights and arena, or mapped from the weight and KV servers; a cold worker
+owns its arena and maps the weight server's versions too), then serves
 its engine's dispatch and cancel subjects and heartbeats. Under a shadow supervisor a shadow first
 idles (services/worker/shadow.py) until it is told to take over.
 """
@@ -69,7 +70,15 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerId
     instances of the servers that own the mapped memory (none when it owns its own), as a shadow
     reports them; its pins."""
     if not config.shared_memory:
-        return await asyncio.to_thread(Engine, engine_config(config)), WorkerIdle(), None
+        engine = await asyncio.to_thread(Engine, engine_config(config))
+        if not config.follow_versions:
+            return engine, WorkerIdle(), None
+        # The cold path: its own arena, and its own weights to begin with, so that it needs
+        # neither server; it still maps the versions the weight server holds when that answers
+        # (a trainer's current one among them), and follows the newest.
+        pins = PinnedWeights(nc, config.engine_id, config.subjects)
+        pins.attach(engine)
+        return engine, WorkerIdle(), pins
     pins = PinnedWeights(nc, config.engine_id, config.subjects)
     pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
     weights = await ask_server(nc, config.subjects.weights_pin, pin, WeightHandles)

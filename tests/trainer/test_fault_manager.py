@@ -25,8 +25,9 @@ from belayer_rl.services.trainer.tasks import DIGIT_TOKENS, ReverseDigits
 from belayer_rl.services.trainer.trainer import NO_METRICS, GroupBackend, Trainer, TrainSettings
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.metrics import Metrics, MetricsServer, TrainerMetrics
+from tests.handover.test_handover import engines
 from tests.metrics.scrape import Scrape, http_get
-from tests.support import Cluster, EventLog
+from tests.support import Cluster, EventLog, kill
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -304,6 +305,64 @@ async def test_the_actor_and_the_rollout_side_killed_at_once_reschedule_and_matc
     assert rebuilt.events == []  # no targeted rebuild: the joint failure went straight to the reschedule
     assert [h.engine_id for h in handovers.events] == ["e0"]
     assert same(final_state(trainer), twin)
+
+
+async def stop_the_rollout_side(cluster: Cluster, trainer: Trainer, step: int) -> dict[str, int]:
+    """SIGSTOP engine e0's shadow, then its main, as step `step` begins: the rollout stands still
+    and no one on the rollout side notices. Returns the stopped pids."""
+    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
+        await asyncio.sleep(0.01)
+    pids = engines(cluster)["e0"]
+    kill(pids["shadow"], signal.SIGSTOP)
+    kill(pids["main"], signal.SIGSTOP)
+    return pids
+
+
+async def test_a_stopped_rollout_side_is_rebuilt_by_the_cold_path_and_the_run_matches_its_twin(
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor]
+) -> None:
+    """Engine e0's main and shadow SIGSTOPped as step 2 starts: no generation finishes for the
+    rollout timeout, the rollout side is rebuilt (the supervisor restarts e0 by the cold path, the
+    trainer publishes its versions again), the rollout runs again, and the run ends bitwise equal
+    to its twin."""
+    failed = await EventLog.start(train_cluster.client, "group_failed")
+    rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
+    handovers = await EventLog.start(train_cluster.client, "handover")
+    faults = dataclasses.replace(FAST, rollout_timeout_s=4.0)
+    trainer = group_trainer(train_cluster, tmp_path / "rollout", settings("rollout"), faults)
+    chaos = asyncio.create_task(stop_the_rollout_side(train_cluster, trainer, FAULTY_STEP))
+    await trainer.run()
+    stopped = await chaos
+    print(f"stopped e0's shadow {stopped['shadow']} and main {stopped['main']} at step {FAULTY_STEP}")
+    assert [(e.group, e.kind) for e in failed.events] == [("rollout", "hang")], failed.events
+    assert failed.events[0].step >= FAULTY_STEP
+    assert [(e.group, e.rebuild) for e in rebuilt.events] == [("rollout", 1)]
+    assert [(e.reason, e.path, e.old_pid) for e in handovers.events] == [("restart", "cold", stopped["main"])]
+    assert same(final_state(trainer), twin)
+
+
+async def test_a_rollout_side_past_its_rebuilds_reschedules_then_ends_the_run_naming_it(
+    train_cluster: Cluster, tmp_path: Path
+) -> None:
+    """No rollout rebuild allowed: the stopped rollout side reschedules the run once; stopped
+    still, it then ends the run with the final error naming the rollout group."""
+    faults = dataclasses.replace(FAST, rollout_timeout_s=3.0, rollout_max_rebuild_times=0)
+    folder = tmp_path / "stuck"
+    train = settings("stuck", checkpoint_every=1, checkpoint_dir=folder / "checkpoints")
+    rescheduled = await EventLog.start(train_cluster.client, "reschedule")
+    trainer = group_trainer(train_cluster, folder, train, faults)
+    chaos = asyncio.create_task(stop_the_rollout_side(train_cluster, trainer, FAULTY_STEP))
+    try:
+        with pytest.raises(FaultBoundExceeded) as final:
+            async with asyncio.timeout(300):
+                await trainer.run()
+    finally:
+        stopped = await chaos
+        for pid in (stopped["main"], stopped["shadow"]):  # the cluster's stop kills them
+            kill(pid, signal.SIGCONT)
+    message = str(final.value)
+    assert "group rollout" in message and "no generation of step" in message, message
+    assert len(rescheduled.events) == 1
 
 
 async def test_the_oracle_catches_a_skipped_sample(
