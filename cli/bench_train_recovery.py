@@ -1,14 +1,16 @@
 """`belayer bench train-recovery`: what one trainer-group failure costs, against a failure-free run
 and against rescheduling the whole workflow, all in one run on one local cluster.
 
-    belayer bench train-recovery [--minutes 10] [--kinds actor,reference,reward,hang] [--json]
+    belayer bench train-recovery [--minutes 10] [--kinds actor,reference,reward,hang,rollout] [--json]
 
 It starts a local cluster (router, weight and KV servers, shadow supervisor, one tiny worker),
 calibrates the step time with a few steps, and sizes a GRPO run on `reverse` (actor of 2 gloo
 ranks, a reference for the KL term, a reward group) to last --minutes without failures. It then
 runs the same steps again once per failure kind, with one fault half way: SIGKILL of an actor rank,
-of the reference or of the reward worker, or SIGSTOP of an actor rank (a hang). Each is recovered by
-a targeted rebuild (the reward: a restart in place). A last run takes the actor kill with no
+of the reference or of the reward worker, SIGSTOP of an actor rank (a hang), or SIGSTOP of the
+engine's shadow and main (the rollout side hung whole, which no one on that side notices). Each is
+recovered by a targeted rebuild (the reward: a restart in place; the rollout side: the engine
+restarted by the cold path). A last run takes the actor kill with no
 rebuilds allowed, so the fault manager reschedules from the last checkpoint: the cold baseline.
 Reported per kind: seconds and percent added to the failure-free run, detection and rebuild seconds
 from the events; and the targeted rebuild against the reschedule.
@@ -21,11 +23,13 @@ import asyncio
 import dataclasses
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import uvloop
 
 from belayer_rl.cli.bench_report import emit
@@ -37,7 +41,7 @@ from belayer_rl.services.trainer.tasks import ReverseDigits
 from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSettings
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import TrainerGroupConfig
-from belayer_rl.shared.protocol import EVENT_TYPES, decode, decoder_for
+from belayer_rl.shared.protocol import EVENT_TYPES, ShadowState, decode, decoder_for
 from belayer_rl.shared.subjects import event_kind
 
 KINDS = {  # kind -> (group, chaos action)
@@ -45,6 +49,7 @@ KINDS = {  # kind -> (group, chaos action)
     "reference": ("reference", "kill"),
     "reward": ("reward", "kill"),
     "hang": ("actor", "stop"),
+    "rollout": ("rollout", "stop"),  # the engine's shadow and main, not a trainer group
 }
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
@@ -57,6 +62,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     bench.add_argument("--minutes", type=float, default=10.0, help="length of the failure-free run")
     bench.add_argument("--kinds", default=",".join(KINDS), help="failure kinds, one run each")
     bench.add_argument("--hang-timeout", type=float, default=30.0, help="the fault manager's hang timeout")
+    bench.add_argument(
+        "--rollout-timeout", type=float, default=30.0, help="the fault manager's rollout timeout"
+    )
     bench.add_argument("--no-reschedule", action="store_true", help="skip the reschedule baseline run")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true")
@@ -112,7 +120,10 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                     run="calibrate", steps=6, seed=args.seed, grpo=GrpoConfig(kl_beta=KL_BETA)
                 )
                 creds = supervisor.access("trainer").creds  # the group workers' credential
-                faults = FaultManagerConfig(hang_timeout_s=args.hang_timeout)
+                faults = FaultManagerConfig(
+                    hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout
+                )
+                engines_file = config.state_dir / "workers" / "engines.json"
 
                 async def one(run: str, steps: int, fault: tuple[str, str] | None, **changes: object):  # type: ignore[no-untyped-def]
                     folder = root / run
@@ -135,7 +146,9 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                     events = Events()
                     await events.follow(client, run)
                     chaos = None
-                    if fault is not None:
+                    if fault == KINDS["rollout"]:
+                        chaos = asyncio.create_task(stop_rollout_side(trainer, steps // 2, engines_file))
+                    elif fault is not None:
                         group, action = fault
                         # Rank 0, 0.2 s into the step's rollout or update.
                         planned = [chaos_faults.Fault(group, steps // 2, action, delay_s=0.2, rank_draw=0.0)]
@@ -176,10 +189,23 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         "step_s": step_s,
         "failure_free_s": clean,
         "hang_timeout_s": args.hang_timeout,
+        "rollout_timeout_s": args.rollout_timeout,
         "checkpoint_every": CHECKPOINT_EVERY,
         "faults": results,
         "reschedule": reschedule,
     }
+
+
+async def stop_rollout_side(trainer: Trainer, step: int, engines_file: Path) -> None:
+    """SIGSTOP the engine's shadow, then its main, 0.2 s into step `step`."""
+    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    workers = msgspec.json.decode(await asyncio.to_thread(engines_file.read_bytes), type=ShadowState)
+    for engine in workers.values():
+        for pid in (engine.shadow, engine.main):
+            if pid > 0:  # 0: none now (a kill of pid 0 would stop this process group)
+                os.kill(pid, signal.SIGSTOP)
 
 
 def summarise(wall: float, clean: float, seen: list[dict[str, object]]) -> dict[str, object]:
@@ -199,7 +225,7 @@ def summarise(wall: float, clean: float, seen: list[dict[str, object]]) -> dict[
 def print_table(report: dict[str, object]) -> None:
     print(
         f"failure-free: {report['failure_free_s']:.1f} s ({report['steps']} steps of {report['step_s']:.2f} s);"
-        f" hang timeout {report['hang_timeout_s']} s; checkpoint every {report['checkpoint_every']} steps"
+        f" hang timeout {report['hang_timeout_s']} s; rollout timeout {report['rollout_timeout_s']} s; checkpoint every {report['checkpoint_every']} steps"
     )
     print(f"{'failure':<12} {'added':>10} {'added %':>9} {'detected':>10} {'rebuild':>9}")
     rows = dict(report["faults"])  # type: ignore[call-overload]

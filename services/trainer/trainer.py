@@ -546,9 +546,14 @@ class Trainer:
                     reschedules += 1
                     failed_step = self.step
                     if reschedules > self.group.config.max_reschedule_times:
+                        # The reference's rebuilds are the actor's: they are rebuilt together.
+                        rebuilds = {g.name: g.rebuilds for g in self.group.groups} | {
+                            "reference": self.group.actor.rebuilds,
+                            "rollout": self.rollout_side.rebuilds,
+                        }
                         raise FaultBoundExceeded(
                             f"group {exc.group} failed at step {failed_step} after {exc.attempts} attempts"
-                            f" and {exc.group} rebuilds {self.group.actor.rebuilds}, with"
+                            f" and {rebuilds[exc.group]} {exc.group} rebuilds, with"
                             f" {reschedules - 1} reschedules spent; last cause: {exc.cause}"
                         ) from exc
                     await self.group.stop()
