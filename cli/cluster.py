@@ -110,6 +110,7 @@ class ClusterConfig:
     shadows: bool = setting(True, "workers under the shadow supervisor, with weight and KV servers")
     hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
     failure_window_s: float = same_as(ShadowSupervisorConfig, "failure_window_s")
+    quarantine_after: int = same_as(ShadowSupervisorConfig, "quarantine_after")
     sandboxes: bool = setting(True, "start the checkpointer when a Docker engine answers")
 
     def __post_init__(self) -> None:
@@ -230,6 +231,7 @@ class Supervisor:
             num_blocks=c.num_blocks,
             hang_timeout_s=c.hang_timeout_s,
             failure_window_s=c.failure_window_s,
+            quarantine_after=c.quarantine_after,
         )
         supervisor_child = service("shadow-supervisor", "belayer_rl.services.shadow_supervisor", supervisor)
         return [*servers, supervisor_child]

@@ -1,4 +1,5 @@
-"""The `belayer` command: up, down, status, events, generate, weights, demo, bench, sandbox.
+"""The `belayer` command: up, down, status, events, generate, weights, engines, demo, bench,
+sandbox.
 
 Global flags (--state-dir, --nats) are accepted before or after the subcommand. Commands that only
 talk to the bus (status, events, generate, down, --version) never import torch."""
@@ -515,6 +516,30 @@ async def weights(target: Target, args: argparse.Namespace) -> str:
         await nc.close()
 
 
+# ---------------------------------------------------------------- engines
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    target = resolve_target(args)
+    try:
+        done = uvloop.run(unquarantine(target, args.engine))
+    except bus.ServiceError as exc:
+        print(f"belayer engines unquarantine {args.engine}: {exc}", file=sys.stderr)
+        return 2
+    print(f"engine {done.engine_id} unquarantined: worker pid {done.new_pid} at epoch {done.epoch}")
+    return 0
+
+
+async def unquarantine(target: Target, engine_id: str) -> protocol.EngineRestarted:
+    nc = await target.connect("belayer-engines")
+    try:
+        subject = target.subjects.engine_unquarantine(engine_id)
+        ask = protocol.EngineUnquarantine()
+        return await bus.request_struct(nc, subject, ask, protocol.EngineRestarted, UP_TIMEOUT_S)
+    finally:
+        await nc.close()
+
+
 # ---------------------------------------------------------------- creds
 
 
@@ -626,6 +651,11 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     weights_cmd.add_argument("file", nargs="?", type=Path, help="publish: a weights file on this host")
     weights_cmd.add_argument("--json", action="store_true")
     weights_cmd.set_defaults(run=cmd_weights)
+
+    engines_cmd = commands.add_parser("engines", help="an engine's quarantine: the manual way back")
+    engines_cmd.add_argument("action", choices=["unquarantine"])
+    engines_cmd.add_argument("engine", help="engine id, e.g. e0")
+    engines_cmd.set_defaults(run=cmd_engines)
 
     creds = commands.add_parser(
         "creds", help="credentials and nats-server permissions for a cluster (compose, an external NATS)"

@@ -346,7 +346,14 @@ class ShadowSupervisorConfig(ServiceConfig):
         None,
         "folder of engine-<id>.creds: each engine's workers connect with their own (needed with --nats-creds)",
     )
-    failure_window_s: float = setting(60.0, "a second failure of one engine inside it quarantines it (s)")
+    failure_window_s: float = setting(
+        60.0, "a worker failing this soon after it took over failed right after its handover (s)"
+    )
+    quarantine_after: int = setting(
+        3,
+        "failures in a row, each right after the worker took over, that quarantine an engine;"
+        " never the last healthy one (0: never)",
+    )
     death_timeout_s: float = setting(2.0, "how long a SIGKILLed main may take to be reaped (s)")
     start_timeout_s: float = setting(120.0, "how long a worker's start-up may take, cold path included (s)")
 
@@ -361,6 +368,8 @@ class ShadowSupervisorConfig(ServiceConfig):
             )
         positive("--hang-timeout", self.hang_timeout_s)
         positive("--failure-window", self.failure_window_s)
+        if self.quarantine_after < 0:
+            raise ConfigError(f"--quarantine-after must be >= 0, got {self.quarantine_after}")
         positive("--death-timeout", self.death_timeout_s)
         positive("--start-timeout", self.start_timeout_s)
 

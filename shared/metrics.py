@@ -76,10 +76,12 @@ class ServiceCounts(NamedTuple):
     errors: Mapping[str, int]  # error replies and dropped messages, by ErrorCode
     handled: int  # messages taken off its endpoints
     ready: bool
+    records_skipped: Mapping[str, int]  # stored records that did not decode, by store
 
 
 class ServiceCollector(Collector):
-    """belayer_errors_total{code}, belayer_messages_handled_total and belayer_service_ready,
+    """belayer_errors_total{code}, belayer_messages_handled_total, belayer_records_skipped_total{store}
+    and belayer_service_ready,
     rendered from the runtime's own counts (one way of counting, read here)."""
 
     def __init__(self, read: Callable[[], ServiceCounts]) -> None:
@@ -96,6 +98,14 @@ class ServiceCollector(Collector):
         yield CounterMetricFamily(
             "belayer_messages_handled", "Messages taken off the service's endpoints.", value=counts.handled
         )
+        skipped = CounterMetricFamily(
+            "belayer_records_skipped",
+            "Stored records that did not decode and were skipped, by store.",
+            labels=["store"],
+        )
+        for store, count in sorted(counts.records_skipped.items()):
+            skipped.add_metric([store], count)
+        yield skipped
         yield GaugeMetricFamily(
             "belayer_service_ready",
             "1 once the service serves, 0 before and while draining.",
@@ -191,6 +201,7 @@ ColdReason = Literal[
     "no-shadow",
     "promotion-failed",  # the shadow failed its device check, exited or timed out
     "restart-requested",  # EngineRestart: the cold path on purpose
+    "unstable",  # the last healthy engine failing again and again: from scratch, after a backoff
 ]
 
 

@@ -64,6 +64,8 @@ ErrorCode = Literal[
     "too-large", "no-space", "unknown-object",
     # trainer groups, and the shadow supervisor's engine restarts
     "update-failed", "engine-quarantined", "restart-failed",
+    # a stored record that does not decode (skipped, reported as record_skipped)
+    "bad-record",
     # checkpointer
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
     "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
@@ -335,11 +337,22 @@ class Handover(Message, tag="handover", kw_only=True):
 
 
 class EngineQuarantined(Message, tag="engine_quarantined", kw_only=True):
-    """An alert: the engine failed again inside the window; its device is treated as unhealthy."""
+    """An alert: the engine's workers failed `failures` times in a row, each within `window_s` of
+    taking over; its device is treated as unhealthy until `belayer engines unquarantine`."""
 
     engine_id: EngineId
     failures: int
     window_s: float
+
+
+class EngineUnstable(Message, tag="engine_unstable", kw_only=True):
+    """An alert: the engine failed as often as a quarantine needs, but it is the last healthy one,
+    so it is not quarantined on timing alone; it takes the cold path after `backoff_s`."""
+
+    engine_id: EngineId
+    failures: int
+    window_s: float
+    backoff_s: float
 
 
 class WeightsPublished(Message, tag="weights_published", kw_only=True):
@@ -425,6 +438,32 @@ class StatusRequest(Message, tag="status", kw_only=True):
 
 class BadMessage(ValueError):
     """A payload that is not a valid message for its subject. The text says why."""
+
+
+StoreName = Literal["token-log", "engine-registry", "prefix-pointers"]
+
+
+class PoisonedRecord(BadMessage):
+    """A record read back from a store does not decode. It is left where it is, for a person to
+    look at; the reader skips it (the runtime reports it: RecordSkipped) and goes on."""
+
+    def __init__(self, store: StoreName, key: str, sequence: int, reason: str) -> None:
+        super().__init__(f"{store} record {key!r} (sequence {sequence}) does not decode: {reason}")
+        self.store: StoreName = store
+        self.key = key
+        self.sequence = sequence
+        self.reason = reason
+
+
+class RecordSkipped(Message, tag="record_skipped", kw_only=True):
+    """An alert: a stored record that does not decode was skipped (once per record and process).
+    On `belayer.<cluster>.evt.record_skipped.<service>`."""
+
+    service: Annotated[str, Meta(max_length=64)]
+    store: StoreName
+    key: Annotated[str, Meta(max_length=512)]  # the token log's subject, or the bucket's key
+    sequence: int  # the stream sequence, or the key's revision
+    reason: Annotated[str, Meta(max_length=1024)]
 
 
 T = TypeVar("T")
@@ -903,6 +942,8 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "router_started": RouterStarted,
     "handover": Handover,
     "engine_quarantined": EngineQuarantined,
+    "engine_unstable": EngineUnstable,
+    "record_skipped": RecordSkipped,
     "weights_published": WeightsPublished,
     "checkpoint_ready": CheckpointReady,
     "env_failure": EnvFailure,
@@ -923,7 +964,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
 # Events about one engine: the engine id follows the kind in the subject (`...evt.heartbeat.e0`), and
 # the bus lets an engine's credential publish only its own. A payload naming another engine is forged.
 ENGINE_EVENTS = frozenset(
-    {"heartbeat", "worker_registered", "worker_failed", "handover", "engine_quarantined"}
+    {"heartbeat", "worker_registered", "worker_failed", "handover", "engine_quarantined", "engine_unstable"}
 )
 
 # Every event of EVENT_TYPES, for a listener that takes any kind on one decoder (the tags are distinct).
@@ -937,6 +978,8 @@ AnyEvent = (
     | RouterStarted
     | Handover
     | EngineQuarantined
+    | EngineUnstable
+    | RecordSkipped
     | WeightsPublished
     | CheckpointReady
     | EnvFailure
@@ -1095,6 +1138,11 @@ class EngineRestart(Message, tag="engine_restart", kw_only=True):
     Sent on `belayer.<cluster>.engines.<engine>.restart` to the supervisor that runs the engine."""
 
     reason: Annotated[str, Meta(max_length=200)]  # why, for the handover event and the logs
+
+
+class EngineUnquarantine(Message, tag="engine_unquarantine", kw_only=True):
+    """The operator's way back: clear the engine's quarantine and start its workers again. Sent on
+    `belayer.<cluster>.engines.<engine>.unquarantine`; answered with EngineRestarted (old_pid 0)."""
 
 
 class EngineRestarted(Message, tag="engine_restarted", kw_only=True):

@@ -89,6 +89,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("request_resumed", "*"),
                 s.event("worker_failed", "*"),
                 s.event("router_started", "*"),
+                s.event("record_skipped", "*"),
                 s.token_log_all,
             ),
             subscribe=(
@@ -108,6 +109,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.worker_stream("{engine}"),
                 s.event("heartbeat", "{engine}"),
                 s.event("worker_registered", "{engine}"),
+                s.event("record_skipped", "*"),
                 s.weights_pin,
                 s.weights_unpin,
                 s.weights_list,
@@ -131,11 +133,13 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.weights_ping,
                 s.event("handover", "*"),
                 s.event("engine_quarantined", "*"),
+                s.event("engine_unstable", "*"),
+                s.event("record_skipped", "*"),
                 s.event("process", "*"),
                 s.event("worker_failed", "*"),
                 f"$KV.{engines}.*",  # quarantines an engine it runs
             ),
-            subscribe=(s.engine_restart("*"),),
+            subscribe=(s.engine_restart("*"), s.engine_unquarantine("*")),
             replies=True,
             reads=(kv_stream(engines),),
             stats="shadow-supervisor",
@@ -185,6 +189,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("env_failure", "*"),
                 s.event("checkpoint_ready", "*"),
                 s.event("sandbox_restored", "*"),
+                s.event("record_skipped", "*"),
                 f"$KV.{pointers}.>",
                 f"$O.{objects}.>",
                 # nats-py's object store looks its stream up by subject when it reads a checkpoint
@@ -228,6 +233,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.weights_list,
                 s.weights_handles,
                 s.weights_publish,
+                s.engine_unquarantine("*"),  # `belayer engines unquarantine`: the operator's call
                 f"{r}.svc.*.stats",
             ),
             subscribe=(s.events_all,),

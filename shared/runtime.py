@@ -61,6 +61,7 @@ log = logging.getLogger("belayer.runtime")
 C = TypeVar("C", bound=ServiceConfig)
 T = TypeVar("T")
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]  # Runtime.spawn, for a service's state
+Skipped = Callable[[protocol.PoisonedRecord], Awaitable[None]]  # Runtime.record_skipped
 CLOSE_TIMEOUT_S = 2.0  # closing the connection must not hang a stop when NATS is gone
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
@@ -142,6 +143,8 @@ class Runtime:
         self.subjects = config.subjects  # this cluster's names
         self.stopping = asyncio.Event()
         self.errors: Counter[str] = Counter()  # error replies and dropped messages, by code
+        self.records_skipped: Counter[str] = Counter()  # by store
+        self._poisoned_seen: set[tuple[str, str, int]] = set()  # reported once each
         self.handled = 0
         self.started_at = time.time()
         self.is_ready = False
@@ -203,6 +206,25 @@ class Runtime:
 
     async def publish(self, subject: str, message: Message) -> None:
         await bus.publish(self.nc, subject, message)
+
+    async def record_skipped(self, poisoned: protocol.PoisonedRecord) -> None:
+        """Count and report a stored record that does not decode, once per record: the service
+        skips it and goes on (a crash would meet the same record at every start)."""
+        seen = (poisoned.store, poisoned.key, poisoned.sequence)
+        if seen in self._poisoned_seen:
+            return
+        self._poisoned_seen.add(seen)
+        self.records_skipped[poisoned.store] += 1
+        log.error("%s: skipped a record: %s", self.name, poisoned)
+        alert = protocol.RecordSkipped(
+            service=self.name[:64],
+            store=poisoned.store,
+            key=poisoned.key[:512],
+            sequence=poisoned.sequence,
+            reason=poisoned.reason[:1024],
+        )
+        with contextlib.suppress(Exception):  # the bus may be away; the count and the log stay
+            await self.publish(self.subjects.event("record_skipped", self.name), alert)
 
     # ------------------------------------------------------------ declarations
 
@@ -281,7 +303,12 @@ class Runtime:
         log.info("%s: metrics on %s", self.name, metrics.url(host, self.metrics_port))
 
     def _counts(self) -> ServiceCounts:
-        return ServiceCounts(errors=self.errors, handled=self.handled, ready=self.health()[0])
+        return ServiceCounts(
+            errors=self.errors,
+            handled=self.handled,
+            ready=self.health()[0],
+            records_skipped=self.records_skipped,
+        )
 
     # ------------------------------------------------------------ the error envelope
 
@@ -306,6 +333,9 @@ class Runtime:
                     answer = await endpoint.handler(message, msg.subject)
                 else:
                     answer = await endpoint.handler(message)
+            except protocol.PoisonedRecord as exc:  # a stored record it needed, not the message
+                await self.record_skipped(exc)
+                answer = self._error("bad-record", str(exc))
             except protocol.BadMessage as exc:
                 log.warning("%s: dropped bad message on %s: %s", self.name, msg.subject, exc)
                 answer = self._error("bad-request", str(exc))

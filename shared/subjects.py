@@ -148,6 +148,9 @@ class Subjects:
         host's supervisor answers for its own)."""
         return f"{self.root}.engines.{engine_id}.restart"
 
+    def engine_unquarantine(self, engine_id: str) -> str:
+        return f"{self.root}.engines.{engine_id}.unquarantine"
+
     # ------------------------------------------------------------ sandboxes
 
     def sandbox_rpc(self, host_id: str, verb: str) -> str:

@@ -42,6 +42,7 @@ from belayer_rl.shared.protocol import (
     CheckpointResult,
     EnvFailure,
     ExecResult,
+    PoisonedRecord,
     PrefixPointer,
     RestoreResult,
     SandboxCheckpoint,
@@ -55,6 +56,7 @@ from belayer_rl.shared.protocol import (
     SandboxRestored,
     TrajectoryEnd,
 )
+from belayer_rl.shared.runtime import Skipped
 
 log = logging.getLogger("belayer.checkpointer")
 
@@ -76,9 +78,11 @@ class Checkpointer:
         engine: Engine,
         nc: NATS,
         kv: KeyValue,
+        skipped: Skipped,
         metrics: CheckpointerMetrics | None = None,  # None: counts nothing (outside a runtime)
     ) -> None:
         self.config = config
+        self.skipped = skipped  # the runtime's report of a pointer that does not decode
         self.metrics = metrics or CheckpointerMetrics(Metrics(enabled=False))
         self.subjects = config.subjects
         self.engine = engine
@@ -164,7 +168,11 @@ class Checkpointer:
         for path in self.store.sweep():
             log.info("removed half-written checkpoint %s", path.name)
         for trajectory in self.store.trajectories():
-            current, _ = await pointer.read(self.kv, trajectory)
+            try:
+                current, _ = await pointer.read(self.kv, trajectory)
+            except PoisonedRecord as poisoned:  # which checkpoint it named is unknown: keep them all
+                await self.skipped(poisoned)
+                continue
             for stored in self.store.ready(trajectory):
                 if current is None or stored.manifest.order > pointer.order(current):
                     log.info("removing checkpoint %s: never pointed at", stored.path.name)

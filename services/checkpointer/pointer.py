@@ -41,14 +41,18 @@ def order(pointer: PrefixPointer) -> tuple[int, int]:
 
 
 async def read(kv: KeyValue, trajectory: str) -> tuple[PrefixPointer | None, int]:
-    """The pointer and its revision (0 when absent or deleted)."""
+    """The pointer and its revision (0 when absent or deleted); PoisonedRecord when it does not
+    decode (no one may move it then: its order is unknown)."""
     try:
         got = await kv.get(trajectory)
     except nats.js.errors.KeyNotFoundError:
         return None, 0
     if not got.value or got.revision is None:
         return None, got.revision or 0
-    return protocol.decode(_decoder, got.value), got.revision
+    try:
+        return protocol.decode(_decoder, got.value), got.revision
+    except protocol.BadMessage as exc:
+        raise protocol.PoisonedRecord("prefix-pointers", trajectory, got.revision, str(exc)) from None
 
 
 async def advance(kv: KeyValue, new: PrefixPointer) -> tuple[bool, PrefixPointer | None]:

@@ -62,7 +62,7 @@ async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
     )
     engine = await Engine.connect(config.docker_url)
     rt.on_close(engine.close)
-    checkpointer = Checkpointer(config, engine, nc, kv, CheckpointerMetrics(rt.metrics))
+    checkpointer = Checkpointer(config, engine, nc, kv, rt.record_skipped, CheckpointerMetrics(rt.metrics))
     if config.object_store:
         checkpointer.objects = await bus.with_retries(
             "declare checkpoint object store", lambda: objects.declare(nc.jetstream(), rt.subjects)

@@ -65,7 +65,7 @@ from belayer_rl.shared.protocol import (
     WorkerFailed,
     WorkerRegistration,
 )
-from belayer_rl.shared.runtime import Spawn
+from belayer_rl.shared.runtime import Skipped, Spawn
 
 log = logging.getLogger("belayer.router")
 
@@ -137,12 +137,14 @@ class Router:
         js: JetStreamContext,
         kv: KeyValue,
         spawn: Spawn,
+        skipped: Skipped,
         metrics: RouterMetrics | None = None,  # None: counts nothing (a router outside a runtime)
     ) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics(Metrics(enabled=False))
         self.subjects = config.subjects
         self.spawn = spawn  # the runtime's owned tasks: cancelled and awaited at shutdown
+        self.skipped = skipped  # the runtime's report of a stored record that does not decode
         self.nc = nc
         self.js = js
         self.kv = kv
@@ -693,7 +695,9 @@ class Router:
 
     async def rebuild(self) -> RouterStarted:
         """Rebuild every request from the token log; in-flight ones are resumed."""
-        logged = await token_log.read_all(self.js, self.subjects)
+        logged, skipped = await token_log.read_all(self.js, self.subjects)
+        for poisoned in skipped:
+            await self.skipped(poisoned)
         resumed = 0
         for request_id, entry in logged.items():
             request = Request(start=entry.start, tokens=entry.tokens)

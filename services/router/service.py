@@ -28,7 +28,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     nc = await rt.connect()
     js = nc.jetstream()
     kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(js, rt.subjects))
-    router = Router(config, nc, js, kv, rt.spawn, RouterMetrics(rt.metrics))
+    router = Router(config, nc, js, kv, rt.spawn, rt.record_skipped, RouterMetrics(rt.metrics))
     rt.on_reconnect(router.on_reconnect)
 
     # Listen to workers before rebuilding, so no heartbeat of a serving engine is missed.

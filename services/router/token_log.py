@@ -100,12 +100,16 @@ class LoggedRequest:
         self.tokens.extend(chunk.tokens[len(self.tokens) - chunk.position :])
 
 
-async def read_all(js: JetStreamContext, names: Subjects) -> dict[str, LoggedRequest]:
-    """Every request in the stream, rebuilt from its records (bad records are logged and skipped)."""
+async def read_all(
+    js: JetStreamContext, names: Subjects
+) -> tuple[dict[str, LoggedRequest], list[protocol.PoisonedRecord]]:
+    """Every request in the stream, rebuilt from its records, and the records that do not decode
+    (skipped: a record that stops every router start would stop the cluster)."""
     info = await js.stream_info(names.token_log_stream)
     requests: dict[str, LoggedRequest] = {}
+    skipped: list[protocol.PoisonedRecord] = []
     if info.state.messages == 0:
-        return requests
+        return requests, skipped
     # The stream is named: looking it up by subject needs $JS.API.STREAM.NAMES, which the router may not use.
     sub = await js.subscribe(names.token_log_all, stream=names.token_log_stream, ordered_consumer=True)
     try:
@@ -114,7 +118,8 @@ async def read_all(js: JetStreamContext, names: Subjects) -> dict[str, LoggedReq
             try:
                 record = protocol.decode(_record_decoder, msg.data)
             except protocol.BadMessage as exc:
-                log.warning("skipped bad token-log record on %s: %s", msg.subject, exc)
+                sequence = msg.metadata.sequence.stream
+                skipped.append(protocol.PoisonedRecord("token-log", msg.subject, sequence, str(exc)))
                 record = None
             match record:
                 case LogStart():
@@ -127,4 +132,4 @@ async def read_all(js: JetStreamContext, names: Subjects) -> dict[str, LoggedReq
                 break
     finally:
         await sub.unsubscribe()
-    return requests
+    return requests, skipped

@@ -8,7 +8,8 @@ WorkerReady, WorkerUnhealthy, one per line), its children's exits, and
 rollout rebuild, which replaces the engine's workers by the cold path even though none reported
 a failure (a main and shadow both stopped, say).
 Publishes: `belayer.<cluster>.evt.handover.<engine>` with each phase's duration,
-`belayer.<cluster>.evt.engine_quarantined.<engine>`, process events; the registry's quarantine mark.
+`belayer.<cluster>.evt.engine_quarantined.<engine>` and `engine_unstable`, process events; the
+registry's quarantine mark.
 
 A handover: (1) the shadow, or the main's exit, reports the failure; (2) the main is SIGKILLed
 through a pidfd and its death confirmed by reaping it, and without that confirmation the arena is
@@ -18,6 +19,13 @@ router sees the new epoch and resumes the interrupted requests on it. Anything n
 sends the engine down the cold path: a worker from scratch, with its own weights and arena.
 A requested restart is a handover that takes the cold path on purpose; it is not a failure, so it
 counts towards no quarantine.
+
+Quarantine is for a device that is bad, and a process kill is no evidence of that: an engine is
+quarantined when its workers fail `quarantine_after` times in a row, each within
+`failure_window_s` of taking over (the replacement itself failing at once, again and again). The
+last engine not quarantined never is, on timing alone: it takes the cold path after a backoff and
+raises `engine_unstable`. The mark lives in the registry, so a restarted supervisor keeps it (and
+starts no workers for the engine) until `belayer engines unquarantine` clears it.
 
 A worker's stdout line that does not decode as a report is logged and dropped; commands (only
 PromoteShadow so far) go to its stdin the same way, one encoded message per line.
@@ -47,14 +55,18 @@ from belayer_rl.shared.metrics import ColdReason, Metrics, SupervisorMetrics
 from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
     BadMessage,
+    EngineEntry,
     EngineQuarantined,
     EngineRestart,
     EngineRestarted,
+    EngineUnquarantine,
+    EngineUnstable,
     EngineWorkers,
     Handover,
     KvFlush,
     KvServerAlive,
     MainFailed,
+    PoisonedRecord,
     ProcessEvent,
     PromoteShadow,
     ServerPing,
@@ -69,10 +81,12 @@ from belayer_rl.shared.protocol import (
     decoder_for,
     encode,
 )
+from belayer_rl.shared.runtime import Skipped
 
 log = logging.getLogger("belayer.shadow_supervisor")
 
 SERVER_PING_TIMEOUT_S = 0.5
+MAX_BACKOFF_S = 8.0  # the last engine's cold path waits at most this: the router holds requests 30 s
 REPORTS = decoder_for(WorkerReport)  # stateless: one decoder serves every worker's every line
 R = TypeVar("R", WorkerIdle, WorkerReady)
 
@@ -176,7 +190,8 @@ class EngineSlot:
     engine_id: str
     main: WorkerProcess | None = None
     shadow: WorkerProcess | None = None
-    failures: list[float] = field(default_factory=list)  # monotonic times
+    streak: int = 0  # failures in a row, each within the failure window of the worker taking over
+    took_over_at: float = 0.0  # monotonic time the current main began to serve
     quarantined: bool = False
     generation: int = 0  # names heartbeat files uniquely
     shadow_started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -195,9 +210,11 @@ class ShadowSupervisor:
         config: ShadowSupervisorConfig,
         nc: NATS,
         kv: KeyValue,
+        skipped: Skipped,
         metrics: SupervisorMetrics | None = None,  # None: counts nothing (outside a runtime)
     ) -> None:
         self.config = config
+        self.skipped = skipped  # the runtime's report of a registry entry that does not decode
         self.metrics = metrics or SupervisorMetrics(Metrics(enabled=False))
         self.subjects = config.subjects
         self.nc = nc
@@ -272,11 +289,48 @@ class ShadowSupervisor:
 
     async def start(self) -> None:
         for slot in self.slots.values():
+            entry = await self.entry(slot.engine_id)
+            slot.quarantined = entry is not None and entry.health == "quarantined"
+            if slot.quarantined:
+                log.error("engine %s is quarantined: no workers until it is unquarantined", slot.engine_id)
+        serving = [slot for slot in self.slots.values() if not slot.quarantined]
+        for slot in serving:
             slot.main = await self.start_worker(slot, "main")
-        for slot in self.slots.values():
+            slot.took_over_at = time.monotonic()
+        for slot in serving:
             slot.shadow = await self.start_worker(slot, "shadow", watch=slot.main)
             self.spawn_task(self.watch(slot), f"watch-{slot.engine_id}")
         self.write_state()
+
+    async def on_unquarantine(self, _: EngineUnquarantine, subject: str) -> EngineRestarted:
+        """Clear the quarantine of the engine the subject names and start its main and shadow."""
+        arrived = time.monotonic()
+        engine_id = subject.split(".")[-2]
+        slot = self.slots.get(engine_id)
+        if slot is None:
+            raise bus.ServiceError("unknown-engine", f"this supervisor does not run engine {engine_id!r}")
+        if not slot.quarantined:
+            raise bus.ServiceError("bad-request", f"engine {engine_id} is not quarantined")
+        await registry.unquarantine(self.kv, engine_id)
+        slot.quarantined, slot.streak = False, 0
+        try:
+            slot.main = await self.start_worker(slot, "main")
+        except (StartFailed, TimeoutError) as exc:
+            await self.quarantine(slot)  # as it was: nothing serves it
+            raise bus.ServiceError("restart-failed", f"engine {engine_id}: {exc}") from exc
+        slot.took_over_at = time.monotonic()
+        self.write_state()
+        self.spawn_task(self.replace_shadow(slot), f"shadow-{engine_id}")
+        self.spawn_task(self.watch(slot), f"watch-{engine_id}")
+        entry = await self.entry(engine_id)
+        log.warning("engine %s unquarantined: worker pid %d", engine_id, slot.main.pid)
+        return EngineRestarted(
+            engine_id=engine_id,
+            old_pid=0,
+            new_pid=slot.main.pid,
+            epoch=entry.epoch if entry else 0,
+            took_s=time.monotonic() - arrived,
+        )
 
     # ------------------------------------------------------------ watching
 
@@ -395,14 +449,20 @@ class ShadowSupervisor:
         if not await old.kill_confirmed(self.config.death_timeout_s):
             cold.append(("kill-unconfirmed", f"old main pid {old.pid} not confirmed dead"))
         phase("kill_confirmed")
+        backoff_s = 0.0
         if reason == "restart":
             cold.append(("restart-requested", "restart requested"))
         else:
-            now = time.monotonic()
-            slot.failures = [f for f in slot.failures if now - f < self.config.failure_window_s] + [now]
-            if len(slot.failures) >= 2:
-                await self.quarantine(slot)
-                return None
+            at_once = time.monotonic() - slot.took_over_at < self.config.failure_window_s
+            slot.streak = slot.streak + 1 if at_once else 1
+            bound = self.config.quarantine_after
+            if bound and slot.streak >= bound:
+                if await self.another_engine_serves(slot.engine_id):
+                    await self.quarantine(slot)
+                    return None
+                backoff_s = min(2.0 ** (slot.streak - bound), MAX_BACKOFF_S)
+                cold.append(("unstable", f"failed {slot.streak} times in a row; the last healthy engine"))
+                await self.alert_unstable(slot, backoff_s)
         cold += await self.servers_unfit(shadow)
         phase("servers_checked")
         if not cold:
@@ -426,6 +486,7 @@ class ShadowSupervisor:
             if shadow is not None:
                 await shadow.kill_confirmed(self.config.death_timeout_s)
             slot.shadow = None
+            await asyncio.sleep(backoff_s)
             try:
                 new = await self.start_worker(slot, "cold")
             except (StartFailed, TimeoutError) as exc:
@@ -433,9 +494,10 @@ class ShadowSupervisor:
                 return None
             phase("cold_started")
         slot.main = new
+        slot.took_over_at = time.monotonic()
         slot.shadow = None
         self.write_state()
-        entry, _ = await registry.read(self.kv, slot.engine_id)
+        entry = await self.entry(slot.engine_id)
         event = Handover(
             engine_id=slot.engine_id,
             reason=reason,
@@ -486,6 +548,38 @@ class ShadowSupervisor:
                 unfit.append((check.restarted, why))
         return unfit
 
+    async def entry(self, engine_id: str) -> EngineEntry | None:
+        """The engine's registry entry; None when absent, or when it does not decode (reported:
+        the engine's next worker overwrites it)."""
+        try:
+            entry, _ = await registry.read(self.kv, engine_id)
+        except PoisonedRecord as poisoned:
+            await self.skipped(poisoned)
+            return None
+        return entry
+
+    async def another_engine_serves(self, engine_id: str) -> bool:
+        """Whether an engine other than `engine_id` is not quarantined (the registry's word, so
+        other hosts' engines count too; an entry that does not decode counts as not serving)."""
+        found, poisoned = await registry.entries(self.kv)
+        for bad in poisoned:
+            await self.skipped(bad)
+        return any(e.engine_id != engine_id and e.health == "serving" for e in found)
+
+    async def alert_unstable(self, slot: EngineSlot, backoff_s: float) -> None:
+        alert = EngineUnstable(
+            engine_id=slot.engine_id,
+            failures=slot.streak,
+            window_s=self.config.failure_window_s,
+            backoff_s=backoff_s,
+        )
+        await bus.publish(self.nc, self.subjects.event("engine_unstable", slot.engine_id), alert)
+        log.error(
+            "engine %s failed %d times in a row, but it is the last healthy engine: not quarantined;"
+            " the cold path in %.1f s",
+            slot.engine_id, slot.streak, backoff_s,
+        )  # fmt: skip
+
     async def quarantine(self, slot: EngineSlot) -> None:
         slot.quarantined = True
         if slot.shadow is not None:
@@ -495,10 +589,10 @@ class ShadowSupervisor:
         self.metrics.quarantines.labels(slot.engine_id).inc()
         self.write_state()
         alert = EngineQuarantined(
-            engine_id=slot.engine_id, failures=len(slot.failures), window_s=self.config.failure_window_s
+            engine_id=slot.engine_id, failures=slot.streak, window_s=self.config.failure_window_s
         )
         await bus.publish(self.nc, self.subjects.event("engine_quarantined", slot.engine_id), alert)
-        log.error("engine %s quarantined after %d failures", slot.engine_id, len(slot.failures))
+        log.error("engine %s quarantined after %d failures in a row", slot.engine_id, slot.streak)
 
     # ------------------------------------------------------------ events, state file and shutdown
 

@@ -116,7 +116,9 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
             shadow.report_unhealthy(why)
             rt.stopping.set()
             return
-    epoch = await registry.install_worker(kv, config.engine_id, os.getpid())
+    epoch, replaced = await registry.install_worker(kv, config.engine_id, os.getpid())
+    if replaced is not None:  # an entry that did not decode: overwritten under a safe epoch
+        await rt.record_skipped(replaced)
     metrics = WorkerMetrics(rt.metrics, config.engine_id)
     worker = Worker(config, nc, engine, epoch, rt.stopping, pins, metrics)
     await rt.serve(

@@ -209,7 +209,7 @@ def test_engines_json_is_written_and_read_as_a_struct(tmp_path: Path) -> None:
     config = ShadowSupervisorConfig(
         nats_url="nats://unused", engines=("e0", "e1"), state_dir=tmp_path / "workers"
     )
-    supervisor = ShadowSupervisor(config, nc=None, kv=None)  # type: ignore[arg-type]  # writes no bus
+    supervisor = ShadowSupervisor(config, nc=None, kv=None, skipped=None)  # type: ignore[arg-type]  # writes no bus
 
     def worker(pid: int) -> WorkerProcess:
         return WorkerProcess("main", SimpleNamespace(pid=pid), tmp_path / "hb")  # type: ignore[arg-type]

@@ -21,8 +21,9 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
         js = nc.jetstream()
         kv = await bus.declare_jetstream(js, Subjects())
         config = RouterConfig(nats_url=nats_server.url)
-        router = Router(config, nc, js, kv, Runtime("test-router", config).spawn)
-        epoch = await registry.install_worker(kv, "e0", os.getpid())
+        runtime = Runtime("test-router", config)
+        router = Router(config, nc, js, kv, runtime.spawn, runtime.record_skipped)
+        epoch, _ = await registry.install_worker(kv, "e0", os.getpid())
         installed = []
         router.dispatch_waiting = lambda: installed.append(router.engines["e0"])  # type: ignore[method-assign]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -53,25 +54,51 @@ async def run(
         ) from None
 
 
+@dataclass
+class Traffic:
+    """Generations kept running, one after another in each of `slots` producers, until `stop`:
+    every job started and every result. Producer `slot` draws its jobs from seed `seed + slot`."""
+
+    client: Client
+    seed: int
+    prefix: str
+    max_tokens: int
+    jobs: list[Job] = field(default_factory=list)
+    results: dict[str, Generation] = field(default_factory=dict)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    producers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def start(self, slots: int) -> Traffic:
+        self.producers = [asyncio.create_task(self.produce(slot)) for slot in range(slots)]
+        return self
+
+    async def produce(self, slot: int) -> None:
+        rng = random.Random(self.seed + slot)
+        n = 0
+        while not self.stopping.is_set():
+            job = make_job(rng, f"{self.prefix}{slot}-{n}", max_tokens=self.max_tokens)
+            self.jobs.append(job)
+            self.results[job.request_id] = await run(self.client, job)
+            n += 1
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await asyncio.gather(*self.producers)
+
+    def wrong(self) -> list[str]:
+        """The jobs whose tokens differ from their fault-free reference."""
+        expected = reference_tokens(self.jobs)
+        return [
+            j.request_id for j in self.jobs if self.results[j.request_id].tokens != expected[j.request_id]
+        ]
+
+
 @pytest.mark.slow
 async def test_sigkill_workers_at_50_random_points_token_exact(nats_server, tmp_path, seed) -> None:
     kills_wanted, slots = 50, 6
     async with running_cluster(nats_server, tmp_path, engines=2, chunk_tokens=32) as cluster:
         resumed = await EventLog.start(cluster.client, "request_resumed")
-        jobs: list[Job] = []
-        results: dict[str, Generation] = {}
-        stop = asyncio.Event()
-
-        async def producer(slot: int) -> None:
-            rng = random.Random(seed * 100 + slot)
-            n = 0
-            while not stop.is_set():
-                job = make_job(rng, f"s{slot}-{n}", max_tokens=400)
-                jobs.append(job)
-                results[job.request_id] = await run(cluster.client, job)
-                n += 1
-
-        producers = [asyncio.create_task(producer(slot)) for slot in range(slots)]
+        traffic = Traffic(cluster.client, seed * 100, "s", max_tokens=400).start(slots)
         killer = random.Random(seed)
         kills: list[tuple[int, dict[str, int]]] = []  # (pid killed, its requests -> tokens they had)
         while len(kills) < kills_wanted:
@@ -89,8 +116,7 @@ async def test_sigkill_workers_at_50_random_points_token_exact(nats_server, tmp_
             kills.append((pid, {r.request_id: r.num_tokens for r in mid_decode if r.engine_id == engine_id}))
             # The next kill waits for the supervisor's restart to be serving.
             await poll(lambda e=engine_id, p=pid: restarted(cluster.client, e, p))
-        stop.set()
-        await asyncio.gather(*producers)
+        await traffic.stop()
 
     for pid, had in kills:
         interrupted = [
@@ -100,10 +126,9 @@ async def test_sigkill_workers_at_50_random_points_token_exact(nats_server, tmp_
         ]
         assert interrupted, f"killing pid {pid} interrupted none of {had} mid-decode"
     assert len({pid for pid, _ in kills}) == kills_wanted  # every kill hit a fresh process
-    expected = reference_tokens(jobs)
-    wrong = [j.request_id for j in jobs if results[j.request_id].tokens != expected[j.request_id]]
-    assert not wrong, f"{len(wrong)} of {len(jobs)} requests differ from the reference: {wrong[:5]}"
-    assert sum(r.resumes for r in results.values()) >= kills_wanted
+    wrong = traffic.wrong()
+    assert not wrong, f"{len(wrong)} of {len(traffic.jobs)} requests differ from the reference: {wrong[:5]}"
+    assert sum(r.resumes for r in traffic.results.values()) >= kills_wanted
 
 
 async def test_sigstop_worker_detected_by_heartbeat_and_fenced(nats_server, tmp_path, seed) -> None:
