@@ -454,6 +454,10 @@ class CheckpointerConfig(ServiceConfig):
         choices=("", *CHECKPOINT_PHASES),
     )
     object_store: bool = setting(False, "upload checkpoints to JetStream for restores on other hosts")
+    allow_network: bool = setting(False, "let a sandbox ask for a network (`network: true`)")
+    max_sandboxes: int = setting(64, "sandboxes this host runs at once, at most")
+    sandbox_memory_mb: int = setting(0, "the most memory one sandbox may ask for (0: the host's memory)")
+    sandbox_cpus: float = setting(0.0, "the most CPUs one sandbox may ask for (0: the host's CPUs)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -466,6 +470,9 @@ class CheckpointerConfig(ServiceConfig):
             raise ConfigError(f"--host-id must be 1-64 of [A-Za-z0-9_-], got {self.host_id!r}")
         if self.disk_budget_gb < 0:
             raise ConfigError(f"--disk-budget-gb must be >= 0, got {self.disk_budget_gb}")
+        positive("--max-sandboxes", self.max_sandboxes)
+        if self.sandbox_memory_mb < 0 or self.sandbox_cpus < 0:
+            raise ConfigError("--sandbox-memory-mb and --sandbox-cpus must be >= 0")
         if self.crash_at and self.crash_at not in CHECKPOINT_PHASES:
             raise ConfigError(
                 f"--crash-at must be one of {', '.join(CHECKPOINT_PHASES)}, got {self.crash_at!r}"

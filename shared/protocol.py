@@ -68,7 +68,8 @@ ErrorCode = Literal[
     "bad-record",
     # checkpointer
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
-    "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed",
+    "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed", "not-allowed",
+    "host-full",
 ]  # fmt: skip
 # An ErrorCode as it crosses the wire: decoded as text, so a code that a newer version added is not
 # a decode failure for an older reader (nor a stored log end unreadable); raised only from ErrorCode.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Coroutine
@@ -30,7 +31,13 @@ from nats.js.object_store import ObjectStore
 
 from belayer_rl.services.checkpointer import layer, objects, phases, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
-from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, dump_in_flight
+from belayer_rl.services.checkpointer.sandbox import (
+    Engine,
+    EnvironmentFailure,
+    SandboxPolicy,
+    dump_in_flight,
+    host_memory_mb,
+)
 from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
@@ -97,6 +104,11 @@ class Checkpointer:
         self.host = phases.Host(
             host_id=config.host_id, engine=engine, store=self.store, kv=kv,
             max_layer_bytes=int(config.max_layer_gb * (1 << 30)), crash_at=config.crash_at,
+            policy=SandboxPolicy(
+                allow_network=config.allow_network,
+                max_memory_mb=config.sandbox_memory_mb or host_memory_mb(),
+                max_cpus=config.sandbox_cpus or float(os.cpu_count() or 1),
+            ),
         )  # fmt: skip
 
     def spawn(self, what: str, coro: Coroutine[object, object, object]) -> None:
@@ -235,6 +247,11 @@ class Checkpointer:
         name = req.sandbox or f"sb-{secrets.token_hex(6)}"
         if name in self.sandboxes and self.sandboxes[name].record.state != "destroyed":
             raise ServiceError("exists", f"sandbox {name!r} exists")
+        if why := self.host.policy.refusal(req.spec):
+            raise ServiceError("not-allowed", f"sandbox {name}: {why}")
+        live = sum(sb.record.state != "destroyed" for sb in self.sandboxes.values())
+        if live >= self.config.max_sandboxes:
+            raise ServiceError("host-full", f"this host runs {live} sandboxes, its most (--max-sandboxes)")
         sb = Sandbox(SandboxRecord(sandbox=name, spec=req.spec, container_id="", image_id=""))
         self.sandboxes[name] = sb  # the name is taken before the first wait
         async with sb.fifo:

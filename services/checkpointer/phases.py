@@ -33,7 +33,7 @@ from nats.js.kv import KeyValue
 
 from belayer_rl.services.checkpointer import layer, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
-from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure
+from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, SandboxPolicy
 from belayer_rl.services.checkpointer.store import (
     CONTEXT,
     CRIU,
@@ -67,11 +67,15 @@ class Host:
     store: Store
     kv: KeyValue  # the prefix pointers
     max_layer_bytes: int  # a layer archive holding more is refused at restore
+    policy: SandboxPolicy  # what a sandbox may ask for here
     crash_at: str = ""  # chaos testing: SIGKILL this process when a checkpoint reaches this phase
 
 
 async def fresh_container(host: Host, record: SandboxRecord, image: str) -> str:
-    """Replace the sandbox's container, if any, with a new one from `image` with the record's settings."""
+    """Replace the sandbox's container, if any, with a new one from `image` with the record's
+    settings, unless this host's policy refuses them (ServiceError "not-allowed")."""
+    if why := host.policy.refusal(record.spec):
+        raise ServiceError("not-allowed", f"sandbox {record.sandbox}: {why}")
     spec = msgspec.structs.replace(record.spec, image=image)
     record.container_id = await host.engine.recreate(record.container_id, spec, host.host_id, record.sandbox)
     record.oom_seen = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -80,6 +81,43 @@ def labels(host_id: str, sandbox: str, spec: SandboxSpec) -> dict[str, str]:
 
 def container_name(host_id: str, sandbox: str) -> str:
     return f"belayer-{host_id}-{sandbox}"
+
+
+# Docker's own default set: what a process in a container has unless told otherwise. Anything past
+# it (SYS_ADMIN, SYS_MODULE, DAC_READ_SEARCH, SYS_PTRACE, NET_ADMIN, ALL...) reaches into the host.
+ALLOWED_CAPABILITIES = frozenset(
+    {
+        "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+        "NET_RAW", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """What this host lets a sandbox ask for: checked on every container it makes, a restore's
+    (from a manifest's settings) as well as a create's."""
+
+    allow_network: bool
+    max_memory_mb: int
+    max_cpus: float
+
+    def refusal(self, spec: SandboxSpec) -> str:
+        """Why `spec` may not run here; "" when it may."""
+        beyond = sorted(set(spec.cap_add) - ALLOWED_CAPABILITIES)
+        if beyond:
+            return f"capabilities {beyond} are not allowed (allowed: {sorted(ALLOWED_CAPABILITIES)})"
+        if spec.network and not self.allow_network:
+            return "network is not allowed on this host (the checkpointer's --allow-network)"
+        if spec.memory_mb > self.max_memory_mb:
+            return f"memory_mb {spec.memory_mb} is over this host's {self.max_memory_mb} per sandbox"
+        if spec.cpus > self.max_cpus:
+            return f"cpus {spec.cpus:g} is over this host's {self.max_cpus:g} per sandbox"
+        return ""
+
+
+def host_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
 
 def create_config(spec: SandboxSpec, host_id: str, sandbox: str) -> dict[str, Any]:

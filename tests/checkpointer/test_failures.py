@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
@@ -156,7 +157,7 @@ async def test_create_errors_are_typed_and_leave_nothing(client: SandboxClient, 
     assert missing.value.code == "no-image"
     with pytest.raises(ServiceError) as bad:
         await client.create(SandboxSpec(image=image, cap_add=["NOT_A_CAP"]), sandbox="x")
-    assert bad.value.code == "create-failed"
+    assert bad.value.code == "not-allowed"
     assert (await client.list()).sandboxes == []
     info = await client.create(
         SandboxSpec(image=image, memory_mb=96, pids_limit=40), sandbox="x"
@@ -174,6 +175,39 @@ async def test_create_errors_are_typed_and_leave_nothing(client: SandboxClient, 
         " cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null",
     )
     assert limits.stdout.split() == [str(96 << 20), "40"]
+
+
+REACHING_INTO_THE_HOST: list[tuple[dict[str, object], str]] = [
+    ({"cap_add": ["SYS_ADMIN"]}, "SYS_ADMIN"),
+    ({"cap_add": ["ALL"]}, "ALL"),
+    ({"cap_add": ["CHOWN", "SYS_MODULE"]}, "SYS_MODULE"),
+    ({"cap_add": ["DAC_READ_SEARCH"]}, "DAC_READ_SEARCH"),
+    ({"network": True}, "network"),
+    ({"memory_mb": 1024}, "memory_mb"),
+    ({"cpus": 2.0}, "cpus"),
+]
+
+
+async def test_a_sandbox_cannot_be_configured_into_the_host(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    """On a host that allows 512 MB and 1 CPU per sandbox, 2 sandboxes and no network: what reaches
+    past that is refused before any container exists, with the reason; an allowed capability and
+    the host's own bounds run (so the check is no blanket refusal), and a third sandbox is refused."""
+    service.stop()
+    service.start("--sandbox-memory-mb", "512", "--sandbox-cpus", "1", "--max-sandboxes", "2")
+    await service.ready(client)
+    for changes, named in REACHING_INTO_THE_HOST:
+        with pytest.raises(ServiceError) as refused:
+            await client.create(msgspec.structs.replace(SandboxSpec(image=image, memory_mb=64), **changes))
+        assert refused.value.code == "not-allowed" and named in refused.value.message, refused.value
+    assert (await client.list()).sandboxes == []
+    allowed = SandboxSpec(image=image, memory_mb=512, cpus=1.0, cap_add=["NET_BIND_SERVICE"])
+    assert (await client.create(allowed, sandbox="a")).state == "running"
+    await client.create(SandboxSpec(image=image, memory_mb=64), sandbox="b")
+    with pytest.raises(ServiceError) as full:
+        await client.create(SandboxSpec(image=image, memory_mb=64), sandbox="c")
+    assert full.value.code == "host-full"
 
 
 async def test_oom_killed_init_is_an_oom_environment_failure(
