@@ -5,7 +5,8 @@ opaque-dir xattrs, whiteouts (character devices 0/0) as they are. Installing nev
 archive: `check` reads every member first and rejects the archive whole when any entry could write
 outside the new layer (absolute paths, `..`, a path through a symlink, a symlink whose relative
 target climbs above the root, a hardlink to anything but an earlier regular file of the archive,
-device nodes other than whiteouts, duplicates); then `install` creates each entry with
+device nodes other than whiteouts, duplicates), or that does not end as a tar archive ends (cut
+short, or with anything but zero blocks after its last entry); then `install` creates each entry with
 `O_NOFOLLOW` relative to directory descriptors, so even a missed case cannot follow a link out.
 
 Absolute symlink targets are allowed: inside the container they resolve under its own root.
@@ -137,9 +138,24 @@ def check(archive_path: Path, max_bytes: int | None = None) -> list[Entry]:
                         raise HostileLayer(f"the layer holds more than {max_bytes} bytes")
                 seen[parts] = member
                 entries.append(Entry(member, parts))
+            _check_end(archive_path, tar.offset)
     except tarfile.TarError as exc:
         raise HostileLayer(f"not a readable tar archive: {exc}") from None
     return entries
+
+
+def _check_end(archive_path: Path, end: int) -> None:
+    """After the last entry (at `end`) an archive holds its end-of-archive marker, two or more
+    zero blocks, and nothing else. tarfile stops quietly at the first header it cannot read, so
+    without this a cut or a tail of garbage would pass as a shorter archive."""
+    size = archive_path.stat().st_size
+    if size - end < 2 * tarfile.BLOCKSIZE:
+        raise HostileLayer(f"cut short: {size - end} bytes after the last entry, no end-of-archive marker")
+    with archive_path.open("rb") as f:
+        f.seek(end)
+        while chunk := f.read(COPY_CHUNK):
+            if chunk.count(0) != len(chunk):
+                raise HostileLayer(f"bytes other than the end-of-archive marker after offset {end}")
 
 
 # ---------------------------------------------------------------- install

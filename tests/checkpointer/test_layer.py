@@ -73,6 +73,35 @@ def test_not_a_tar_is_rejected(tmp_path: Path) -> None:
         layer.check(bad)
 
 
+def cut_in_a_file(data: bytes) -> bytes:
+    return data[: 3 * tarfile.BLOCKSIZE + 100]  # headers of a.txt, its data (2 blocks), half of b's
+
+
+def cut_at_an_entry(data: bytes) -> bytes:
+    return data[: 3 * tarfile.BLOCKSIZE]  # a.txt whole, b.txt gone: the shorter archive of old
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        cut_in_a_file,
+        cut_at_an_entry,
+        lambda data: data + b"trailing garbage" * 64,
+        lambda data: data[: -8 * tarfile.BLOCKSIZE] + b"\x01" + data[-8 * tarfile.BLOCKSIZE + 1 :],
+    ],
+    ids=["cut-in-a-file", "cut-at-an-entry", "trailing-garbage", "garbage-in-the-end-marker"],
+)
+def test_a_cut_or_padded_archive_is_rejected_whole(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
+    """Before: tarfile stopped at the first header it could not read, and the entries before it
+    passed as the whole layer. The undamaged archive is accepted (the mutation check)."""
+    archive = make_tar(tmp_path / "layer.tar", [(entry("a.txt"), b"a" * 600), (entry("b.txt"), b"b" * 600)])
+    names = [e.member.name for e in layer.check(archive)]
+    assert names == ["a.txt", "b.txt"]
+    archive.write_bytes(damage(archive.read_bytes()))
+    with pytest.raises(layer.HostileLayer):
+        layer.check(archive)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and owners need root")
 def test_clean_layer_round_trip_keeps_whiteouts_links_modes_and_opaque_dirs(tmp_path: Path) -> None:
     upper = tmp_path / "upper"
