@@ -510,6 +510,9 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
 SandboxId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 TrajectoryId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 HostId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+# A checkpoint's id becomes a folder name (and an object's): letters, digits, "_" and "-" only, so
+# no stored pointer or manifest can name a path outside the store. Empty: the base image.
+CheckpointId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,96}$")]
 Step = Annotated[int, Meta(ge=0)]  # k: the number of actions completed in the sandbox
 ImageRef = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]*$")]
 Capability = Annotated[str, Meta(pattern=r"^[A-Z_]{2,32}$")]
@@ -628,7 +631,7 @@ class ExecResult(Message, tag="exec_result", kw_only=True):
 class CheckpointResult(Message, tag="checkpoint_result", kw_only=True):
     trajectory: TrajectoryId
     sandbox: SandboxId
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     incarnation: Annotated[int, Meta(ge=0)]
     k: Step
     context_digest: Digest
@@ -645,7 +648,7 @@ class RestoreResult(Message, tag="restore_result", kw_only=True):
     sandbox: SandboxId
     container_id: str
     source: RestoreSource
-    checkpoint_id: str  # empty for the base image
+    checkpoint_id: CheckpointId  # empty for the base image
     incarnation: Annotated[int, Meta(ge=0)]
     k: Step
     context_tokens: Tokens = []
@@ -659,7 +662,7 @@ class CheckpointReady(Message, tag="checkpoint_ready", kw_only=True):
     trajectory: TrajectoryId
     sandbox: SandboxId
     host_id: HostId
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     incarnation: Annotated[int, Meta(ge=0)]
     k: Step
     context_digest: Digest
@@ -684,7 +687,7 @@ class SandboxRestored(Message, tag="sandbox_restored", kw_only=True):
     sandbox: SandboxId
     host_id: HostId
     source: RestoreSource
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     incarnation: Annotated[int, Meta(ge=0)]
     k: Step
     rejected: list[str] = []
@@ -701,7 +704,7 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
     trajectory: TrajectoryId
     host_id: HostId
     sandbox: SandboxId
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     incarnation: Annotated[int, Meta(ge=0)]
     k: Step
     context_digest: Digest = ""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from belayer_rl.shared.protocol import SandboxSpec
+from belayer_rl.shared.protocol import CheckpointId, SandboxSpec
 
 FORMAT = "belayer-checkpoint/1"
 TMP_PREFIX = ".tmp-"
@@ -52,17 +52,20 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
     ref: str = ""
 
 
+Name = CheckpointId  # the same shape: "" or [A-Za-z0-9_-]{1,96}
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     format: str = FORMAT
-    checkpoint_id: str
-    trajectory: str
-    sandbox: str
-    host_id: str
+    checkpoint_id: CheckpointId  # each name that becomes a path is pattern-checked on load
+    trajectory: Name
+    sandbox: Name
+    host_id: Name
     incarnation: int
     k: int
     spec: SandboxSpec
     image_id: str  # the image the container ran, by id: a restore insists on the same one
-    criu_name: str  # the checkpoint name CRIU's images were dumped under
+    criu_name: Name  # the checkpoint name CRIU's images were dumped under
     context_digest: str
     context_len: int
     created_at: float
