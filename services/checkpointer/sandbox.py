@@ -2,7 +2,10 @@
 
 Knows nothing about checkpoints or NATS. An action runs as `/bin/sh -c command` in a new session
 under a small shell wrapper inside the container: Docker has no API to kill an exec, so the
-wrapper's watcher SIGKILLs the action's whole process group when its time is up. Whether the
+wrapper's watcher SIGKILLs the action's whole process group when its time is up. A process can
+leave that group (setsid, job control) or kill the watcher, so the deadline is also enforced from
+the host: the container is frozen, every process of its cgroup that was not there before the
+action is SIGKILLed, and it is thawed. Whether the
 environment failed is judged from the container's state (running, the kernel's OOM-kill counter
 of its memory cgroup, the daemon's answer), never from an exit code.
 """
@@ -13,8 +16,9 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,7 @@ exit "$rc"
 
 OUTPUT_CAP = 256 << 10  # bytes kept per stream; MAX_MESSAGE_BYTES bounds the whole reply
 EXEC_GRACE_S = 10.0  # past timeout + grace, the wrapper itself is presumed stuck
+SWEEP_GRACE_S = 1.0  # past timeout + this, the host kills what the action started
 
 
 class EnvironmentFailure(Exception):
@@ -405,6 +410,14 @@ class Engine:
         itself breaks. The caller still judges the container's health afterwards."""
         marker = f"belayer: action killed after {timeout_s:g}s"
         start = time.monotonic()
+        init_pid = (await self.state(container_id)).pid
+        before = await asyncio.to_thread(container_processes, init_pid)
+        swept = 0
+
+        async def sweep() -> None:
+            nonlocal swept
+            swept += await self.kill_newer(container_id, init_pid, before)
+
         try:
             execution = await self.docker.containers.container(container_id).exec(
                 ["/bin/sh", "-c", EXEC_WRAPPER, "belayer-action", command, f"{timeout_s:.3f}", marker],
@@ -429,7 +442,13 @@ class Engine:
             async with execution.start(detach=False) as stream:
                 reader = asyncio.create_task(read(stream))
                 try:
-                    info = await self._wait_exec(execution, reader, start + timeout_s + EXEC_GRACE_S)
+                    info = await self._wait_exec(
+                        execution,
+                        reader,
+                        start + timeout_s + EXEC_GRACE_S,
+                        start + timeout_s + SWEEP_GRACE_S,
+                        sweep,
+                    )
                 finally:
                     if not reader.done():  # a background job may still hold the stream open
                         with contextlib.suppress(asyncio.TimeoutError):
@@ -446,9 +465,11 @@ class Engine:
         if info.exit_code is None:
             raise EnvironmentFailure("exec-stream", "the exec ended without an exit code")
         stderr = bytes(err)
-        timed_out = (marker + "\n").encode() in stderr
-        if timed_out:
+        fired = (marker + "\n").encode() in stderr
+        if fired:
             stderr = stderr.replace((marker + "\n").encode(), b"")
+            await sweep()  # what left the action's process group outlived the watcher's kill
+        timed_out = fired or swept > 0
         return ActionOutput(
             exit_code=info.exit_code,
             stdout=bytes(out),
@@ -458,14 +479,40 @@ class Engine:
             duration_s=time.monotonic() - start,
         )
 
-    async def _wait_exec(self, execution: Any, reader: asyncio.Task[None], deadline: float) -> ExecInspect:
-        """Wait until the exec has ended (its stream closed, or the daemon says so); its inspect."""
+    async def kill_newer(self, container_id: str, init_pid: int, before: set[tuple[int, int]]) -> int:
+        """Freeze the container, SIGKILL every process of it not in `before`, thaw it; how many.
+        Frozen, nothing can fork meanwhile; the kills land as it thaws."""
+        await self.pause(container_id)
+        try:
+            newer = await asyncio.to_thread(container_processes, init_pid) - before
+            for pid, _ in newer:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        finally:
+            await self.unpause(container_id)
+        return len(newer)
+
+    async def _wait_exec(
+        self,
+        execution: Any,
+        reader: asyncio.Task[None],
+        deadline: float,
+        sweep_at: float,
+        sweep: Callable[[], Awaitable[None]],
+    ) -> ExecInspect:
+        """Wait until the exec has ended (its stream closed, or the daemon says so); its inspect.
+        Still running at `sweep_at` (monotonic), it is ended from the host, once, by `sweep`."""
         poll = 0.02
+        swept = False
         while True:
+            if not swept and time.monotonic() >= sweep_at:
+                swept = True
+                await sweep()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EnvironmentFailure("exec-stream", "the action's wrapper outlived its timeout")
-            done, _ = await asyncio.wait({reader}, timeout=min(poll, remaining))
+            wake = remaining if swept else min(remaining, max(sweep_at - time.monotonic(), 0.0))
+            done, _ = await asyncio.wait({reader}, timeout=min(poll, wake))
             try:
                 info = msgspec.convert(await execution.inspect(), type=ExecInspect)
             except aiodocker.DockerError as exc:
@@ -478,6 +525,41 @@ class Engine:
                 await asyncio.sleep(0.01)
                 continue
             poll = min(poll * 2, 0.25)
+
+
+def container_processes(init_pid: int) -> set[tuple[int, int]]:
+    """Every process in the cgroup of the container whose init is `init_pid`, as (host pid, start
+    time in clock ticks): the start time tells a reused pid from the process that had it."""
+    procs = cgroup_procs_file(init_pid)
+    if procs is None:
+        return set()
+    found = set()
+    with contextlib.suppress(OSError, ValueError):
+        for line in procs.read_text().split():
+            pid = int(line)
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                found.add((pid, int(stat.rsplit(")", 1)[1].split()[19])))  # field 22: starttime
+    return found
+
+
+def cgroup_procs_file(pid: int) -> Path | None:
+    """The cgroup.procs of the cgroup holding `pid` (the pids controller on cgroup v1)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines() if pid > 0 else []
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = Path("/sys/fs/cgroup" + path) / "cgroup.procs"
+        elif "pids" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/pids" + path) / "cgroup.procs"
+        else:
+            continue
+        if candidate.exists():
+            return candidate
+    return None
 
 
 def oom_counter_files(pid: int) -> list[Path]:

@@ -39,6 +39,33 @@ async def test_timeout_kills_the_whole_action(client: SandboxClient, image: str)
     assert (await client.exec("t", "echo alive")).stdout == "alive\n"
 
 
+ESCAPES = {
+    "setsid": "setsid sh -c 'sleep 1000' </dev/null >/dev/null 2>&1 & sleep 1000",  # a new session
+    "job-control": "sh -m -c 'sleep 1000 & wait'",  # each job its own process group
+    "double-fork": "(sh -c 'setsid sleep 1000 &') ; sleep 1000",
+    # The watcher: `/bin/sh -c sleep "$1"; kill ...` (its own words; the wrapper's are other).
+    "watcher-killed": 'kill -9 $(ps -o pid,args | awk \'$2 == "/bin/sh" && $4 == "sleep" {print $1}\'); sleep 1000',
+}
+
+
+async def test_a_timeout_is_enforced_from_outside_the_container(client: SandboxClient, image: str) -> None:
+    """Each way out of the in-container watcher's kill: the action still ends as the agent's own
+    timeout, and nothing it started lives on. A background job of an action that ended in time is
+    the agent's business and stays (so the sweep is no blanket kill)."""
+    await client.create(SandboxSpec(image=image), sandbox="esc")
+    kept = await client.exec("esc", "sleep 2000 </dev/null >/dev/null 2>&1 & echo started", timeout_s=10)
+    assert kept.stdout == "started\n"
+    for name, command in ESCAPES.items():
+        started = time.monotonic()
+        result = await client.exec("esc", command, timeout_s=1.0)
+        assert result.timed_out, (name, result)
+        assert time.monotonic() - started < 6.0, name
+        left = await client.exec("esc", "ps -o args | grep -c '^sleep 1000' || true")
+        assert left.stdout.strip() == "0", name
+    still = await client.exec("esc", "ps -o args | grep -c '^sleep 2000' || true")
+    assert still.stdout.strip() == "1"
+
+
 async def test_background_job_holding_the_stream_does_not_block(client: SandboxClient, image: str) -> None:
     await client.create(SandboxSpec(image=image), sandbox="bg")
     started = time.monotonic()
