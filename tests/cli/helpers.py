@@ -117,6 +117,16 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
         ),
     ),
     "engine_quarantined": ("e1", protocol.EngineQuarantined(engine_id="e1", failures=2, window_s=60.0)),
+    "engine_unstable": (
+        "e1",
+        protocol.EngineUnstable(engine_id="e1", failures=3, window_s=60.0, backoff_s=2.0),
+    ),
+    "record_skipped": (
+        "router",
+        protocol.RecordSkipped(
+            service="router", store="engine-registry", key="e0", sequence=7, reason="nested too deeply"
+        ),
+    ),
     "weights_published": (
         "v2",
         protocol.WeightsPublished(version="v2", segment="belayer.w.v2", size=4096, previous="v1"),
