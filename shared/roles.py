@@ -33,6 +33,8 @@ class Role:
     streams: tuple[str, ...] = ()
     # Streams it may only read (stream info and direct/last-message gets).
     reads: tuple[str, ...] = ()
+    # Streams it may also list through an ordered consumer of its own (a bucket's keys).
+    lists: tuple[str, ...] = ()
     everything: bool = False  # the operator's own credential
     stats: str = ""  # the service name whose stats endpoint it answers ("*": a worker, named by its pid)
     client: bool = False  # the rollout side: the router may stream into its users' inboxes
@@ -50,6 +52,17 @@ def _js_api(stream: str) -> list[str]:
         f"$JS.API.DIRECT.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}.>",
         f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def _js_list(stream: str) -> list[str]:
+    """An ordered consumer's life: created, asked about, deleted, its flow control answered."""
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+        f"$JS.API.CONSUMER.DELETE.{stream}.*",
         f"$JS.FC.{stream}.>",
     ]
 
@@ -142,6 +155,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(s.engine_restart("*"), s.engine_unquarantine("*")),
             replies=True,
             reads=(kv_stream(engines),),
+            lists=(kv_stream(engines),),  # is another engine serving? (before a quarantine)
             stats="shadow-supervisor",
         ),
         "weight-server": Role(
@@ -315,6 +329,8 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
         publish += _js_api(stream)
     for stream in role.reads:
         publish += _js_read(stream)
+    for stream in role.lists:
+        publish += _js_list(stream)
     subscribe = [fill(p) for p in role.subscribe]
     subscribe.append(f"{inbox_prefix(user.public_key)}.>")
     if role.stats:  # a service answers the runtime's stats endpoint, its own only

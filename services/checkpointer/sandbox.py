@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,8 @@ import aiohttp
 import msgspec
 
 from belayer_rl.shared.protocol import EnvFailureReason, SandboxSpec
+
+log = logging.getLogger("belayer.checkpointer")
 
 LABEL_HOST = "belayer.host"
 LABEL_SANDBOX = "belayer.sandbox"
@@ -410,13 +413,25 @@ class Engine:
         itself breaks. The caller still judges the container's health afterwards."""
         marker = f"belayer: action killed after {timeout_s:g}s"
         start = time.monotonic()
-        init_pid = (await self.state(container_id)).pid
+        try:
+            init_pid = (await self.state(container_id)).pid
+        except aiodocker.DockerError as exc:
+            raise EnvironmentFailure("daemon-error", f"inspect failed: {exc.message}") from None
         before = await asyncio.to_thread(container_processes, init_pid)
+        if not before:
+            log.warning(
+                "container %s: its cgroup is not readable: timeouts enforced inside only", container_id[:12]
+            )
         swept = 0
 
         async def sweep() -> None:
             nonlocal swept
-            swept += await self.kill_newer(container_id, init_pid, before)
+            try:
+                swept += await self.kill_newer(container_id, init_pid, before)
+            except aiodocker.DockerError as exc:
+                raise EnvironmentFailure(
+                    "daemon-error", f"freezing for the timeout failed: {exc.message}"
+                ) from None
 
         try:
             execution = await self.docker.containers.container(container_id).exec(
@@ -484,12 +499,16 @@ class Engine:
         Frozen, nothing can fork meanwhile; the kills land as it thaws."""
         await self.pause(container_id)
         try:
-            newer = await asyncio.to_thread(container_processes, init_pid) - before
-            for pid, _ in newer:
+            newer = await asyncio.to_thread(started_by_the_action, init_pid, before)
+            for pid in newer:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         finally:
-            await self.unpause(container_id)
+            try:
+                await self.unpause(container_id)
+            except aiodocker.DockerError:  # once more: a frozen sandbox would hang every action
+                await asyncio.sleep(0.2)
+                await self.unpause(container_id)
         return len(newer)
 
     async def _wait_exec(
@@ -541,6 +560,30 @@ def container_processes(init_pid: int) -> set[tuple[int, int]]:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 found.add((pid, int(stat.rsplit(")", 1)[1].split()[19])))  # field 22: starttime
     return found
+
+
+def started_by_the_action(init_pid: int, before: set[tuple[int, int]]) -> list[int]:
+    """The container's processes that were not there before the action and do not descend from a
+    process that was (an earlier action's server forking a worker is that server's business). The
+    action's own processes descend from its exec, from outside the container, or were orphaned to
+    the container's init: those go."""
+    now = container_processes(init_pid)
+    old = {pid for pid, _ in before & now} - {init_pid}  # the same processes, not reused pids
+    parents = {pid: parent_of(pid) for pid, _ in now}
+    doomed = []
+    for pid, _ in now - before:
+        ancestor, hops = parents.get(pid, 0), 0
+        while ancestor in parents and ancestor not in old and ancestor != init_pid and hops < 4096:
+            ancestor, hops = parents[ancestor], hops + 1
+        if pid != init_pid and ancestor not in old:
+            doomed.append(pid)
+    return doomed
+
+
+def parent_of(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # field 4: ppid
+    return 0
 
 
 def cgroup_procs_file(pid: int) -> Path | None:

@@ -86,6 +86,7 @@ from belayer_rl.shared.runtime import Skipped
 log = logging.getLogger("belayer.shadow_supervisor")
 
 SERVER_PING_TIMEOUT_S = 0.5
+RESTART_TIMEOUT_FACTOR = 2  # a restart waits for at most a handover and a cold start
 MAX_BACKOFF_S = 8.0  # the last engine's cold path waits at most this: the router holds requests 30 s
 REPORTS = decoder_for(WorkerReport)  # stateless: one decoder serves every worker's every line
 R = TypeVar("R", WorkerIdle, WorkerReady)
@@ -223,6 +224,7 @@ class ShadowSupervisor:
         self.workers: set[WorkerProcess] = set()  # every worker process not yet reaped, starting ones too
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
+        self.quarantining = asyncio.Lock()  # quarantines and unquarantines, one at a time
         config.state_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn_task(self, coro: object, name: str) -> None:
@@ -311,8 +313,10 @@ class ShadowSupervisor:
             raise bus.ServiceError("unknown-engine", f"this supervisor does not run engine {engine_id!r}")
         if not slot.quarantined:
             raise bus.ServiceError("bad-request", f"engine {engine_id} is not quarantined")
-        await registry.unquarantine(self.kv, engine_id)
-        slot.quarantined, slot.streak = False, 0
+        async with self.quarantining:
+            await registry.unquarantine(self.kv, engine_id)
+            slot.quarantined, slot.streak = False, 0
+            slot.restart_asked.clear()
         try:
             slot.main = await self.start_worker(slot, "main")
         except (StartFailed, TimeoutError) as exc:
@@ -361,14 +365,22 @@ class ShadowSupervisor:
                     continue
                 slot.restart_asked.clear()  # a request made from here on gets the next handover
                 waiters, slot.restart_waiters = slot.restart_waiters, []
-                event = await self.handover(slot, reason, detected_at)
-                for waiter in waiters:  # any replacement made after the request answers it
-                    if not waiter.done():
-                        waiter.set_result(event)
+                event = None
+                try:
+                    event = await self.handover(slot, reason, detected_at)
+                except Exception:  # the bus or the registry failed mid-way: watch on, try again
+                    log.exception("engine %s: handover after %s failed", slot.engine_id, reason)
+                    await asyncio.sleep(1.0)
+                finally:
+                    for waiter in waiters:  # any replacement made after the request answers it
+                        if not waiter.done():
+                            waiter.set_result(event)
         finally:
+            slot.restart_asked.clear()
             for waiter in slot.restart_waiters:  # quarantined or stopping: nothing will restart it
                 if not waiter.done():
                     waiter.set_result(None)
+            slot.restart_waiters = []
 
     async def on_restart(self, request: EngineRestart, subject: str) -> EngineRestarted:
         """Restart the engine the subject names by the cold path; answer once its new worker
@@ -384,7 +396,12 @@ class ShadowSupervisor:
         answered: asyncio.Future[Handover | None] = asyncio.get_running_loop().create_future()
         slot.restart_waiters.append(answered)
         slot.restart_asked.set()
-        event = await answered
+        try:
+            event = await asyncio.wait_for(
+                asyncio.shield(answered), RESTART_TIMEOUT_FACTOR * self.config.start_timeout_s
+            )
+        except TimeoutError:
+            raise bus.ServiceError("restart-failed", f"engine {engine_id}: no new worker in time") from None
         if event is None:
             raise bus.ServiceError("restart-failed", f"engine {engine_id}: no worker could be started")
         return EngineRestarted(
@@ -416,12 +433,15 @@ class ShadowSupervisor:
             await self.announce(
                 ProcessEvent(name=f"worker-{slot.engine_id}-shadow", pid=old.pid, state="exited")
             )
+        behind = slot.main
         try:
-            shadow = await self.start_worker(slot, "shadow", watch=slot.main)
+            shadow = await self.start_worker(slot, "shadow", watch=behind)
         except (StartFailed, TimeoutError) as exc:
             log.error("engine %s: no shadow: %s", slot.engine_id, exc)
             return
-        if slot.quarantined:  # quarantined while this shadow started: it has nothing to stand by for
+        # Quarantined, or the main replaced (a restart) while this shadow started: it stands by for
+        # nothing, and a shadow watching a dead main would report it failed at once.
+        if slot.quarantined or slot.main is not behind or slot.shadow is not None:
             await shadow.kill_confirmed(self.config.death_timeout_s)
             return
         slot.shadow = shadow
@@ -457,9 +477,10 @@ class ShadowSupervisor:
             slot.streak = slot.streak + 1 if at_once else 1
             bound = self.config.quarantine_after
             if bound and slot.streak >= bound:
-                if await self.another_engine_serves(slot.engine_id):
-                    await self.quarantine(slot)
-                    return None
+                async with self.quarantining:  # two engines at their bound: one decides first
+                    if await self.another_engine_serves(slot.engine_id):
+                        await self.quarantine(slot)
+                        return None
                 backoff_s = min(2.0 ** (slot.streak - bound), MAX_BACKOFF_S)
                 cold.append(("unstable", f"failed {slot.streak} times in a row; the last healthy engine"))
                 await self.alert_unstable(slot, backoff_s)
@@ -561,7 +582,11 @@ class ShadowSupervisor:
     async def another_engine_serves(self, engine_id: str) -> bool:
         """Whether an engine other than `engine_id` is not quarantined (the registry's word, so
         other hosts' engines count too; an entry that does not decode counts as not serving)."""
-        found, poisoned = await registry.entries(self.kv)
+        try:
+            found, poisoned = await asyncio.wait_for(registry.entries(self.kv), SERVER_PING_TIMEOUT_S * 4)
+        except Exception as exc:
+            log.warning("engine %s: the registry could not be listed (%s): not quarantined", engine_id, exc)
+            return False
         for bad in poisoned:
             await self.skipped(bad)
         return any(e.engine_id != engine_id and e.health == "serving" for e in found)
@@ -582,10 +607,10 @@ class ShadowSupervisor:
 
     async def quarantine(self, slot: EngineSlot) -> None:
         slot.quarantined = True
+        await registry.quarantine(self.kv, slot.engine_id)  # first: another engine's check reads it
         if slot.shadow is not None:
             await slot.shadow.kill_confirmed(self.config.death_timeout_s)
             slot.shadow = None
-        await registry.quarantine(self.kv, slot.engine_id)
         self.metrics.quarantines.labels(slot.engine_id).inc()
         self.write_state()
         alert = EngineQuarantined(

@@ -74,5 +74,8 @@ class RolloutSide:
             await self.client.wait_for_engines(len(self.restarted), ROUTER_SEES_S)
         except TimeoutError as exc:
             raise GroupFault("start", -1, f"after the restart: {exc}") from exc
-        await self.resync()
+        try:
+            await self.resync()
+        except (bus.ServiceError, RuntimeError) as exc:  # the weight server down, say
+            raise GroupFault("start", -1, f"re-syncing the weights: {exc}") from exc
         log.info("rollout side rebuilt in %.2f s", time.monotonic() - started)

@@ -46,7 +46,7 @@ from belayer_rl.services.trainer.rollout_side import RolloutSide
 from belayer_rl.services.trainer.tasks import ReverseDigits
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus
-from belayer_rl.shared.client import Client, GenerationError
+from belayer_rl.shared.client import Client, Generation, GenerationError
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.metrics import Metrics, TrainerMetrics
 from belayer_rl.shared.params import Params
@@ -347,14 +347,18 @@ class Trainer:
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 loop = asyncio.get_running_loop()
-                finished = lambda: deadline.reschedule(loop.time() + timeout_s)  # noqa: E731
+
+                def finished() -> None:
+                    if not deadline.expired():  # (it may expire in the same turn of the loop)
+                        deadline.reschedule(loop.time() + timeout_s)
+
                 return await self.generate(step, position, version, finished)
         except TimeoutError as exc:
             why = f"no generation of step {step} finished in {timeout_s:g} s"
             raise GroupFault("hang", -1, why) from exc
         except ExceptionGroup as errors:  # from the generations' task group
-            refused = errors.subgroup((bus.ServiceError, GenerationError))
-            if refused is None:
+            refused, other = errors.split((bus.ServiceError, GenerationError))
+            if refused is None or other is not None:  # a bug among them is no rollout fault
                 raise
             raise GroupFault("exception", -1, f"the router: {refused.exceptions[0]}") from errors
 
@@ -377,20 +381,31 @@ class Trainer:
             seed = sample_seed(s.seed, step, index)
             # The same id for the same request: a step run again after a fault attaches to the
             # generation the router logged (same tokens). The digest keeps another run, or other
-            # weights, from ever sharing it.
+            # weights, from ever sharing it. After a rollout rebuild the ids are new ("-b<n>"):
+            # the router may have ended the old ones with an error while no engine served.
             digest = hashlib.sha256(f"{version}|{seed}|{item}".encode()).hexdigest()[:10]
+            rebuilt = self.rollout_side.rebuilds
+            base = f"{s.run}-s{step}-{index}-{digest}" + (f"-b{rebuilt}" if rebuilt else "")
+            generation: Generation | None = None
             for attempt in range(GENERATION_TRIES):
-                generation = None
                 async with gate:
-                    generation = await self.client.generate_all(
-                        prompt,
-                        max_tokens=self.task.answer_tokens,
-                        seed=seed,
-                        temperature=s.temperature,
-                        allowed_tokens=list(self.task.allowed_tokens),
-                        weight_version=version,
-                        request_id=f"{s.run}-s{step}-{index}-{digest}" + (f"-r{attempt}" if attempt else ""),
-                    )
+                    try:
+                        generation = await self.client.generate_all(
+                            prompt,
+                            max_tokens=self.task.answer_tokens,
+                            seed=seed,
+                            temperature=s.temperature,
+                            allowed_tokens=list(self.task.allowed_tokens),
+                            weight_version=version,
+                            request_id=base + (f"-r{attempt}" if attempt else ""),
+                        )
+                    except GenerationError as exc:
+                        # Its end, an error (no engine in time, say), is logged for good under
+                        # this id: only a fresh one can generate the sample again.
+                        if attempt == GENERATION_TRIES - 1:
+                            raise
+                        log.warning("sample %d of step %d: %s; generating it again", index, step, exc)
+                        continue
                 # Anything short of a whole answer (a generation cancelled by an earlier, abandoned
                 # try) is never trained on; a fresh request regenerates it, token for token.
                 finished()
@@ -402,6 +417,7 @@ class Trainer:
                 raise RuntimeError(
                     f"sample {index} of step {step}: no whole answer in {GENERATION_TRIES} tries"
                 )
+            assert generation is not None  # the loop broke on one
             if generation.weight_version != version:
                 raise RuntimeError(
                     f"sample {index} came back from {generation.weight_version}, not {version}"

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.weight_server.client import WeightClient
-from belayer_rl.shared import bus, protocol
+from belayer_rl.shared import bus, protocol, registry
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.params import init_params
@@ -384,6 +384,20 @@ async def test_no_engine_can_roll_up_the_registry(cluster: Supervisor) -> None:
     async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
         registry = await admin.nc.jetstream().key_value(s.engine_registry_bucket)
         assert sorted(await registry.keys()) == ["e0", "e1"]
+
+
+async def test_the_supervisor_lists_the_registry_with_its_credential(cluster: Supervisor) -> None:
+    """Before it quarantines an engine the supervisor asks whether another one serves: it lists
+    the registry through an ordered consumer, which its role allows; an engine's does not."""
+    async with connected(cluster.nats_url, cluster.access("shadow-supervisor")) as (nc, refusals):
+        kv = await nc.jetstream().key_value(cluster.subjects.engine_registry_bucket)
+        found, poisoned = await asyncio.wait_for(registry.entries(kv), 10)
+    assert sorted(e.engine_id for e in found) == ["e0", "e1"] and poisoned == []
+    assert refusals.errors == []
+    async with connected(cluster.nats_url, cluster.access("engine-e0")) as (nc, _):
+        kv = await nc.jetstream().key_value(cluster.subjects.engine_registry_bucket)
+        with pytest.raises(Exception):  # noqa: B017 (a timeout or a permissions error, by version)
+            await asyncio.wait_for(registry.entries(kv), 5)
 
 
 async def test_the_trainer_publishes_weights_over_the_bus_with_its_credential(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.metrics import Metrics, MetricsServer, TrainerMetrics
 from tests.handover.test_handover import engines
 from tests.metrics.scrape import Scrape, http_get
-from tests.support import Cluster, EventLog, kill
+from tests.support import Cluster, EventLog, NatsServer, kill, running_cluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -339,6 +339,29 @@ async def test_a_stopped_rollout_side_is_rebuilt_by_the_cold_path_and_the_run_ma
     assert [(e.group, e.rebuild) for e in rebuilt.events] == [("rollout", 1)]
     assert [(e.reason, e.path, e.old_pid) for e in handovers.events] == [("restart", "cold", stopped["main"])]
     assert same(final_state(trainer), twin)
+
+
+async def test_a_rollout_side_rebuilt_after_the_router_gave_its_requests_up_still_matches_the_twin(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The same stop, where the router gives a request up (`no-workers`) after 1 s without an
+    engine, well before the 4 s rollout timeout: those ids end in an error for good. The trainer
+    generates such a sample again under a fresh id, and after the rebuild every id is new, so the
+    run still ends bitwise equal to its twin. Before: the ids the router had given up kept failing
+    and the run ended with the rollout side's final error."""
+    async with running_cluster(
+        nats_server, tmp_path / "cluster", engines=1, shadows=True, preset="tiny", no_worker_deadline_s=1.0
+    ) as cluster:
+        twin = group_trainer(cluster, tmp_path / "twin", settings("gaveuptwin"), FAST)
+        await twin.run()
+        rebuilt = await EventLog.start(cluster.client, "group_rebuilt")
+        faults = dataclasses.replace(FAST, rollout_timeout_s=4.0)
+        trainer = group_trainer(cluster, tmp_path / "gaveup", settings("gaveup"), faults)
+        chaos = asyncio.create_task(stop_the_rollout_side(cluster, trainer, FAULTY_STEP))
+        await trainer.run()
+        await chaos
+    assert [(e.group, e.rebuild) for e in rebuilt.events] == [("rollout", 1)]
+    assert same(final_state(trainer), final_state(twin))
 
 
 async def test_a_rollout_side_past_its_rebuilds_reschedules_then_ends_the_run_naming_it(
