@@ -236,10 +236,11 @@ async def test_two_failures_in_window_quarantine_and_spread(nats_server, tmp_pat
         with pytest.raises(bus.ServiceError) as refused:  # a restart is no way out of a quarantine
             await restart(cluster, "e0")
         old_supervisor = cluster.pid_of("shadow-supervisor")
+        old_mains = {entry["main"] for entry in engines(cluster).values()}
         kill(old_supervisor)  # its workers die with it; the cluster starts it again
         await poll(lambda: restarted_server(cluster, "shadow-supervisor", old_supervisor), timeout_s=60)
         await cluster.client.wait_for_engines(2, 120)
-        kept = await poll(lambda: serving_engines(cluster, {"e1", "e2"}), timeout_s=120)
+        kept = await poll(lambda: serving_engines(cluster, {"e1", "e2"}, old_mains), timeout_s=120)
         back = await poll(lambda: unquarantine(cluster, "e0"), timeout_s=60, every_s=0.2)
         await cluster.client.wait_for_engines(3, 120)
         job = make_job(rng, "after-unquarantine", max_tokens=32)
@@ -264,9 +265,14 @@ async def test_two_failures_in_window_quarantine_and_spread(nats_server, tmp_pat
         assert result.tokens == expected[job.request_id]
 
 
-async def serving_engines(cluster: Cluster, wanted: set[str]) -> dict[str, dict[str, int]] | None:
-    """The supervisor's state once exactly `wanted` have a main and a shadow."""
+async def serving_engines(
+    cluster: Cluster, wanted: set[str], old_mains: set[int]
+) -> dict[str, dict[str, int]] | None:
+    """The state a new supervisor wrote (no main of `old_mains`), once exactly `wanted` have a main
+    and a shadow."""
     state = engines(cluster)
+    if any(entry["main"] in old_mains for entry in state.values()):
+        return None  # the old supervisor's file
     running = {e for e, entry in state.items() if entry["main"] and entry["shadow"]}
     return state if running == wanted else None
 
