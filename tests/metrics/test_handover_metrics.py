@@ -101,7 +101,10 @@ async def test_shadow_and_cold_handovers_move_supervisor_counters_by_one(nats_se
 
 
 async def test_second_failure_in_window_counts_one_quarantine(nats_server, tmp_path) -> None:
-    async with shadowed(nats_server, tmp_path, engines=2, failure_window_s=120) as cluster:
+    """With `quarantine_after` 2, the second failure in a row, right after the shadow took over,
+    quarantines e0 (e1 serves, so e0 is not the last healthy engine)."""
+    options = {"engines": 2, "failure_window_s": 120, "quarantine_after": 2}
+    async with shadowed(nats_server, tmp_path, **options) as cluster:
         handovers = await EventLog.start(cluster.client, "handover")
         alerts = await EventLog.start(cluster.client, "engine_quarantined")
         first = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
