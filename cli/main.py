@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,17 +182,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch > 0:
         print(f"belayer status: --watch takes seconds > 0, got {args.watch:g}", file=sys.stderr)
         return 2
+    # Ctrl-C sets a flag rather than raising: arriving while a frame asks the bus (inside an event
+    # loop, which would take it as a cancellation and could go on), it must still end the watch.
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
-        while True:
+        while not interrupted.is_set():
             frame = render_status(status_report(args), args.json)
             if args.json:  # a program reading this gets one JSON line per refresh
                 print(frame, flush=True)
             else:
                 stamp = f"{time.strftime('%H:%M:%S')}, every {args.watch:g}s; Ctrl-C to stop"
                 print(f"{CLEAR_SCREEN}{frame}\n\n{stamp}", flush=True)
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
+            interrupted.wait(args.watch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
 
 
 def status_report(args: argparse.Namespace) -> StatusReport:
