@@ -1,6 +1,7 @@
 """A typed client of the kv-server. Each call is one request on `belayer.<cluster>.kv.<verb>`; failures
 arrive as ServiceError with the server's code ("unknown-engine", "shape-mismatch",
-"unknown-preset", "too-large", "no-space") or the bus's ("timeout", "no-responders")."""
+"unknown-preset", "too-large", "no-space", "holder-alive", "dead-holder", "stale-epoch") or the
+bus's ("timeout", "no-responders")."""
 
 from __future__ import annotations
 
@@ -31,18 +32,22 @@ class KvClient:
         )
 
     async def arena(
-        self, engine_id: str, preset: str, num_blocks: int, block_size: int, timeout_s: float = 60.0
-    ) -> ArenaHandle:
-        """The engine's arena handle: created zeroed on the first call (which may take a while for a
-        big arena: every page is allocated), the same one after."""
+        self, engine_id: str, preset: str, num_blocks: int, block_size: int, *, pid: int,
+        watch_pid: int = 0, timeout_s: float = 60.0,
+    ) -> ArenaHandle:  # fmt: skip
+        """The engine's arena handle for process `pid` (a shadow: behind main `watch_pid`): created
+        zeroed on the first call (which may take a while for a big arena: every page is allocated),
+        the same one after."""
         request = KvArenaRequest(
-            engine_id=engine_id, preset=preset, num_blocks=num_blocks, block_size=block_size
-        )
+            engine_id=engine_id, preset=preset, num_blocks=num_blocks, block_size=block_size, pid=pid,
+            watch_pid=watch_pid,
+        )  # fmt: skip
         return await bus.request_struct(self.nc, self.subjects.kv_arena, request, ArenaHandle, timeout_s)
 
-    async def flush(self, engine_id: str, timeout_s: float = 30.0) -> Ack:
-        """Zero the engine's arena; returns once every byte is written."""
-        return await bus.request(self.nc, self.subjects.kv_flush, KvFlush(engine_id=engine_id), timeout_s)
+    async def flush(self, engine_id: str, epoch: int, timeout_s: float = 30.0) -> Ack:
+        """Zero the engine's arena after epoch `epoch`'s main died; returns once every byte is written."""
+        flush = KvFlush(engine_id=engine_id, epoch=epoch)
+        return await bus.request(self.nc, self.subjects.kv_flush, flush, timeout_s)
 
     async def release(self, engine_id: str) -> Ack:
         return await bus.request(

@@ -6,6 +6,15 @@ reuse. Creation is idempotent per engine and a different shape for an engine tha
 refused, so two workers of an engine can never disagree about the layout. On a GPU the arena is
 a device buffer exported as a CUDA IPC handle, and the segment holds only its header.
 
+One writer, whatever dies (invariant 8). Every process an arena is handed to is a holder, tracked
+by a pidfd until the kernel says it exited. The arena goes to a main only when no earlier holder
+lives, and is zeroed first when one ever held it; to a shadow only when the sole live holder is the
+main it stands behind. So a stopped main that outlived its supervisor, or one whose kill could not
+be confirmed, keeps every later worker off its arena (they take the cold path, with their own).
+A flush names the engine and the epoch whose main died: it is refused unless that is the
+registry's current epoch and its worker is no live holder, so a late or forged flush cannot zero
+the arena under a main that serves.
+
 Knows nothing about blocks, sequences or tokens: an arena is bytes of a known shape.
 """
 
@@ -16,11 +25,14 @@ import logging
 import math
 import os
 import secrets
-from dataclasses import dataclass
+import select
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import torch
+from nats.js.kv import KeyValue
 
-from belayer_rl.shared import segments
+from belayer_rl.shared import registry, segments
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import KvServerConfig, placement
 from belayer_rl.shared.presets import PRESETS, arena_shape
@@ -36,10 +48,19 @@ from belayer_rl.shared.protocol import (
 
 log = logging.getLogger("belayer.kv_server")
 
+REGISTRY_TIMEOUT_S = 1.5  # a flush's registry read; the supervisor gives the whole flush 2 s
+
 # ---------------------------------------------------------------------------- config
 
 
 # ---------------------------------------------------------------------------- state
+
+
+def exited(pidfd: int) -> bool:
+    """Whether the process behind `pidfd` has exited (a pidfd polls readable from then on)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 @dataclass
@@ -47,6 +68,21 @@ class Arena:
     handle: ArenaHandle
     segment: segments.Segment
     gpu: torch.Tensor | None = None  # uint8 [size] on the GPU, laid out like the segment
+    holders: dict[int, int] = field(default_factory=dict)  # pid -> pidfd, until it exited
+    held: bool = False  # handed to a process since it was last zeroed
+
+    def live_holders(self) -> set[int]:
+        """The holders still alive; those that exited are dropped."""
+        for pid, pidfd in list(self.holders.items()):
+            if exited(pidfd):
+                os.close(pidfd)
+                del self.holders[pid]
+        return set(self.holders)
+
+    def forget_holders(self) -> None:
+        for pidfd in self.holders.values():
+            os.close(pidfd)
+        self.holders.clear()
 
     def zero(self) -> None:
         """Write zeros over every byte of the arena (and wait for the device to finish)."""
@@ -60,8 +96,9 @@ class Arena:
 class KvServer:
     """State lives on the event loop; creating and zeroing arenas run in threads, one at a time."""
 
-    def __init__(self, config: KvServerConfig) -> None:
+    def __init__(self, config: KvServerConfig, registry_kv: Callable[[], Awaitable[KeyValue]]) -> None:
         self.config = config
+        self.registry_kv = registry_kv  # the engine registry, looked up when a flush needs it
         self.device = placement(config.device)  # "auto" decided here, in the server's own process
         self.instance = secrets.token_hex(8)
         self.lock = segments.PrefixLock(f"{config.shm_prefix}.kv.")
@@ -112,6 +149,7 @@ class KvServer:
 
     def free(self, engine_id: str) -> None:
         arena = self.arenas.pop(engine_id)
+        arena.forget_holders()
         arena.segment.unlink()
         arena.segment.close()
         arena.gpu = None
@@ -142,6 +180,7 @@ class KvServer:
                         f"engine {request.engine_id} has an arena of {h.num_blocks} blocks of "
                         f"{h.block_size} for {h.preset}",
                     )
+                await self.hand_to(existing, request)
                 return h
             shape = arena_shape(PRESETS[request.preset], request.num_blocks, request.block_size)
             nbytes = math.prod(shape) * 4
@@ -156,17 +195,66 @@ class KvServer:
                 raise ServiceError("no-space", f"cannot hold {nbytes} bytes: {exc}") from None
             self.arenas[request.engine_id] = arena
             log.info("arena of %s: %s in %s", request.engine_id, shape, arena.segment.name)
+            await self.hand_to(arena, request)
             return arena.handle
 
+    async def hand_to(self, arena: Arena, request: KvArenaRequest) -> None:
+        """Record the asker as a holder, if the arena may be its (see the module's docstring)."""
+        try:
+            pidfd = os.pidfd_open(request.pid)
+        except (ProcessLookupError, OSError):
+            raise ServiceError(
+                "dead-holder", f"pid {request.pid} is not a live process on this host"
+            ) from None
+        try:
+            others = arena.live_holders() - {request.pid}
+            allowed = {request.watch_pid} if request.watch_pid else set()
+            if others - allowed:
+                raise ServiceError(
+                    "holder-alive",
+                    f"engine {request.engine_id}'s arena is held by live pid(s) {sorted(others - allowed)};"
+                    " nobody else gets it before their death is confirmed",
+                )
+            if not request.watch_pid and arena.held and not others:
+                await asyncio.to_thread(arena.zero)  # a new main: nothing of a dead one's survives
+        except BaseException:
+            os.close(pidfd)
+            raise
+        previous = arena.holders.pop(request.pid, None)
+        if previous is not None:
+            os.close(previous)
+        arena.holders[request.pid] = pidfd
+        arena.held = True
+
     async def on_flush(self, request: KvFlush) -> Ack:
+        self.get(request.engine_id)  # an unknown engine is told so before the registry is asked
+        try:  # outside the lock: a slow bus must not hold up other engines' arena requests
+            async with asyncio.timeout(REGISTRY_TIMEOUT_S):
+                entry, _ = await registry.read(await self.registry_kv(), request.engine_id)
+        except TimeoutError:
+            raise ServiceError("unavailable", "the engine registry did not answer: nothing flushed") from None
         async with self._busy:
             arena = self.get(request.engine_id)
+            current = entry.epoch if entry is not None else 0
+            if request.epoch != current:
+                raise ServiceError(
+                    "stale-epoch",
+                    f"flush for epoch {request.epoch} of {request.engine_id}, which is at {current}: refused",
+                )
+            if entry is not None and entry.pid in arena.live_holders():
+                raise ServiceError(
+                    "holder-alive", f"epoch {current}'s worker, pid {entry.pid}, is alive and holds the arena"
+                )
             await asyncio.to_thread(arena.zero)
+            arena.held = bool(arena.live_holders())  # a shadow about to be promoted writes next
         return Ack(detail=f"zeroed {arena.handle.manifest.tensors[0].nbytes} bytes")
 
     async def on_release(self, request: KvRelease) -> Ack:
         async with self._busy:
-            self.get(request.engine_id)
+            if live := self.get(request.engine_id).live_holders():  # its memory could be reused
+                raise ServiceError(
+                    "holder-alive", f"engine {request.engine_id}'s arena is held by {sorted(live)}"
+                )
             self.free(request.engine_id)
         return Ack(detail="released")
 

@@ -7,16 +7,30 @@ Stopping removes every arena segment; a start removes those a crashed predecesso
 
 from __future__ import annotations
 
+from nats.js.kv import KeyValue
+
 from belayer_rl.services.kv_server.server import KvServer
+from belayer_rl.shared import bus
 from belayer_rl.shared.config import KvServerConfig
 from belayer_rl.shared.protocol import KvArenaRequest, KvFlush, KvRelease, ServerPing
 from belayer_rl.shared.runtime import Endpoint, Runtime
 
+REGISTRY_WAIT_S = 2.0  # a flush waits this long for the registry, then fails (the cold path runs)
+
 
 async def setup(rt: Runtime, config: KvServerConfig) -> None:
-    server = KvServer(config)
+    registry_kv: KeyValue | None = None
+
+    async def registry() -> KeyValue:
+        """The engine registry, found once the router has declared it (a flush needs it)."""
+        nonlocal registry_kv
+        if registry_kv is None:
+            registry_kv = await bus.engine_registry(nc.jetstream(), rt.subjects, wait_s=REGISTRY_WAIT_S)
+        return registry_kv
+
+    server = KvServer(config, registry)
     rt.on_close(server.close)  # closed after every handler: nothing stays in /dev/shm
-    await rt.connect()
+    nc = await rt.connect()
     await rt.serve(
         Endpoint(rt.subjects.kv_arena, KvArenaRequest, server.on_arena),
         Endpoint(rt.subjects.kv_flush, KvFlush, server.on_flush),

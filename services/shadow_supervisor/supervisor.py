@@ -270,7 +270,9 @@ class ShadowSupervisor:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,
-                preexec_fn=dies_with_parent(),
+                # SIGKILL, not SIGTERM, which a stopped or hung worker would not act on: the KV
+                # server hands its arena to nobody else while it lives.
+                preexec_fn=dies_with_parent(signal.SIGKILL),
             )
         worker = WorkerProcess(role, process, heartbeat_file)
         self.workers.add(worker)
@@ -297,10 +299,20 @@ class ShadowSupervisor:
                 log.error("engine %s is quarantined: no workers until it is unquarantined", slot.engine_id)
         serving = [slot for slot in self.slots.values() if not slot.quarantined]
         for slot in serving:
-            slot.main = await self.start_worker(slot, "main")
+            try:
+                slot.main = await self.start_worker(slot, "main")
+            except (StartFailed, TimeoutError) as exc:  # its arena still held by a worker of ours?
+                log.error(
+                    "engine %s: main not started on the shared arena (%s): cold path", slot.engine_id, exc
+                )
+                slot.main = await self.start_worker(slot, "cold")
             slot.took_over_at = time.monotonic()
         for slot in serving:
-            slot.shadow = await self.start_worker(slot, "shadow", watch=slot.main)
+            try:
+                slot.shadow = await self.start_worker(slot, "shadow", watch=slot.main)
+                slot.shadow_started.set()
+            except (StartFailed, TimeoutError) as exc:  # served, without a shadow: failures go cold
+                log.error("engine %s: no shadow: %s", slot.engine_id, exc)
             self.spawn_task(self.watch(slot), f"watch-{slot.engine_id}")
         self.write_state()
 
@@ -487,8 +499,10 @@ class ShadowSupervisor:
         cold += await self.servers_unfit(shadow)
         phase("servers_checked")
         if not cold:
-            try:
-                await bus.request(self.nc, self.subjects.kv_flush, KvFlush(engine_id=slot.engine_id), 2.0)
+            try:  # for the dead main's epoch: the KV server refuses it for any other
+                dead = await self.entry(slot.engine_id)
+                flush = KvFlush(engine_id=slot.engine_id, epoch=dead.epoch if dead is not None else 0)
+                await bus.request(self.nc, self.subjects.kv_flush, flush, 2.0)
             except bus.ServiceError as exc:
                 cold.append(("flush-failed", f"arena flush failed: {exc}"))
         phase("arena_flushed")

@@ -3,10 +3,12 @@ handles, opened by this test process (another process than the servers). Skipped
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from belayer_rl.shared import segments
+from belayer_rl.shared import bus, segments
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
@@ -37,7 +39,9 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         assert (await call(nc, NAMES.weights_ping, ServerPing(), WeightServerAlive)).device == "cuda"
         assert (await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)).device == "cuda"
         weights = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
-        request = KvArenaRequest(engine_id="e0", preset="small", num_blocks=64, block_size=16)
+        request = KvArenaRequest(
+            engine_id="e0", preset="small", num_blocks=64, block_size=16, pid=os.getpid()
+        )
         arena_handle = await call(nc, NAMES.kv_arena, request, ArenaHandle)
         assert weights.cuda is not None and arena_handle.cuda is not None
 
@@ -53,5 +57,6 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         again = segments.map_arena(arena_handle)
         assert torch.all(again == 0.5)
 
-        await call(nc, NAMES.kv_flush, KvFlush(engine_id="e0"), Ack)
+        await bus.declare_jetstream(nc.jetstream(), NAMES)  # the registry: no entry for e0, epoch 0
+        await call(nc, NAMES.kv_flush, KvFlush(engine_id="e0", epoch=0), Ack)
         assert arena.abs().sum().item() == 0.0  # the server zeroed the same device memory

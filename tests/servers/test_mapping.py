@@ -17,12 +17,11 @@ import torch
 from belayer_rl.services.kv_server.client import KvClient
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
-from belayer_rl.shared import segments, tokenizer
+from belayer_rl.shared import protocol, segments, tokenizer
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
     ArenaHandle,
-    KvArenaRequest,
     WeightHandles,
     WeightsHandlesRequest,
     WeightsList,
@@ -30,6 +29,7 @@ from belayer_rl.shared.protocol import (
 )
 from belayer_rl.shared.subjects import Subjects
 from tests.servers.helpers import REPO, call, running, smaps_of
+from tests.servers.mapper import WATCH_PID_ENV
 
 NAMES = Subjects()  # the default cluster's names
 
@@ -37,10 +37,14 @@ NUM_BLOCKS = 128
 
 
 @contextlib.asynccontextmanager
-async def mapper(url: str, mode: str, *extra: str) -> AsyncIterator[asyncio.subprocess.Process]:
+async def mapper(
+    url: str, mode: str, *extra: str, watch_pid: int = 0
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A mapping process; with `watch_pid`, it asks for the arena as a shadow behind that main."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.servers.mapper", url, "e0", "small", str(NUM_BLOCKS), mode, *extra,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=REPO,
+        env={**os.environ, WATCH_PID_ENV: str(watch_pid)},
     )  # fmt: skip
     try:
         yield process
@@ -56,39 +60,42 @@ async def test_two_processes_share_the_weights_and_arena_pages(nats_server, nc, 
         running("weight_server", url, shm_prefix, tmp_path, "--preset", "small"),
         running("kv_server", url, shm_prefix, tmp_path),
         mapper(url, "hold", "0.25") as main,
-        mapper(url, "hold") as shadow,
     ):
-        lines = [await asyncio.wait_for(p.stdout.readline(), 120) for p in (main, shadow)]  # type: ignore[union-attr]
-        weights = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
-        arena = await call(
-            nc,
-            NAMES.kv_arena,
-            KvArenaRequest(engine_id="e0", preset="small", num_blocks=NUM_BLOCKS, block_size=16),
-            ArenaHandle,
-        )
-        assert [line.split()[:3] for line in lines] == [
-            [b"ready", weights.segment.encode(), arena.segment.encode()]
-        ] * 2
-        listed = await call(nc, NAMES.weights_list, WeightsList(), WeightVersions)
-        assert listed.versions[0].holders == sorted(f"mapper-{p.pid}" for p in (main, shadow))
+        first = await asyncio.wait_for(main.stdout.readline(), 120)  # type: ignore[union-attr]
+        async with mapper(url, "hold", watch_pid=main.pid) as shadow:  # the arena goes to its shadow only
+            second = await asyncio.wait_for(shadow.stdout.readline(), 120)  # type: ignore[union-attr]
+            await assert_shared(nc, {main.pid: first, shadow.pid: second})
 
-        weights_kb = weights.manifest.size // 1024
-        arena_kb = arena.manifest.size // 1024
-        assert weights_kb > 20_000 and arena_kb > 20_000  # MBs, so "far below" means something
-        for process in (main, shadow):
-            w = smaps_of(process.pid, weights.segment)
-            a = smaps_of(process.pid, arena.segment)
-            print(process.pid, "weights", w, "arena", a)
-            assert w["perms"] == "r--s"  # read-only, shared
-            assert a["perms"] == "rw-s"  # read-write, shared
-            for found, size_kb in ((w, weights_kb), (a, arena_kb)):
-                assert found["Rss"] >= 0.9 * size_kb  # every page is really mapped...
-                assert found["Shared_Clean"] + found["Shared_Dirty"] >= 0.9 * size_kb  # ...shared...
-                assert found["Private_Dirty"] <= 0.01 * size_kb  # ...and not a private copy
-                assert found["Anonymous"] == 0
 
-        # The shadow sees what the main wrote into the arena; so does a third mapping.
-        assert torch.all(segments.map_arena(arena) == 0.25)
+async def assert_shared(nc, ready: dict[int, bytes]) -> None:  # type: ignore[no-untyped-def]
+    """Each process (pid -> its ready line) maps the same weights read-only and the same arena
+    read-write, every page shared and none copied."""
+    weights = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
+    lines = list(ready.values())
+    arena = protocol.decode(protocol.decoder_for(ArenaHandle), lines[-1].split(maxsplit=4)[4])
+    assert [line.split()[:3] for line in lines] == [
+        [b"ready", weights.segment.encode(), arena.segment.encode()]
+    ] * 2
+    listed = await call(nc, NAMES.weights_list, WeightsList(), WeightVersions)
+    assert listed.versions[0].holders == sorted(f"mapper-{pid}" for pid in ready)
+
+    weights_kb = weights.manifest.size // 1024
+    arena_kb = arena.manifest.size // 1024
+    assert weights_kb > 20_000 and arena_kb > 20_000  # MBs, so "far below" means something
+    for pid in ready:
+        w = smaps_of(pid, weights.segment)
+        a = smaps_of(pid, arena.segment)
+        print(pid, "weights", w, "arena", a)
+        assert w["perms"] == "r--s"  # read-only, shared
+        assert a["perms"] == "rw-s"  # read-write, shared
+        for found, size_kb in ((w, weights_kb), (a, arena_kb)):
+            assert found["Rss"] >= 0.9 * size_kb  # every page is really mapped...
+            assert found["Shared_Clean"] + found["Shared_Dirty"] >= 0.9 * size_kb  # ...shared...
+            assert found["Private_Dirty"] <= 0.01 * size_kb  # ...and not a private copy
+            assert found["Anonymous"] == 0
+
+    # The shadow sees what the main wrote into the arena; so does a third mapping.
+    assert torch.all(segments.map_arena(arena) == 0.25)
 
 
 async def test_a_write_to_mapped_weights_kills_the_writer_and_changes_nothing(
@@ -139,7 +146,7 @@ async def test_an_engine_on_mapped_weights_and_arena_matches_one_that_owns_them(
         running("kv_server", url, shm_prefix, tmp_path),
     ):
         weights = await WeightClient(nc).pin("engine-e0", os.getpid())
-        arena = await KvClient(nc).arena("e0", "tiny", num_blocks=64, block_size=16)
+        arena = await KvClient(nc).arena("e0", "tiny", num_blocks=64, block_size=16, pid=os.getpid())
         mapped = Engine(
             config, segments.map_weights(weights), segments.map_arena(arena), weight_version=weights.version
         )
