@@ -48,7 +48,9 @@ M = TypeVar("M", bound=Message)
 
 # Bounded retention: the token log of a request lives a day at most, and the stream is capped.
 TOKEN_LOG_MAX_AGE_S = 24 * 3600
+READER_IDLE_S = 5.0  # the consumer of a one-off reader of a stream or bucket goes this long after it stops
 TOKEN_LOG_MAX_BYTES = 1 << 30
+LOG_ROOM_FRACTION = 0.9  # past this share of its bound the token log takes no new request
 DEDUPE_WINDOW_S = 600
 
 
@@ -104,6 +106,7 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
     nc = NATS()
+    servers = url.split(",")  # a cluster's seed servers, as the NATS tools write them
     # Options first: an unreadable credentials file is an error now, not an endless reconnect.
     credentials = access.connect_options()
 
@@ -120,7 +123,7 @@ async def connect(
         log.warning("%s: NATS error: %s", name, exc)
 
     await nc.connect(
-        url,
+        servers,
         name=name,
         ping_interval=options.ping_interval_s,
         max_outstanding_pings=options.max_outstanding_pings,
@@ -188,27 +191,52 @@ async def publish(nc: NATS, subject: str, message: Message) -> None:
 # ---------------------------------------------------------------- JetStream
 
 
-async def declare_jetstream(js: JetStreamContext, names: Subjects) -> KeyValue:
-    """Declare the token-log stream and the engine registry bucket; idempotent. Returns the bucket."""
+async def declare_jetstream(
+    js: JetStreamContext, names: Subjects, *, replicas: int = 1, max_bytes: int = TOKEN_LOG_MAX_BYTES
+) -> KeyValue:
+    """Declare the token-log stream and the engine registry bucket; idempotent. Returns the bucket.
+
+    Durable by construction: file storage and `replicas` copies (3 on a NATS cluster). A full log
+    refuses new records (discard NEW) rather than evicting the oldest, which may be the LogStart
+    of a request still running; the router stops taking requests before it is full (`log-full`).
+    Nothing may delete or purge records out from under a request."""
     config = StreamConfig(
         name=names.token_log_stream,
         subjects=[names.token_log_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
+        num_replicas=replicas,
         max_age=TOKEN_LOG_MAX_AGE_S,
-        max_bytes=TOKEN_LOG_MAX_BYTES,
-        discard=DiscardPolicy.OLD,
+        max_bytes=max_bytes,
+        discard=DiscardPolicy.NEW,
         duplicate_window=DEDUPE_WINDOW_S,
+        deny_delete=True,
+        deny_purge=True,
     )
     try:
         await js.add_stream(config)
     except nats.js.errors.BadRequestError:
+        existing = await js.stream_info(names.token_log_stream)
+        if (
+            existing.config.discard == DiscardPolicy.OLD
+            and existing.state.bytes >= LOG_ROOM_FRACTION * max_bytes
+        ):
+            # A log of an earlier version, full under its eviction rule: refusing new records now
+            # would stop every request. It keeps evicting until it is given room (--log-max-mb).
+            log.warning(
+                "the token log holds %d bytes of %d and still evicts its oldest records: give it more"
+                " room (--log-max-mb) to stop that",
+                existing.state.bytes, max_bytes,
+            )  # fmt: skip
+            config = dataclasses.replace(config, discard=DiscardPolicy.OLD)
         await js.update_stream(config)
     try:
         registry = await js.key_value(names.engine_registry_bucket)
     except nats.js.errors.BucketNotFoundError:
         registry = await js.create_key_value(
-            KeyValueConfig(bucket=names.engine_registry_bucket, history=1, storage=StorageType.FILE)
+            KeyValueConfig(
+                bucket=names.engine_registry_bucket, history=1, storage=StorageType.FILE, replicas=replicas
+            )
         )
     # A KV bucket takes rollup headers, and a rollup on one's own key ("Nats-Rollup: all") purges
     # every key: an engine, which may write only its own entry, could wipe the others'. Nothing
@@ -219,13 +247,13 @@ async def declare_jetstream(js: JetStreamContext, names: Subjects) -> KeyValue:
     return registry
 
 
-async def object_store(js: JetStreamContext, bucket: str, max_bytes: int) -> ObjectStore:
+async def object_store(js: JetStreamContext, bucket: str, max_bytes: int, replicas: int = 1) -> ObjectStore:
     """The object store `bucket`, created (file storage, bounded) when it does not exist yet."""
     try:
         return await js.object_store(bucket)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_object_store(
-            bucket, config=ObjectStoreConfig(storage=StorageType.FILE, max_bytes=max_bytes)
+            bucket, config=ObjectStoreConfig(storage=StorageType.FILE, max_bytes=max_bytes, replicas=replicas)
         )
 
 

@@ -40,6 +40,10 @@ from belayer_rl.shared.protocol import (
 )
 from belayer_rl.shared.subjects import Subjects
 
+# Answers after which a call is made again: nobody serves yet (a router restarting), or a router
+# that lost its lease answered before its successor did.
+RETRYABLE = ("no-responders", "timeout", "not-leader", "log-unavailable")
+
 _stream_decoder = protocol.decoder_for(ClientStream)
 
 
@@ -124,13 +128,14 @@ class Client:
     # ------------------------------------------------------------ RPC with patience for restarts
 
     async def _call(self, subject: str, message: protocol.Message, *, patience_s: float) -> protocol.Ack:
-        """Retry while nobody answers (the router restarting), up to `patience_s`."""
+        """Retry while nobody answers (the router restarting), or a router that lost its lease
+        answers first (`not-leader`: its successor serves), up to `patience_s`."""
         deadline = time.monotonic() + patience_s
         while True:
             try:
                 return await bus.request(self.nc, subject, message, self.rpc_timeout_s)
             except ServiceError as exc:
-                if exc.code not in ("no-responders", "timeout") or time.monotonic() > deadline:
+                if exc.code not in RETRYABLE or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
 
@@ -139,10 +144,19 @@ class Client:
             self.subjects.router_cancel, CancelRequest(request_id=request_id), patience_s=patience_s
         )
 
-    async def status(self) -> RouterStatus:
-        return await bus.request_struct(
-            self.nc, self.subjects.router_status, StatusRequest(), RouterStatus, self.rpc_timeout_s
-        )
+    async def status(self, *, patience_s: float = 5.0) -> RouterStatus:
+        """The router's view; a `not-leader` answer (a router that lost its lease and has not
+        stopped yet) is asked again, up to `patience_s`."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                return await bus.request_struct(
+                    self.nc, self.subjects.router_status, StatusRequest(), RouterStatus, self.rpc_timeout_s
+                )
+            except ServiceError as exc:
+                if exc.code != "not-leader" or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def wait_for_engines(self, count: int, timeout_s: float) -> RouterStatus:
         """Wait until the router answers and sees `count` live engines."""

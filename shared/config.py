@@ -34,6 +34,7 @@ NATS_URL_ENV = "BELAYER_NATS_URL"
 NATS_CREDS_ENV = "BELAYER_NATS_CREDS"
 CLUSTER_ID_ENV = "BELAYER_CLUSTER_ID"
 STATE_DIR_ENV = "BELAYER_STATE_DIR"
+CHECKPOINT_KEY_ENV = "BELAYER_CHECKPOINT_KEY"
 DEFAULT_STATE_DIR = Path(".belayer")
 
 C = TypeVar("C")
@@ -289,10 +290,26 @@ class RouterConfig(ServiceConfig):
     client_timeout_s: float = setting(
         60.0, "seconds without a following client before a request is cancelled"
     )
+    replicas: int = setting(1, "copies of each stream and bucket this service declares (3 on a NATS cluster)")
+    log_max_mb: int = setting(1024, "the token log's bound; past nine tenths of it new requests are refused")
+    progress_deadline_s: float = setting(
+        30.0, "seconds an attempt may go without a new token before it is resumed (a lost end, say)"
+    )
+    lease_ttl_s: float = setting(
+        2.0, "seconds a router's lease outlives its last renewal; a standby router takes over after it"
+    )
+    debug_accept_stale: bool = setting(
+        False,
+        "DEBUG, never in use: accept worker messages from stale attempts (the chaos oracle's mutation check)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        positive("--replicas", self.replicas)
+        positive("--log-max-mb", self.log_max_mb)
         positive("--chunk-tokens", self.chunk_tokens)
+        positive("--lease-ttl", self.lease_ttl_s)
+        positive("--progress-deadline", self.progress_deadline_s)
         positive("--heartbeat-timeout", self.heartbeat_timeout_s)
         positive("--no-worker-deadline", self.no_worker_deadline_s)
         positive("--dispatch-timeout", self.dispatch_timeout_s)
@@ -448,12 +465,22 @@ class CheckpointerConfig(ServiceConfig):
         50.0, "checkpoint store bound; oldest non-latest go first past it; 0: none"
     )
     max_layer_gb: float = setting(16.0, "a layer archive holding more is refused at restore")
+    max_download_gb: float = setting(
+        20.0, "a checkpoint fetched from the object store may be this big, at most"
+    )
+    checkpoint_key: Path | None = setting(
+        None,
+        "file holding the hex key that signs checkpoint manifests; checkpointers that restore each"
+        " other's checkpoints need the same one (default: <state-dir>/checkpoint.key, made on first start)",
+        env=CHECKPOINT_KEY_ENV,
+    )
     crash_at: str = setting(
         "",
         "chaos: SIGKILL this process when a checkpoint reaches this phase",
         choices=("", *CHECKPOINT_PHASES),
     )
     object_store: bool = setting(False, "upload checkpoints to JetStream for restores on other hosts")
+    replicas: int = same_as(RouterConfig, "replicas")
     allow_network: bool = setting(False, "let a sandbox ask for a network (`network: true`)")
     max_sandboxes: int = setting(64, "sandboxes this host runs at once, at most")
     sandbox_memory_mb: int = setting(0, "the most memory one sandbox may ask for (0: the host's memory)")
@@ -466,8 +493,11 @@ class CheckpointerConfig(ServiceConfig):
         if self.state_dir is None:
             object.__setattr__(self, "state_dir", default_state_dir() / "checkpointer")
         object.__setattr__(self, "state_dir", Path(self.state_dir).resolve())
+        if self.max_layer_gb <= 0 or self.max_download_gb <= 0:
+            raise ConfigError("--max-layer-gb and --max-download-gb must be > 0")
         if not self.host_id.replace("-", "").replace("_", "").isalnum() or len(self.host_id) > 64:
             raise ConfigError(f"--host-id must be 1-64 of [A-Za-z0-9_-], got {self.host_id!r}")
+        positive("--replicas", self.replicas)
         if self.disk_budget_gb < 0:
             raise ConfigError(f"--disk-budget-gb must be >= 0, got {self.disk_budget_gb}")
         positive("--max-sandboxes", self.max_sandboxes)

@@ -155,6 +155,7 @@ ResumeCause = Literal[
     "orphaned",  # placed on an engine that does not hold it (a bug, recovered)
     "reconnect",  # the bus reconnected: messages in flight may be lost
     "router-restart",  # rebuilt from the token log by a new router
+    "stalled",  # no token for --progress-deadline: the attempt's end may have been lost
 ]
 
 
@@ -267,6 +268,11 @@ class WorkerMetrics:
         tokens = m.counter("belayer_worker_tokens_total", "Tokens published by the worker.", ["engine"])
         self.tokens = tokens.labels(engine_id)  # bound once: the scheduling loop is hot
         self.step = m.histogram("belayer_worker_step_seconds", "Time of one engine step.", STEP_S)
+        self.fenced = m.counter(
+            "belayer_worker_fenced_total",
+            "Dispatches and cancels refused: from a router that lost its lease.",
+            ["engine"],
+        ).labels(engine_id)
 
 
 # ---------------------------------------------------------------- /metrics and /healthz

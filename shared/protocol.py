@@ -34,13 +34,16 @@ AGENT_TURNS_VERSION = 3
 # sample outside the set a trainer's policy is defined over.
 ALLOWED_TOKENS_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
+MAX_BEAT_ATTEMPTS = 4096  # attempt ids one heartbeat lists
 
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 EngineId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 16)]
-Tokens = Annotated[list[TokenId], Meta(max_length=1 << 16)]
+MAX_PROMPT_BYTES = 1 << 16  # = the most tokens a Tokens list holds
+Tokens = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_BYTES)]
 Position = Annotated[int, Meta(ge=0)]
 Epoch = Annotated[int, Meta(ge=0)]
+Incarnation = Annotated[int, Meta(ge=0, lt=1 << 31)]  # a router lease's; attempt ids start with it
 Seed = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=10.0)]
 StopStrings = Annotated[list[Annotated[str, Meta(min_length=1, max_length=64)]], Meta(max_length=8)]
@@ -55,13 +58,13 @@ ErrorCode = Literal[
     # any service: the runtime's envelope and the bus
     "bad-request", "internal", "timeout", "no-responders", "unavailable",
     # router
-    "duplicate-request", "unknown-request", "no-workers", "unknown-weight-version", "log-unavailable",
-    "engine-rejected", "too-many-attempts",
-    # worker
-    "stale-epoch", "stale-attempt", "wrong-engine", "weight-version",
+    "duplicate-request", "unknown-request", "no-workers", "unknown-weight-version", "log-unavailable", "log-full",
+    "engine-rejected", "too-many-attempts", "not-leader",
+    # worker, and the token log: something from a router incarnation that lost its lease
+    "stale-epoch", "stale-attempt", "wrong-engine", "weight-version", "fenced",
     # weight and KV servers
     "unknown-version", "bad-weights", "dead-holder", "unknown-engine", "unknown-preset", "shape-mismatch",
-    "too-large", "no-space", "unknown-object",
+    "too-large", "no-space", "unknown-object", "holder-alive",
     # trainer groups, and the shadow supervisor's engine restarts
     "update-failed", "engine-quarantined", "restart-failed",
     # a stored record that does not decode (skipped, reported as record_skipped)
@@ -69,7 +72,7 @@ ErrorCode = Literal[
     # checkpointer
     "env-failure", "no-sandbox", "exists", "destroyed", "no-image", "create-failed", "wrong-step",
     "wrong-host", "wrong-trajectory", "stale", "no-checkpoint", "checkpoint-failed", "not-allowed",
-    "host-full",
+    "host-full", "conflict", "daemon-unavailable", "store-full", "restore-failed",
 ]  # fmt: skip
 # An ErrorCode as it crosses the wire: decoded as text, so a code that a newer version added is not
 # a decode failure for an older reader (nor a stored log end unreadable); raised only from ErrorCode.
@@ -136,6 +139,16 @@ class GenerateRequest(CarriesSampling, tag="generate", kw_only=True):
     # weight server holds when the router accepts the request.
     weight_version: WeightVersion | None = None
     reply_to: Subject  # the client's inbox; the stream of chunks goes there
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The prompt's UTF-8 bytes become its tokens (shared/tokenizer.py), which every record and
+        # dispatch of the request carries: bounded like any Tokens list, so a LogStart always fits
+        # a NATS payload and decodes again when the router restarts.
+        if len(self.prompt) > MAX_PROMPT_BYTES // 4 and len(self.prompt.encode()) > MAX_PROMPT_BYTES:
+            raise ValueError(
+                f"the prompt is {len(self.prompt.encode())} bytes of UTF-8; at most {MAX_PROMPT_BYTES}"
+            )
 
 
 class AttachRequest(Message, tag="attach", kw_only=True):
@@ -233,11 +246,39 @@ class Dispatch(CarriesSampling, tag="dispatch", kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, le=65536)]  # what is left of the request's budget
     weight_version: WeightVersion | None = None  # None: whatever the engine serves now
     reply_to: Subject  # where the worker publishes WorkerChunk / WorkerDone
+    # The lease incarnation of the router that sent it (services/router/lease.py). A worker refuses
+    # any dispatch or cancel from an incarnation below the highest it has seen.
+    incarnation: Incarnation = 0
 
 
 class CancelDispatch(Message, tag="cancel_dispatch", kw_only=True):
     request_id: RequestId
     attempt: Annotated[int, Meta(ge=0)] = 0  # 0 cancels every attempt of the request
+    incarnation: Incarnation = 0
+
+
+class AdoptRequest(Message, tag="adopt", kw_only=True):
+    """A router that just took the lease asks a worker what it holds, to carry those sequences on
+    instead of generating their tokens again. The worker fences off every lower incarnation."""
+
+    incarnation: Incarnation
+    # The requests it asks about: those the token log shows running. The answer holds only these.
+    request_ids: Annotated[list[RequestId], Meta(max_length=MAX_BEAT_ATTEMPTS)] = []
+
+
+class HeldAttempt(Message, tag="held_attempt", kw_only=True):
+    request_id: RequestId
+    attempt: int
+    incarnation: Incarnation  # of the router that dispatched it
+    tokens: Tokens  # every generated token of the request so far: the dispatch's prefix and its own
+    finish_reason: FinishReason | None = None  # ended while no router listened: its WorkerDone unheard
+
+
+class AdoptReply(Message, tag="adopt_reply", kw_only=True):
+    engine_id: EngineId
+    epoch: Epoch
+    pid: int
+    attempts: Annotated[list[HeldAttempt], Meta(max_length=MAX_BEAT_ATTEMPTS)]
 
 
 class WorkerChunk(Message, tag="wchunk", kw_only=True):
@@ -281,6 +322,9 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     waiting: int
     outstanding_tokens: int
     weight_version: WeightVersion | None = None  # what a request naming no version runs on here
+    # The attempts it holds, queued or running (at most MAX_BEAT_ATTEMPTS of them): the router
+    # counts an attempt's progress deadline only once its worker no longer holds it.
+    attempts: Annotated[list[int], Meta(max_length=MAX_BEAT_ATTEMPTS)] = []
 
 
 class WorkerFailed(Message, tag="worker_failed", kw_only=True):
@@ -320,6 +364,18 @@ class RouterStarted(Message, tag="router_started", kw_only=True):
     router_pid: int
     rebuilt_requests: int
     resumed_requests: int
+    incarnation: Incarnation = 0  # its lease's: workers refuse anything from a lower one after this
+
+
+class RouterLease(Message, tag="router_lease", kw_only=True):
+    """The router lease's value in its bucket (services/router/lease.py). Whoever wrote the key's
+    current revision leads; a revision that stands still for `ttl_s` is a lease that expired."""
+
+    incarnation: Incarnation
+    pid: int
+    host: Annotated[str, Meta(max_length=256)]
+    ttl_s: Annotated[float, Meta(gt=0)]
+    released: bool = False  # its holder stopped (a drain): a standby takes it at once
 
 
 class Handover(Message, tag="handover", kw_only=True):
@@ -378,12 +434,31 @@ class LogStart(CarriesSampling, tag="log_start", kw_only=True):
     chunk_tokens: int  # k: chunk i of this log covers positions [i*k, (i+1)*k)
 
 
+class LogDispatch(Message, tag="log_dispatch", kw_only=True):
+    """A router placed the request on an engine as `attempt`, from `position` (or, adopting it,
+    carries on that engine's attempt): from here until the next LogDispatch, whole chunks come
+    from this attempt alone. The record an oracle checks chunks against."""
+
+    request_id: RequestId
+    attempt: int
+    engine_id: Annotated[str, Meta(max_length=64)]
+    epoch: Epoch
+    position: Position
+    incarnation: Incarnation
+
+
 class LogChunk(Message, tag="log_chunk", kw_only=True):
     request_id: RequestId
     index: Position
     position: Position
     tokens: Tokens
+    # The attempt whose message completed the chunk (after an adoption, the adopted one), the
+    # engine and epoch that ran it, and the router incarnation that accepted it (0 and "" in
+    # records written before these were kept).
     attempt: int
+    engine_id: Annotated[str, Meta(max_length=64)] = ""
+    epoch: Epoch = 0
+    incarnation: Incarnation = 0
 
 
 class LogEnd(Message, tag="log_end", kw_only=True):
@@ -393,9 +468,19 @@ class LogEnd(Message, tag="log_end", kw_only=True):
     resumes: Position = 0
     error_code: WireCode = ""  # "" when the request did not end in an error
     error: str = ""
+    incarnation: Incarnation = 0  # the router that ended it
 
 
-LogRecord = LogStart | LogChunk | LogEnd
+class LogTakeover(Message, tag="log_takeover", kw_only=True):
+    """A router that took the lease claims a request still running: written with the subject's
+    last sequence expected, so any append its predecessor still tries afterwards is refused."""
+
+    request_id: RequestId
+    incarnation: Incarnation
+    position: Position  # the tokens the log held when it was claimed
+
+
+LogRecord = LogStart | LogDispatch | LogChunk | LogEnd | LogTakeover
 
 
 class EngineEntry(Message, tag="engine", kw_only=True):
@@ -428,6 +513,7 @@ class RequestStatus(Message, tag="request_status", kw_only=True):
 class RouterStatus(Message, tag="router_status", kw_only=True):
     engines: list[EngineStatus]
     requests: list[RequestStatus]
+    incarnation: Incarnation = 0  # the answering router's lease incarnation
 
 
 class StatusRequest(Message, tag="status", kw_only=True):
@@ -797,6 +883,16 @@ class ChaosKill(Message, tag="chaos_kill", kw_only=True):
     delay_s: float  # after that action started
 
 
+class ChaosFault(Message, tag="chaos_fault", kw_only=True):
+    """`belayer chaos` injected a fault (cli/chaos.py): its kind, what it struck, and how many
+    requests or trajectories were in flight there."""
+
+    kind: Annotated[str, Meta(max_length=32)]
+    target: Annotated[str, Meta(max_length=256)]
+    hits: Annotated[int, Meta(ge=0)]
+    at_s: float  # seconds into the campaign
+
+
 class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
     """The policy service did not answer, so the driver decided with a named policy of its own."""
 
@@ -958,6 +1054,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "checkpoint_timeout": CheckpointTimeout,
     "policy_fallback": PolicyFallback,
     "chaos_kill": ChaosKill,
+    "chaos_fault": ChaosFault,
     "trainer_step": TrainerStep,
     "group_heartbeat": GroupHeartbeat,
     "group_failed": GroupFailed,
@@ -994,6 +1091,7 @@ AnyEvent = (
     | CheckpointTimeout
     | PolicyFallback
     | ChaosKill
+    | ChaosFault
     | TrainerStep
     | GroupHeartbeat
     | GroupFailed
@@ -1134,6 +1232,10 @@ class KvArenaRequest(Message, tag="kv_arena", kw_only=True):
     preset: Annotated[str, Meta(min_length=1, max_length=64)]
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 24)]
     block_size: Annotated[int, Meta(ge=1, le=1 << 12)]
+    # The process that will map it, tracked as a holder until its death is confirmed; and the main
+    # a shadow stands behind (0: the asker is a main). See services/kv_server/server.py.
+    pid: Annotated[int, Meta(ge=1)]
+    watch_pid: Annotated[int, Meta(ge=0)] = 0
 
 
 class EngineRestart(Message, tag="engine_restart", kw_only=True):
@@ -1158,9 +1260,12 @@ class EngineRestarted(Message, tag="engine_restarted", kw_only=True):
 
 
 class KvFlush(Message, tag="kv_flush", kw_only=True):
-    """Zero the engine's arena (a real write of every byte)."""
+    """Zero the engine's arena (a real write of every byte) after the main of `epoch` died: refused
+    unless `epoch` is the engine's current one in the registry and its worker is not a live
+    holder, so a flush that arrives late or is forged cannot zero a serving main's arena."""
 
     engine_id: EngineId
+    epoch: Epoch
 
 
 class KvRelease(Message, tag="kv_release", kw_only=True):

@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from belayer_rl.shared import protocol
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import EngineEntry, PoisonedRecord
 
 _entry_decoder = protocol.decoder_for(EngineEntry)
@@ -71,10 +71,17 @@ async def install_worker(kv: KeyValue, engine_id: str, pid: int) -> Installed:
 
 async def entries(kv: KeyValue) -> tuple[list[EngineEntry], list[PoisonedRecord]]:
     """Every entry that decodes, and those that do not."""
+    # kv.keys() would leave its consumer on the server for five minutes after it is done; a
+    # router or supervisor reads the registry often, so its readers go after a few seconds.
+    watcher = await kv.watchall(ignore_deletes=True, meta_only=True, inactive_threshold=bus.READER_IDLE_S)
+    keys = []
     try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return [], []
+        async for update in watcher:
+            if update is None:  # nothing more stored
+                break
+            keys.append(update.key)
+    finally:
+        await watcher.stop()
     found, poisoned = [], []
     for key in keys:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,10 @@ import nkeys
 
 from belayer_rl.shared.access import inbox_prefix, public_key
 from belayer_rl.shared.subjects import Subjects
+
+# The key that signs checkpoint manifests (services/checkpointer/store.py): 32 random bytes in hex.
+# Not a bus credential, but a secret every checkpointer of the cluster shares, so it is made here.
+CHECKPOINT_KEY_FILE = "checkpoint.key"
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
     r = s.root
     tokens = s.token_log_stream
     engines = s.engine_registry_bucket
+    lease = s.router_lease_bucket
     pointers = s.prefix_pointer_bucket
     objects = s.checkpoint_object_bucket
     weights = s.weights_object_bucket
@@ -97,6 +103,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             publish=(
                 f"{r}.worker.*.dispatch",
                 f"{r}.worker.*.cancel",
+                f"{r}.worker.*.adopt",
                 s.weights_list,
                 s.event("request_failed", "*"),
                 s.event("request_resumed", "*"),
@@ -104,6 +111,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("router_started", "*"),
                 s.event("record_skipped", "*"),
                 s.token_log_all,
+                f"$KV.{lease}.>",  # its lease: taken, renewed, released
             ),
             subscribe=(
                 f"{r}.router.>",
@@ -113,7 +121,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("engine_quarantined", "*"),
             ),
             replies=True,
-            streams=(tokens, kv_stream(engines)),
+            streams=(tokens, kv_stream(engines), kv_stream(lease)),
             stats="router",
             to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
         ),
@@ -133,7 +141,9 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(
                 s.worker_dispatch("{engine}"),
                 s.worker_cancel("{engine}"),
+                s.worker_adopt("{engine}"),
                 s.event("weights_published", "*"),
+                s.event("router_started", "*"),  # a new router incarnation: fence the older ones
             ),
             replies=True,
             reads=(kv_stream(engines),),
@@ -197,7 +207,9 @@ def role_table(s: Subjects) -> dict[str, Role]:
             client=True,  # it generates its samples through the router
             stats="*",  # its group workers answer stats under their own names
         ),
-        "kv-server": Role(subscribe=(f"{r}.kv.*",), replies=True, stats="kv-server"),
+        "kv-server": Role(  # a flush must name the engine's current epoch: it reads the registry
+            subscribe=(f"{r}.kv.*",), replies=True, reads=(kv_stream(engines),), stats="kv-server"
+        ),
         "checkpointer": Role(
             publish=(
                 s.event("env_failure", "*"),
@@ -297,13 +309,17 @@ class Credentials:
         return authorization(self)
 
     def write(self, folder: Path) -> dict[str, Path]:
-        """auth.conf and one `<user>.creds` seed file per user, all mode 0600; returns the seeds' paths."""
+        """auth.conf, one `<user>.creds` seed file per user and the checkpointers' shared
+        checkpoint.key, all mode 0600; returns the seeds' paths. An existing checkpoint.key is kept:
+        a new one would disown every checkpoint signed with it."""
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
         paths = {}
         for user in self.users:
             paths[user.name] = private_file(folder / f"{user.name}.creds", user.seed + "\n")
         private_file(folder / "auth.conf", self.authorization())
+        if not (folder / CHECKPOINT_KEY_FILE).exists():
+            private_file(folder / CHECKPOINT_KEY_FILE, secrets.token_hex(32) + "\n")
         return paths
 
 

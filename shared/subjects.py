@@ -89,6 +89,9 @@ class Subjects:
     def worker_cancel(self, engine_id: str) -> str:
         return f"{self.root}.worker.{engine_id}.cancel"
 
+    def worker_adopt(self, engine_id: str) -> str:
+        return f"{self.root}.worker.{engine_id}.adopt"
+
     # ------------------------------------------------------------ checkpoint policy
 
     @property
@@ -138,6 +141,11 @@ class Subjects:
 
     def token_log(self, request_id: str) -> str:
         return f"{self.root}.log.tokens.{request_id}"
+
+    @property
+    def router_lease_bucket(self) -> str:
+        """One key: the lease of the active router (services/router/lease.py)."""
+        return f"belayer_router_{self.cluster_id}"
 
     @property
     def engine_registry_bucket(self) -> str:

@@ -1,8 +1,10 @@
 """The router: routes generations to engines, relays their tokens, keeps the token log, resumes.
 
 Owns: every request's state (tokens so far, current attempt, engine) and the router's view of the
-engines (epoch, pid, last heartbeat). There is one active router; a new one rebuilds the in-flight
-requests from the JetStream token log and resumes them.
+engines (epoch, pid, last heartbeat). There is one active router, the holder of the router lease
+(services/router/lease.py); a new one rebuilds the in-flight requests from the JetStream token log,
+claims each with a LogTakeover record, and resumes them. A router acts only while its lease holds:
+a router that wakes from a pause past its lease drops what it hears and sends nothing.
 Listens: generate / attach / cancel / status RPC, client keepalives, the worker stream
 (WorkerChunk, WorkerDone), heartbeats, registrations, worker-failed and quarantine events.
 Asks: the weight server which version is newest, for a request that names none.
@@ -13,6 +15,9 @@ Exactness rests on three rules: a worker's token is accepted only from the reque
 (engine, epoch, attempt); tokens are placed by position, so a duplicate changes nothing and a gap
 triggers a resume; a resume dispatches prompt + every token accepted so far with the same seed and
 the remaining budget, and the engine's sampling is keyed by (seed, position).
+
+Attempt ids start with the router's incarnation (incarnation << 32 | n), so a later router's
+attempts order after every earlier router's, and a worker can tell them apart.
 """
 
 from __future__ import annotations
@@ -28,14 +33,18 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from belayer_rl.services.router import token_log
+from belayer_rl.services.router.lease import Lease, LeaseLost
 from belayer_rl.services.router.token_log import LogWriter
-from belayer_rl.shared import bus, registry, tokenizer
+from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.access import INBOX
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.metrics import Metrics, ResumeCause, RouterMetrics
 from belayer_rl.shared.protocol import (
+    MAX_BEAT_ATTEMPTS,
     Ack,
+    AdoptReply,
+    AdoptRequest,
     AttachRequest,
     CancelDispatch,
     CancelRequest,
@@ -48,9 +57,12 @@ from belayer_rl.shared.protocol import (
     GenerateError,
     GenerateRequest,
     Heartbeat,
+    HeldAttempt,
     LogChunk,
+    LogDispatch,
     LogEnd,
     LogStart,
+    LogTakeover,
     RequestFailed,
     RequestResumed,
     RequestStatus,
@@ -73,6 +85,10 @@ FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
 WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
 WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
+CLAIM_TRIES = 5  # reads of the log at start-up, while a predecessor's last appends still land
+MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts attempts
+END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
+ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number in the incarnation
 # The resume cause of an engine's failure, by WorkerFailed.reason.
 FAILURE_CAUSE: dict[str, ResumeCause] = {"exit": "worker-exit", "heartbeat-timeout": "heartbeat-timeout"}
 
@@ -94,6 +110,7 @@ class Request:
     prefer_engine: str | None = None  # only this engine until prefer_until (grace, spreading)
     prefer_until: float = 0.0
     waiting_since: float | None = None  # monotonic time it started waiting for an engine
+    progress_at: float = 0.0  # monotonic time of its attempt's dispatch or last new token
     end: GenerateEnd | GenerateError | None = None
     ended_at: float = 0.0
     watchers: set[str] = field(default_factory=set)  # client inboxes
@@ -106,6 +123,12 @@ class Request:
     # None for a request this router started: its clients have only what it relayed.
     replayed_to: int | None = None
     client_had: int = 0  # the most tokens a client re-attaching to a rebuilt request reported
+    end_record: LogEnd | None = None  # once ended: its log record,
+    end_logged: asyncio.Future[ServiceError | None] | None = (
+        None  # and whether it is durable (None: read from the log)
+    )
+    # Where its last accepted token came from: (engine, epoch, attempt); what a chunk records.
+    source: tuple[str, int, int] = ("", 0, 0)
 
     @property
     def request_id(self) -> str:
@@ -136,6 +159,7 @@ class Router:
         nc: NATS,
         js: JetStreamContext,
         kv: KeyValue,
+        lease: Lease,
         spawn: Spawn,
         skipped: Skipped,
         metrics: RouterMetrics | None = None,  # None: counts nothing (a router outside a runtime)
@@ -148,23 +172,30 @@ class Router:
         self.nc = nc
         self.js = js
         self.kv = kv
+        self.lease = lease
         self.writer = LogWriter(js, self.subjects)
+        self.log_room = token_log.Room(js, self.subjects)
         self.requests: dict[str, Request] = {}
         self.engines: dict[str, Engine] = {}
-        # Attempt ids grow across router incarnations (milliseconds at start-up, times 1000), so
-        # whatever a worker still runs for an earlier router can never match a current attempt.
-        self.next_attempt = time.time_ns() // 1_000_000 * 1000
+        # Attempt ids grow across router incarnations, so whatever a worker still runs for an
+        # earlier router can never match a current attempt. Set once the lease is taken.
+        self.next_attempt = 0
         self.dropped_chunks = 0
         self.reported_weights: str | None = None  # what workers last said they serve
         self.weight_server_quiet_until = 0.0  # after a timeout, not asked again for a while
+        # While a new router adopts its workers' attempts: the worker messages that arrived meanwhile.
+        self.adopting: list[tuple[WorkerChunk | WorkerDone, str]] | None = None
+        self.adopting_overflowed = False  # some were dropped: adopted requests are resumed instead
 
     # ------------------------------------------------------------ client RPC
 
     async def on_generate(self, message: GenerateRequest) -> Ack:
+        self.lease.check()
         check_inbox(message.reply_to)
         weight_version = message.weight_version or await self.newest_weights()
         if message.request_id in self.requests:
             raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
+        await self.log_room.check()  # a full log refuses new requests, never drops running ones
         if message.prompt_tokens is not None:
             if message.prompt:
                 raise ServiceError("bad-request", "give `prompt` or `prompt_tokens`, not both")
@@ -188,17 +219,20 @@ class Router:
         request = Request(start=start, watchers={message.reply_to})
         self.requests[message.request_id] = request
         try:
-            await token_log.append(
-                self.js, self.subjects, start
-            )  # durable before the client hears "accepted"
+            await self.writer.append_now(start)  # durable before the client hears "accepted"
+            # The append may have outlived the lease (a pause): then a successor, which did not
+            # read this request, serves it; the client's retry reaches it.
+            self.lease.check()
         except ServiceError:
             del self.requests[message.request_id]
+            self.writer.last.pop(message.request_id, None)
             raise
         self.metrics.requests.inc()
         self.enqueue(request)
         return Ack(detail=f"request {message.request_id} accepted")
 
     async def on_attach(self, message: AttachRequest) -> Ack:
+        self.lease.check()
         check_inbox(message.reply_to)
         request = self.requests.get(message.request_id)
         if request is None:
@@ -221,13 +255,39 @@ class Router:
         return Ack(detail=f"attached at {message.from_position} of {len(request.tokens)}")
 
     async def on_cancel(self, message: CancelRequest) -> Ack:
+        self.lease.check()
         request = self.requests.get(message.request_id)
         if request is None:
             raise ServiceError("unknown-request", f"no request {message.request_id}")
-        if request.end is not None:
-            return Ack(detail=f"already ended: {type(request.end).__name__}")
-        await self.cancel(request)
-        return Ack(detail="cancelled")
+        if request.end is None:
+            await self.cancel(request)
+            detail = "cancelled"
+        else:
+            detail = f"already ended: {type(request.end).__name__}"
+        await self.end_durable(request)
+        return Ack(detail=detail)
+
+    async def end_durable(self, request: Request) -> None:
+        """Wait until the request's LogEnd is in the token log: a cancel acknowledged before would
+        be undone by a successor router that rebuilds from the log and finds the request running.
+        Raises ServiceError("log-unavailable") when it is not durable in time (the client asks
+        again); a LogEnd the writer gave up on is queued again (it is idempotent)."""
+        if request.end_logged is None:  # an end read back from the log at start-up
+            return
+        try:
+            dropped = await asyncio.wait_for(asyncio.shield(request.end_logged), END_DURABLE_S)
+        except TimeoutError:
+            raise ServiceError(
+                "log-unavailable", "the request ended, but its end is not yet in the token log"
+            ) from None
+        if dropped is not None and dropped.code == "fenced":  # a successor claimed it without this end
+            raise ServiceError("not-leader", "a newer router took this request over; ask it")
+        if dropped is not None:
+            assert request.end_record is not None
+            request.end_logged = self.writer.put(request.end_record)
+            raise ServiceError(
+                "log-unavailable", f"the request ended, but its end was not logged: {dropped.message}"
+            )
 
     async def on_keepalive(self, message: ClientKeepAlive) -> None:
         now = time.monotonic()
@@ -237,11 +297,14 @@ class Router:
 
     async def cancel(self, request: Request) -> None:
         if request.engine_id is not None:
-            cancel = CancelDispatch(request_id=request.request_id, attempt=request.attempt)
+            cancel = CancelDispatch(
+                request_id=request.request_id, attempt=request.attempt, incarnation=self.lease.incarnation
+            )
             self.spawn(self.tell_worker(request.engine_id, cancel), "cancel-dispatch")
         await self.finish(request, "cancelled")
 
     async def on_status(self, _: StatusRequest) -> RouterStatus:
+        self.lease.check()
         engines = [
             EngineStatus(
                 engine_id=e.engine_id,
@@ -265,22 +328,30 @@ class Router:
             for r in self.requests.values()
             if r.end is None
         ]
-        return RouterStatus(engines=engines, requests=requests)
+        return RouterStatus(engines=engines, requests=requests, incarnation=self.lease.incarnation)
 
     # ------------------------------------------------------------ worker stream
 
     async def on_worker_stream(self, message: WorkerChunk | WorkerDone, subject: str) -> None:
+        if self.adopting is not None:  # a new router asking its workers what they hold: wait
+            if len(self.adopting) < MAX_HELD_MESSAGES:
+                self.adopting.append((message, subject))
+            else:
+                self.adopting_overflowed = True
+            return
+        await self.handle_worker_message(message, subject)
+
+    async def handle_worker_message(self, message: WorkerChunk | WorkerDone, subject: str) -> None:
         # The engine is the one the subject names: the bus lets only that engine publish there,
         # while the payload's engine id is whatever its sender wrote.
         sender = subject.rsplit(".", 1)[1]
         request = self.requests.get(message.request_id)
         if (
-            request is None
+            not self.lease.held()
+            or request is None
             or message.engine_id != sender
             or request.end is not None
-            or message.attempt != request.attempt
-            or message.epoch != request.epoch
-            or message.engine_id != request.engine_id
+            or (not self.config.debug_accept_stale and self.stale(request, message))
         ):
             self.dropped_chunks += 1  # a stale attempt, epoch or engine: fenced off
             self.metrics.fenced.inc()
@@ -289,10 +360,21 @@ class Router:
             await self.accept(request, message)
         elif message.finish_reason == "error":
             await self.fail(request, "engine-rejected", message.error)
-        elif message.num_tokens != len(request.tokens):
+        elif message.num_tokens != len(request.tokens) and request.remaining > 0:
             await self.resume(request, "lost-tokens", f"worker ended at {message.num_tokens}")
+        elif message.num_tokens != len(request.tokens):  # it overran max_tokens: the budget ended it
+            await self.finish(request, "length")
         else:
             await self.finish(request, message.finish_reason)
+
+    @staticmethod
+    def stale(request: Request, message: WorkerChunk | WorkerDone) -> bool:
+        """Whether the message comes from anything but the request's current attempt."""
+        return (message.engine_id, message.epoch, message.attempt) != (
+            request.engine_id,
+            request.epoch,
+            request.attempt,
+        )
 
     async def accept(self, request: Request, chunk: WorkerChunk) -> None:
         have = len(request.tokens)
@@ -300,23 +382,34 @@ class Router:
             await self.resume(request, "gap", f"chunk at {chunk.position}, have {have}")
             return
         fresh = chunk.tokens[have - chunk.position :]
+        if len(fresh) > request.remaining:  # never past max_tokens, whatever a worker sends
+            log.warning(
+                "%s: %s sent %d tokens past max_tokens; dropped",
+                request.request_id, chunk.engine_id, len(fresh) - request.remaining,
+            )  # fmt: skip
+            fresh = fresh[: request.remaining]
         self.metrics.tokens_accepted.inc(len(chunk.tokens))
         if len(fresh) < len(chunk.tokens):  # positions it holds already: computed twice
             self.metrics.tokens_regenerated.inc(len(chunk.tokens) - len(fresh))
         if not fresh:
             return
-        if request.interrupted is not None:  # the first token since the failure
-            noticed_at, cause = request.interrupted
-            self.metrics.next_token.labels(cause).observe(time.monotonic() - noticed_at)
-            request.interrupted = None
+        self.observe_next_token(request)
         request.tokens.extend(fresh)
+        request.source = (chunk.engine_id, chunk.epoch, chunk.attempt)
+        request.progress_at = time.monotonic()
         self.metrics.tokens_generated.inc(len(fresh))
         if request.replayed_to is not None:
             self.count_replayed(request)
         relay = TokenChunk(request_id=request.request_id, position=have, tokens=fresh)
-        for inbox in request.watchers:
-            await bus.publish(self.nc, inbox, relay)
+        await self.tell_clients(request, relay)
         self.log_full_chunks(request)
+
+    def observe_next_token(self, request: Request) -> None:
+        """New tokens arrived: if they are the first since a failure, time them."""
+        if request.interrupted is not None:
+            noticed_at, cause = request.interrupted
+            self.metrics.next_token.labels(cause).observe(time.monotonic() - noticed_at)
+            request.interrupted = None
 
     def count_replayed(self, request: Request) -> None:
         """Count as regenerated the positions of a rebuilt request that a client had already
@@ -334,13 +427,17 @@ class Router:
             with_tail and len(request.tokens) > request.logged_chunks * k
         ):
             index = request.logged_chunks
+            engine_id, epoch, attempt = request.source
             self.writer.put(
                 LogChunk(
                     request_id=request.request_id,
                     index=index,
                     position=index * k,
                     tokens=request.tokens[index * k : (index + 1) * k],
-                    attempt=request.attempt,
+                    attempt=attempt,
+                    engine_id=engine_id,
+                    epoch=epoch,
+                    incarnation=self.lease.incarnation,
                 )
             )
             request.logged_chunks += 1
@@ -360,6 +457,7 @@ class Router:
             finish_reason=reason,
             num_tokens=len(request.tokens),
             resumes=request.resumes,
+            incarnation=self.lease.incarnation,
         )
         await self.close(request, end, record)
 
@@ -374,6 +472,7 @@ class Router:
             resumes=request.resumes,
             error_code=code,
             error=message,
+            incarnation=self.lease.incarnation,
         )
         await self.close(request, error, record)
         failed = RequestFailed(request_id=request.request_id, code=code, message=message)
@@ -387,10 +486,17 @@ class Router:
         request.interrupted = None  # ended before its next token: no time to the next token
         self.metrics.ends.labels(record.finish_reason).inc()
         self.log_full_chunks(request, with_tail=True)
-        self.writer.put(record)
-        for inbox in request.watchers:
-            await bus.publish(self.nc, inbox, end)
+        request.end_record, request.end_logged = record, self.writer.put(record)
+        await self.tell_clients(request, end)
         request.watchers.clear()
+
+    async def tell_clients(self, request: Request, message: TokenChunk | GenerateEnd | GenerateError) -> None:
+        """Relay to every client following the request, only while the lease holds: a router that
+        woke from a pause past its lease must not end a request its successor carries on."""
+        if not self.lease.held():
+            return
+        for inbox in request.watchers:
+            await bus.publish(self.nc, inbox, message)
 
     # ------------------------------------------------------------ routing and resumption
 
@@ -441,7 +547,7 @@ class Router:
     async def dispatch(self, request: Request) -> None:
         request.dispatching = True
         try:
-            while request.end is None and request.engine_id is None:
+            while request.end is None and request.engine_id is None and self.lease.held():
                 alive = [e for e in self.engines.values() if e.alive]
                 engines = [e for e in alive if (e.engine_id, e.epoch) not in request.refused_by]
                 if alive and not engines:  # every live engine said it cannot serve these weights
@@ -470,6 +576,7 @@ class Router:
                     reply_to=self.subjects.worker_stream(
                         engine.engine_id
                     ),  # informative: workers use their own
+                    incarnation=self.lease.incarnation,
                 )
                 # Claim before the round trip: chunks can arrive before the ack does.
                 request.attempt, request.epoch, request.engine_id = (
@@ -479,6 +586,12 @@ class Router:
                 )
                 engine.requests.add(request.request_id)
                 request.dispatches += 1
+                request.progress_at = time.monotonic()
+                self.log_dispatch(
+                    request.request_id,
+                    (engine.engine_id, engine.epoch, dispatch.attempt),
+                    len(dispatch.prefix_tokens),
+                )
                 try:
                     await bus.request(
                         self.nc,
@@ -491,6 +604,9 @@ class Router:
                     if request.attempt == dispatch.attempt:
                         self.detach(request)
                         request.attempt = 0
+                    if exc.code == "fenced":  # the worker has seen a later router
+                        self.lease.lost.set()
+                        return
                     if exc.code == "stale-epoch":
                         await self.engine_failed(engine, "exit", "the registry moved to a new epoch")
                     elif exc.code == "weight-version":  # this engine owns other weights: try another
@@ -508,19 +624,36 @@ class Router:
                     continue  # interrupted while the dispatch was in flight; loop to re-place it
                 request.waiting_since = None
                 if len(request.tokens) or request.resumes:
-                    resumed = RequestResumed(
-                        request_id=request.request_id,
-                        attempt=dispatch.attempt,
-                        engine_id=engine.engine_id,
-                        epoch=engine.epoch,
-                        from_position=len(dispatch.prefix_tokens),
-                        reason="resume",
-                    )
-                    await bus.publish(
-                        self.nc, self.subjects.event("request_resumed", request.request_id), resumed
+                    await self.announce_resumed(
+                        request.request_id, dispatch.attempt, engine, len(dispatch.prefix_tokens), "resume"
                     )
         finally:
             request.dispatching = False
+
+    def log_dispatch(self, request_id: str, source: tuple[str, int, int], position: int) -> None:
+        """Record in the log that the attempt `source` (engine, epoch, attempt) alone supplies the
+        request's tokens from now on; queued behind the chunks already accepted, ahead of its own."""
+        engine_id, epoch, attempt = source
+        self.writer.put(
+            LogDispatch(
+                request_id=request_id, attempt=attempt, engine_id=engine_id, epoch=epoch,
+                position=position, incarnation=self.lease.incarnation,
+            )
+        )  # fmt: skip
+
+    async def announce_resumed(
+        self, request_id: str, attempt: int, on: Engine | AdoptReply, from_position: int, reason: str
+    ) -> None:
+        """The event of a request carried on by `attempt` on engine `on` from `from_position`."""
+        resumed = RequestResumed(
+            request_id=request_id,
+            attempt=attempt,
+            engine_id=on.engine_id,
+            epoch=on.epoch,
+            from_position=from_position,
+            reason=reason,
+        )
+        await bus.publish(self.nc, self.subjects.event("request_resumed", request_id), resumed)
 
     async def tell_worker(self, engine_id: str, cancel: CancelDispatch) -> None:
         try:
@@ -538,6 +671,11 @@ class Router:
         engine = self.engines.get(beat.engine_id)
         if engine is not None and engine.epoch == beat.epoch:
             engine.weight_version = beat.weight_version
+            held, now = set(beat.attempts), time.monotonic()
+            for request_id in engine.requests:
+                request = self.requests[request_id]
+                if request.attempt in held:  # queued or decoding there: not stalled
+                    request.progress_at = now
 
     async def on_registration(self, registration: WorkerRegistration) -> None:
         self.reported_weights = registration.weight_version
@@ -654,6 +792,10 @@ class Router:
         period = self.config.heartbeat_timeout_s / 4
         while True:
             await asyncio.sleep(period)
+            if not self.lease.held():
+                # Stopped past its lease, say: its clocks of heartbeats and client keepalives
+                # are stale, and a successor may carry its requests by now.
+                continue
             now = time.monotonic()
             for engine in list(self.engines.values()):
                 if engine.alive and now - engine.last_beat > self.config.heartbeat_timeout_s:
@@ -684,6 +826,24 @@ class Router:
                     )
                     await self.resume(request, "orphaned", f"not held by {request.engine_id}")
                     continue
+                if (
+                    request.engine_id is not None
+                    and now - request.progress_at > self.config.progress_deadline_s
+                ):
+                    # Its engine is alive but this attempt says nothing: its end (or a chunk) was
+                    # lost on the way, or the worker forgot it. Nothing else would ever move it.
+                    stalled = f"no token from {request.engine_id} for {now - request.progress_at:.1f}s"
+                    cancel = CancelDispatch(
+                        request_id=request.request_id,
+                        attempt=request.attempt,
+                        incarnation=self.lease.incarnation,
+                    )
+                    self.spawn(self.tell_worker(request.engine_id, cancel), "cancel-dispatch")
+                    if request.remaining == 0:
+                        await self.finish(request, "length")
+                    else:
+                        await self.resume(request, "stalled", stalled)
+                    continue
                 if request.engine_id is None and request.waiting_since is not None:
                     waited = now - request.waiting_since
                     if waited > self.config.no_worker_deadline_s:
@@ -694,26 +854,173 @@ class Router:
     # ------------------------------------------------------------ restart and reconnect
 
     async def rebuild(self) -> RouterStarted:
-        """Rebuild every request from the token log; in-flight ones are resumed."""
-        logged, skipped = await token_log.read_all(self.js, self.subjects)
+        """Rebuild every request from the token log; in-flight ones are claimed and resumed.
+        Called once the lease is held."""
+        self.next_attempt = self.lease.incarnation << ATTEMPT_BITS
+        self.writer.incarnation = self.lease.incarnation
+        self.adopting = []  # from here on, what the workers stream waits until they are asked
+        for _ in range(CLAIM_TRIES):
+            logged, skipped = await token_log.read_all(self.js, self.subjects)
+            if await self.claim(logged):
+                break
+        else:
+            raise ServiceError("unavailable", f"the token log kept moving through {CLAIM_TRIES} reads")
         for poisoned in skipped:
             await self.skipped(poisoned)
-        resumed = 0
+        running: list[Request] = []
         for request_id, entry in logged.items():
             request = Request(start=entry.start, tokens=entry.tokens)
             request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
-            self.requests[request_id] = request
             if entry.end is None:
                 request.resumes = 1
                 request.replayed_to = len(entry.tokens)  # its clients may have had more
                 self.interrupt(request, "router-restart")
-                self.enqueue(request)
-                resumed += 1
+                running.append(request)
             else:
+                self.requests[request_id] = request
                 request.resumes = entry.end.resumes
                 request.end = _end_message(entry.start, entry.end)
                 request.ended_at = time.monotonic()
-        return RouterStarted(router_pid=os.getpid(), rebuilt_requests=len(logged), resumed_requests=resumed)
+        # Ask the workers before placing the running requests: an engine the answers install
+        # would otherwise dispatch them from the log at once.
+        adopted = await self.adopt(running)
+        for request in running:
+            self.requests[request.request_id] = request
+            if request.request_id in adopted:
+                await self.carry_on(request, *adopted[request.request_id])
+            else:
+                self.enqueue(request)
+        # In arrival order, and what arrives meanwhile after them: placed by position, so what
+        # the answers held already is skipped.
+        while self.adopting:
+            await self.handle_worker_message(*self.adopting.pop(0))
+        self.adopting = None
+        if self.adopting_overflowed:  # an adopted attempt's chunk or end may be among the dropped
+            for request_id in adopted:
+                request = self.requests[request_id]
+                if request.end is None and request.engine_id is not None:
+                    await self.resume(request, "gap", "worker messages dropped while adopting")
+        return RouterStarted(
+            router_pid=os.getpid(),
+            rebuilt_requests=len(logged),
+            resumed_requests=len(running),
+            incarnation=self.lease.incarnation,
+        )
+
+    async def adopt(self, running: list[Request]) -> dict[str, tuple[AdoptReply, HeldAttempt]]:
+        """Ask every serving engine what it holds (which also fences off every earlier router
+        there), and match each running request with the attempt whose tokens extend its log: those
+        are carried on, not generated again. Attempts nobody adopts are cancelled."""
+        entries, _ = await registry.entries(self.kv)
+        wanted = [r.request_id for r in running][:MAX_BEAT_ATTEMPTS]  # the rest resume from the log
+        replies = await asyncio.gather(
+            *(self.ask_held(e.engine_id, wanted) for e in entries if e.health == "serving")
+        )
+        newest: dict[str, tuple[AdoptReply, HeldAttempt]] = {}  # request id -> its latest attempt
+        for reply in replies:
+            if reply is None:
+                continue
+            await self.see_worker(reply.engine_id, reply.epoch, reply.pid)
+            for held in reply.attempts:
+                seen = newest.get(held.request_id)
+                if seen is None or (held.incarnation, held.attempt) > (seen[1].incarnation, seen[1].attempt):
+                    newest[held.request_id] = (reply, held)
+        adopted: dict[str, tuple[AdoptReply, HeldAttempt]] = {}  # request id -> the attempt carried on
+        for request in running:
+            found = newest.get(request.request_id)
+            if found is None:
+                continue
+            reply, held = found
+            engine = self.engines.get(reply.engine_id)
+            logged = request.tokens
+            if engine is None or engine.epoch != reply.epoch or held.tokens[: len(logged)] != logged:
+                continue  # another epoch, or not a continuation of the log: resumed from the log
+            adopted[request.request_id] = found
+        taken = {(request_id, held.attempt) for request_id, (_, held) in adopted.items()}
+        for reply in replies:
+            for held in reply.attempts if reply is not None else []:
+                if held.finish_reason is None and (held.request_id, held.attempt) not in taken:
+                    cancel = CancelDispatch(
+                        request_id=held.request_id, attempt=held.attempt, incarnation=self.lease.incarnation
+                    )
+                    self.spawn(self.tell_worker(reply.engine_id, cancel), "cancel-dispatch")
+        return adopted
+
+    async def ask_held(self, engine_id: str, request_ids: list[str]) -> AdoptReply | None:
+        try:
+            return await bus.request_struct(
+                self.nc,
+                self.subjects.worker_adopt(engine_id),
+                AdoptRequest(incarnation=self.lease.incarnation, request_ids=request_ids),
+                AdoptReply,
+                self.config.dispatch_timeout_s,
+            )
+        except ServiceError as exc:
+            if exc.code == "fenced":  # the worker has seen a later router: this one is stale
+                self.lease.lost.set()
+                raise LeaseLost(f"engine {engine_id}: {exc.message}") from exc
+            # A worker of an older version, or gone: its requests resume from the log.
+            log.info("engine %s did not say what it holds: %s", engine_id, exc)
+            return None
+        except protocol.BadMessage as exc:
+            log.warning("engine %s answered what it holds unreadably: %s", engine_id, exc)
+            return None
+
+    async def carry_on(self, request: Request, reply: AdoptReply, held: HeldAttempt) -> None:
+        """Take over a running request as its worker holds it: every token it generated so far,
+        and its attempt, whose further chunks are accepted as they come (or its end, when it ended
+        while no router listened)."""
+        logged = len(request.tokens)
+        request.tokens = list(held.tokens[: request.start.max_tokens])
+        request.replayed_to = len(request.tokens)  # what clients had came from these very tokens
+        if len(request.tokens) > logged:  # positions new to the router: its first since the failure
+            self.metrics.tokens_generated.inc(len(request.tokens) - logged)
+            self.observe_next_token(request)
+        log.info("%s adopted at %d from %s", request.request_id, len(request.tokens), reply.engine_id)
+        await self.announce_resumed(request.request_id, held.attempt, reply, len(request.tokens), "adopt")
+        request.source = (reply.engine_id, reply.epoch, held.attempt)
+        self.log_dispatch(request.request_id, request.source, logged)
+        if held.finish_reason is not None:
+            await self.finish(request, held.finish_reason)
+            return
+        engine = self.engines.get(reply.engine_id)
+        if engine is None or not engine.alive or engine.epoch != reply.epoch:
+            # It failed (or was replaced) since it answered: resumed from the tokens adopted,
+            # whose whole chunks are logged now, under the attempt that made them.
+            self.log_full_chunks(request)
+            self.enqueue(request)
+            return
+        request.attempt, request.epoch, request.engine_id = held.attempt, reply.epoch, reply.engine_id
+        engine.requests.add(request.request_id)
+        request.dispatches += 1
+        request.progress_at = time.monotonic()
+        request.waiting_since = None
+        self.log_full_chunks(request)
+
+    async def claim(self, logged: dict[str, token_log.LoggedRequest]) -> bool:
+        """Write a LogTakeover on every running request's subject, after the last record read
+        there; False when one of them moved meanwhile (a predecessor's last append landed), so the
+        log must be read again."""
+        running = {rid: entry for rid, entry in logged.items() if entry.end is None}
+        for request_id, entry in running.items():
+            if entry.incarnation > self.lease.incarnation:
+                raise LeaseLost(f"{request_id} was claimed by incarnation {entry.incarnation}")
+            self.writer.last[request_id] = entry.last_sequence
+
+        async def take(request_id: str, entry: token_log.LoggedRequest) -> bool:
+            takeover = LogTakeover(
+                request_id=request_id, incarnation=self.lease.incarnation, position=len(entry.tokens)
+            )
+            try:
+                await self.writer.append_now(takeover)
+            except ServiceError as exc:
+                if exc.code != "fenced":
+                    raise
+                return False
+            return True
+
+        taken = await asyncio.gather(*(take(rid, entry) for rid, entry in running.items()))
+        return all(taken)
 
     async def on_reconnect(self) -> None:
         """Messages in flight while the server was away are lost: resume everything running."""

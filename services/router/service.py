@@ -5,10 +5,14 @@ Owns request routing and the token log (services/router/router.py). Listens to t
 streams, heartbeats, registrations, failures and quarantines; serves generate, attach, cancel,
 status and keepalives. A drain stops intake and flushes the token log, so a successor resumes every
 request from it.
+
+A router that starts while another one holds the lease waits for it (a warm standby: connected,
+listening to the workers, not yet serving clients), then claims the log and serves.
 """
 
 from __future__ import annotations
 
+from belayer_rl.services.router.lease import Lease, lease_bucket
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import RouterConfig
@@ -27,8 +31,19 @@ from belayer_rl.shared.runtime import Endpoint, Runtime
 async def setup(rt: Runtime, config: RouterConfig) -> None:
     nc = await rt.connect()
     js = nc.jetstream()
-    kv = await bus.with_retries("declare jetstream", lambda: bus.declare_jetstream(js, rt.subjects))
-    router = Router(config, nc, js, kv, rt.spawn, rt.record_skipped, RouterMetrics(rt.metrics))
+    kv = await bus.with_retries(
+        "declare jetstream",
+        lambda: bus.declare_jetstream(
+            js, rt.subjects, replicas=config.replicas, max_bytes=config.log_max_mb << 20
+        ),
+    )
+    lease = Lease(
+        await bus.with_retries(
+            "declare the lease bucket", lambda: lease_bucket(js, rt.subjects, config.replicas)
+        ),
+        config.lease_ttl_s,
+    )
+    router = Router(config, nc, js, kv, lease, rt.spawn, rt.record_skipped, RouterMetrics(rt.metrics))
     rt.on_reconnect(router.on_reconnect)
 
     # Listen to workers before rebuilding, so no heartbeat of a serving engine is missed.
@@ -45,6 +60,8 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
         Endpoint.event(rt.subjects, "worker_failed", router.on_worker_failed, "*"),
         Endpoint.event(rt.subjects, "engine_quarantined", router.on_quarantined, "*"),
     )
+    await lease.acquire()
+    rt.spawn(lease.renew(), "lease", essential=True)  # lost to another router: this one stops
     started = await router.rebuild()
     await rt.serve(
         Endpoint(rt.subjects.router_generate, GenerateRequest, router.on_generate),
@@ -56,5 +73,6 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     rt.spawn(router.watchdog(), "watchdog", essential=True)
     rt.spawn(router.writer.run(), "log-writer", essential=True)
     rt.on_drain(router.writer.drain)  # intake stopped: let the token log catch up
+    rt.on_drain(lease.release)  # then a standby takes over at once
     await rt.publish(rt.subjects.event("router_started", str(started.router_pid)), started)
     rt.ready(f"{started.rebuilt_requests} requests rebuilt, {started.resumed_requests} resumed")

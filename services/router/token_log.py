@@ -1,18 +1,27 @@
-"""The token log in JetStream: one subject per request, records LogStart, LogChunk*, LogEnd.
+"""The token log in JetStream: one subject per request, records LogStart, (LogDispatch, LogChunk*)*, LogEnd.
 
 Chunk i of a request covers generated positions [i*k, (i+1)*k); only the last chunk, written at the
-request's end, may be shorter. Each record is published with the dedupe id `<request>:<index>` (the
-start and end records use `start` and `end`), so a retried or resumed publish never duplicates
-tokens, and a reader places chunks by position, so duplicates that slip through change nothing.
+request's end, may be shorter. Each record is published with the dedupe id `<request>:<index>.<n>`
+for a chunk of n tokens (the start and end records use `start` and `end`), so a retried or resumed
+publish never duplicates tokens, while a short tail chunk and a later whole chunk of the same index
+(an end whose request was resumed after all) are both kept: a reader places chunks by position,
+so the longer one extends the log and duplicates change nothing.
 
 The writer keeps one queue for all requests and appends in order in a background task, so a slow
 or reconnecting server delays the log but never the token stream to clients.
+
+Fencing: every append names the sequence of the last record on its request's subject that this
+router knows of (JetStream's Nats-Expected-Last-Subject-Sequence). A successor router claims each
+running request with a LogTakeover record, so whatever its predecessor still appends to that
+subject is refused by the store itself (`fenced`), however late the predecessor wakes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -20,7 +29,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from belayer_rl.shared import bus, protocol
-from belayer_rl.shared.protocol import LogChunk, LogEnd, LogRecord, LogStart
+from belayer_rl.shared.protocol import LogChunk, LogDispatch, LogEnd, LogRecord, LogStart, LogTakeover
 from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.router.log")
@@ -28,6 +37,9 @@ log = logging.getLogger("belayer.router.log")
 _record_decoder = protocol.decoder_for(LogRecord)
 PUBLISH_TIMEOUT_S = 2.0
 MAX_PUBLISH_TRIES = 60  # about two minutes of a server that does not answer
+LOG_FULL_CODE = 10077  # JetStream's store failure; "maximum bytes exceeded" when full (discard NEW)
+WRONG_LAST_SEQUENCE_CODE = 10071  # an expected-last-subject-sequence that is not the subject's last
+ROOM_CHECK_S = 1.0  # how long a reading of the log's size is trusted
 
 
 def record_id(record: LogRecord) -> str:
@@ -35,45 +47,115 @@ def record_id(record: LogRecord) -> str:
         case LogStart():
             return bus.log_msg_id(record.request_id, "start")
         case LogChunk():
-            return bus.log_msg_id(record.request_id, record.index)
+            return bus.log_msg_id(record.request_id, f"{record.index}.{len(record.tokens)}")
         case LogEnd():
             return bus.log_msg_id(record.request_id, "end")
+        case LogTakeover():
+            return bus.log_msg_id(record.request_id, f"takeover.{record.incarnation}")
+        case LogDispatch():
+            # An adopting router logs the attempt its predecessor dispatched: its own record.
+            return bus.log_msg_id(record.request_id, f"dispatch.{record.incarnation}.{record.attempt}")
 
 
-async def append(js: JetStreamContext, names: Subjects, record: LogRecord) -> None:
-    """Append one record and wait for the server's ack; retries (bounded) through reconnects."""
+def written_by(record: LogRecord) -> int:
+    """The router incarnation a record names (a LogStart names none)."""
+    return 0 if isinstance(record, LogStart) else record.incarnation
+
+
+async def append(
+    js: JetStreamContext, names: Subjects, record: LogRecord, after: int, *, incarnation: int
+) -> int:
+    """Append one record after the subject's record at stream sequence `after` (0: the subject
+    holds none yet) and wait for the server's ack; returns the record's sequence. Retries
+    (bounded) through reconnects. Raises ServiceError("fenced") when a later router incarnation
+    than `incarnation` wrote on the subject since: it claimed the request."""
     subject = names.token_log(record.request_id)
     data = protocol.encode(record)
-    headers = {"Nats-Msg-Id": record_id(record)}
+    msg_id = record_id(record)
+    failure: Exception | None = None
     for attempt in range(1, MAX_PUBLISH_TRIES + 1):
-        try:
-            await js.publish(subject, data, timeout=PUBLISH_TIMEOUT_S, headers=headers)
-            return
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-            if attempt == MAX_PUBLISH_TRIES:
-                raise bus.ServiceError("log-unavailable", f"token log append failed: {exc}") from exc
+        if attempt > 1:
             await asyncio.sleep(min(0.05 * attempt, 1.0))
+        headers = {"Nats-Msg-Id": msg_id, "Nats-Expected-Last-Subject-Sequence": str(after)}
+        try:
+            ack = await js.publish(subject, data, timeout=PUBLISH_TIMEOUT_S, headers=headers)
+            # A duplicate appended nothing. Its sequence is that of the record it repeats: ours,
+            # landed on an earlier try whose ack was lost (a server that dedupes before it checks
+            # the expected sequence), or an older one (a tail chunk an earlier router wrote), in
+            # which case the subject's last record is still the one at `after`.
+            return max(after, ack.seq) if ack.duplicate else ack.seq
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == LOG_FULL_CODE and "maximum" in (exc.description or ""):  # no retry frees space
+                raise bus.ServiceError("log-full", f"token log full: {exc.description}") from exc
+            failure = exc
+            if exc.err_code != WRONG_LAST_SEQUENCE_CODE:
+                continue
+            # The subject moved past `after`: our own earlier try landed (its ack lost), or a
+            # later router claimed the request. The last record says which.
+            try:
+                last = await js.get_last_msg(names.token_log_stream, subject)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as read_failure:
+                failure = read_failure  # unreadable for now: ask again
+                continue
+            if last.headers is not None and last.headers.get("Nats-Msg-Id") == msg_id:
+                return last.seq
+            try:
+                writer = written_by(protocol.decode(_record_decoder, last.data or b""))
+            except protocol.BadMessage:
+                writer = 0  # a record nobody can read claims nothing
+            if writer > incarnation:
+                raise bus.ServiceError(
+                    "fenced",
+                    f"router incarnation {writer} claimed {record.request_id}; this is {incarnation}",
+                ) from exc
+            after = last.seq  # our own records, or older ones: follow the last
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            failure = exc
+    raise bus.ServiceError("log-unavailable", f"token log append failed {MAX_PUBLISH_TRIES} times: {failure}")
 
 
 class LogWriter:
-    """Appends records in the order they were queued, in one owned background task."""
+    """Appends records in the order they were queued, in one owned background task. Each request's
+    records follow the last one this router wrote or read on its subject (`last`)."""
 
     def __init__(self, js: JetStreamContext, names: Subjects) -> None:
         self.names = names
         self.js = js
-        self.queue: asyncio.Queue[LogRecord] = asyncio.Queue()
+        self.incarnation = 0  # the router's, once it holds the lease
+        # Each record with the future its appending resolves: None once appended, else why not.
+        self.queue: asyncio.Queue[tuple[LogRecord, asyncio.Future[bus.ServiceError | None]]] = asyncio.Queue()
         self.appended = 0
+        self.last: dict[str, int] = {}  # request id -> sequence of its subject's last record
 
-    def put(self, record: LogRecord) -> None:
-        self.queue.put_nowait(record)
+    def put(self, record: LogRecord) -> asyncio.Future[bus.ServiceError | None]:
+        """Queue the record; the future says when it is durable (None) or why it was dropped."""
+        appended: asyncio.Future[bus.ServiceError | None] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((record, appended))
+        return appended
+
+    async def append_now(self, record: LogRecord) -> None:
+        """Append outside the queue and wait for it (a LogStart, a LogTakeover): for a request with
+        nothing of it queued."""
+        self.last[record.request_id] = await append(
+            self.js, self.names, record, self.last.get(record.request_id, 0), incarnation=self.incarnation
+        )
 
     async def run(self) -> None:
+        """Raises ServiceError("fenced") when the store refused an append because a successor
+        router claimed the request: this router must stop (an essential task)."""
         while True:
-            record = await self.queue.get()
+            record, appended = await self.queue.get()
             try:
-                await append(self.js, self.names, record)
+                await self.append_now(record)
                 self.appended += 1
+                if isinstance(record, LogEnd):
+                    self.last.pop(record.request_id, None)  # nothing follows an end
+                appended.set_result(None)
             except bus.ServiceError as exc:
+                appended.set_result(exc)
+                if exc.code == "fenced":
+                    log.error("the token log refused %s: %s", type(record).__name__, exc.message)
+                    raise
                 log.error("dropped %s of %s: %s", type(record).__name__, record.request_id, exc)
             finally:
                 self.queue.task_done()
@@ -81,6 +163,43 @@ class LogWriter:
     async def drain(self) -> None:
         """Until every queued record is appended (the caller bounds the wait)."""
         await self.queue.join()
+
+
+class Room:
+    """Whether the log may take another request: below bus.LOG_ROOM_FRACTION of its bound, so that the
+    requests already running keep room for their chunks and ends. Read at most every ROOM_CHECK_S."""
+
+    def __init__(self, js: JetStreamContext, names: Subjects) -> None:
+        self.js, self.names = js, names
+        self.checked_at = -ROOM_CHECK_S
+        self.full: str | None = None  # why not, at the last reading
+
+    async def check(self) -> None:
+        """Raise ServiceError("log-full") when there is no room for a new request."""
+        now = time.monotonic()
+        if now - self.checked_at >= ROOM_CHECK_S:
+            self.checked_at = now
+            try:
+                async with asyncio.timeout(ROOM_CHECK_S):
+                    info = await self.js.stream_info(self.names.token_log_stream)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                # A leader election, say: the last reading stands, and the append itself will say
+                # whether the log takes the request.
+                log.info("token log size unknown (%s); the last reading stands", exc)
+            else:
+                self.full = _full(info.state.bytes, info.config.max_bytes or 0)
+        if self.full is not None:
+            raise bus.ServiceError("log-full", self.full)
+
+
+def _full(used: int, bound: int) -> str | None:
+    """Why a log holding `used` of `bound` bytes takes no new request, or None when it has room."""
+    if bound <= 0 or used < bus.LOG_ROOM_FRACTION * bound:
+        return None
+    return (
+        f"the token log holds {used} of its {bound} bytes; new requests wait for old logs to age out"
+        " (raise --log-max-mb)"
+    )
 
 
 # ---------------------------------------------------------------- reading
@@ -91,6 +210,8 @@ class LoggedRequest:
     start: LogStart
     tokens: list[int] = field(default_factory=list)
     end: LogEnd | None = None
+    last_sequence: int = 0  # of the last record on its subject, whatever it was
+    incarnation: int = 0  # the highest router incarnation that claimed it (LogTakeover)
 
     def place(self, chunk: LogChunk) -> None:
         """Reconcile by position: a chunk extends the log only where it continues it."""
@@ -100,36 +221,65 @@ class LoggedRequest:
         self.tokens.extend(chunk.tokens[len(self.tokens) - chunk.position :])
 
 
+@dataclass
+class StoredRecord:
+    subject: str
+    sequence: int
+    record: LogRecord | None  # None: it does not decode, for `error`
+    error: str = ""
+
+
+async def each_record(js: JetStreamContext, names: Subjects) -> AsyncIterator[StoredRecord]:
+    """Every record in the stream, in stream order."""
+    info = await js.stream_info(names.token_log_stream)
+    if info.state.messages == 0:
+        return
+    # The stream is named: looking it up by subject needs $JS.API.STREAM.NAMES, which the router may not use.
+    sub = await js.subscribe(
+        names.token_log_all,
+        stream=names.token_log_stream,
+        ordered_consumer=True,
+        inactive_threshold=bus.READER_IDLE_S,
+    )
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5.0)
+            sequence = msg.metadata.sequence.stream
+            try:
+                yield StoredRecord(msg.subject, sequence, protocol.decode(_record_decoder, msg.data))
+            except protocol.BadMessage as exc:
+                yield StoredRecord(msg.subject, sequence, None, str(exc))
+            if msg.metadata.num_pending == 0:  # (the last sequence may have been purged)
+                break
+    finally:
+        await sub.unsubscribe()
+
+
 async def read_all(
     js: JetStreamContext, names: Subjects
 ) -> tuple[dict[str, LoggedRequest], list[protocol.PoisonedRecord]]:
     """Every request in the stream, rebuilt from its records, and the records that do not decode
     (skipped: a record that stops every router start would stop the cluster)."""
-    info = await js.stream_info(names.token_log_stream)
     requests: dict[str, LoggedRequest] = {}
     skipped: list[protocol.PoisonedRecord] = []
-    if info.state.messages == 0:
-        return requests, skipped
-    # The stream is named: looking it up by subject needs $JS.API.STREAM.NAMES, which the router may not use.
-    sub = await js.subscribe(names.token_log_all, stream=names.token_log_stream, ordered_consumer=True)
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5.0)
-            try:
-                record = protocol.decode(_record_decoder, msg.data)
-            except protocol.BadMessage as exc:
-                sequence = msg.metadata.sequence.stream
-                skipped.append(protocol.PoisonedRecord("token-log", msg.subject, sequence, str(exc)))
-                record = None
-            match record:
-                case LogStart():
-                    requests.setdefault(record.request_id, LoggedRequest(record))
-                case LogChunk() if record.request_id in requests:
-                    requests[record.request_id].place(record)
-                case LogEnd() if record.request_id in requests:
-                    requests[record.request_id].end = record
-            if msg.metadata.num_pending == 0:  # (the last sequence may have been purged)
-                break
-    finally:
-        await sub.unsubscribe()
+    last_sequence: dict[str, int] = {}  # subject -> its last record's stream sequence
+    async for stored in each_record(js, names):
+        last_sequence[stored.subject] = stored.sequence
+        record = stored.record
+        if record is None:
+            skipped.append(
+                protocol.PoisonedRecord("token-log", stored.subject, stored.sequence, stored.error)
+            )
+        match record:
+            case LogStart():
+                requests.setdefault(record.request_id, LoggedRequest(record))
+            case LogChunk() if record.request_id in requests:
+                requests[record.request_id].place(record)
+            case LogEnd() if record.request_id in requests:
+                requests[record.request_id].end = record
+            case LogTakeover() if record.request_id in requests:
+                entry = requests[record.request_id]
+                entry.incarnation = max(entry.incarnation, record.incarnation)
+    for request_id, entry in requests.items():
+        entry.last_sequence = last_sequence[names.token_log(request_id)]
     return requests, skipped

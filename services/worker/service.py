@@ -25,6 +25,7 @@ from belayer_rl.shared import bus, registry, segments
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.metrics import WorkerMetrics
 from belayer_rl.shared.protocol import (
+    AdoptRequest,
     ArenaHandle,
     CancelDispatch,
     Dispatch,
@@ -83,8 +84,9 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerId
     pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
     weights = await ask_server(nc, config.subjects.weights_pin, pin, WeightHandles)
     ask = KvArenaRequest(
-        engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE
-    )
+        engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE,
+        pid=os.getpid(), watch_pid=config.watch_pid,  # a shadow shares it with the main it watches
+    )  # fmt: skip
     arena = await ask_server(nc, config.subjects.kv_arena, ask, ArenaHandle)
     params = await asyncio.to_thread(segments.map_weights, weights)
     tensor = await asyncio.to_thread(segments.map_arena, arena)
@@ -124,6 +126,8 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     await rt.serve(
         Endpoint(rt.subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
         Endpoint(rt.subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),
+        Endpoint(rt.subjects.worker_adopt(config.engine_id), AdoptRequest, worker.on_adopt),
+        Endpoint.event(rt.subjects, "router_started", worker.on_router_started, "*"),
     )
     await rt.publish(rt.subjects.event("worker_registered", config.engine_id), worker.registration())
     rt.spawn(worker.run_engine(), "engine", essential=True)

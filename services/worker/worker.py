@@ -1,14 +1,17 @@
 """The rollout worker: one process serving one engine id with the built-in engine.
 
 Owns: the engine (weights, KV arena, scheduler) and the attempts it is running.
-Listens: `belayer.<cluster>.worker.<engine>.dispatch` (Dispatch), `belayer.<cluster>.worker.<engine>.cancel`.
+Listens: `belayer.<cluster>.worker.<engine>.dispatch` (Dispatch), `belayer.<cluster>.worker.<engine>.cancel`,
+and routers' start events (RouterStarted), for the newest router incarnation.
 Publishes: WorkerChunk / WorkerDone on its engine's stream `belayer.<cluster>.router.worker_stream.
 <engine>` (the only stream its credential may publish on, whatever a dispatch names), a Heartbeat on
 `belayer.<cluster>.evt.heartbeat.<engine>` every interval, a WorkerRegistration once it serves.
 
 Its epoch comes from the engine registry (compare-and-set at start-up); a dispatch that names any
 other epoch is refused, and every chunk it sends carries (epoch, attempt) so the router can drop
-whatever a stale worker still says. The engine runs in a thread: `step()` is torch work and must not
+whatever a stale worker still says. Likewise a dispatch or cancel from a router incarnation below
+the highest this worker has seen (in a dispatch, a cancel or a router's start event) is refused:
+a router that lost its lease cannot steer the workers. The engine runs in a thread: `step()` is torch work and must not
 block the loop that answers heartbeats and dispatches. The engine is touched only between steps.
 """
 
@@ -21,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nats.aio.client import Client as NATS
 
@@ -31,10 +35,15 @@ from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.metrics import Metrics, WorkerMetrics
 from belayer_rl.shared.protocol import (
+    MAX_BEAT_ATTEMPTS,
     Ack,
+    AdoptReply,
+    AdoptRequest,
     CancelDispatch,
     Dispatch,
     Heartbeat,
+    HeldAttempt,
+    RouterStarted,
     WorkerChunk,
     WorkerDone,
     WorkerRegistration,
@@ -42,14 +51,43 @@ from belayer_rl.shared.protocol import (
 
 log = logging.getLogger("belayer.worker")
 
+ENDED_KEPT_S = 30.0  # how long an ended attempt stays adoptable
+# An adopt answer's size, well under NATS's 1 MiB payload: tokens travel as JSON numbers.
+ADOPT_REPLY_BYTES = 768 << 10
+BYTES_PER_TOKEN = 6
+HELD_OVERHEAD_BYTES = 256
+
+
+def order(dispatch: Dispatch) -> tuple[int, int]:
+    return dispatch.incarnation, dispatch.attempt
+
 
 @dataclass
 class Attempt:
     dispatch: Dispatch
     key: tuple[str, int] = field(init=False)
+    tokens: list[int] = field(init=False)  # every generated token of the request: prefix and its own
 
     def __post_init__(self) -> None:
         self.key = (self.dispatch.request_id, self.dispatch.attempt)
+        self.tokens = list(self.dispatch.prefix_tokens)
+
+    def held(self, finish_reason: str | None = None) -> HeldAttempt:
+        return HeldAttempt(
+            request_id=self.dispatch.request_id,
+            attempt=self.dispatch.attempt,
+            incarnation=self.dispatch.incarnation,
+            tokens=list(self.tokens),
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+        )
+
+
+class Ended(NamedTuple):
+    """An ended attempt as a router that takes over may adopt it (its dispatch, prompt and all,
+    is not kept)."""
+
+    held: HeldAttempt
+    ended_at: float
 
 
 # ---------------------------------------------------------------- state
@@ -77,6 +115,10 @@ class Worker:
         self.epoch = epoch
         self.pins = pins
         self.attempts: dict[str, Attempt] = {}  # request id -> the attempt this worker runs
+        self.router_incarnation = 0  # the highest router incarnation seen; lower ones are refused
+        # Attempts that ended, kept ENDED_KEPT_S for a router that takes over to adopt: their
+        # WorkerDone may have gone to a router that was dead by then. Request id -> what it made.
+        self.ended: dict[str, Ended] = {}
         self.ops: list[Callable[[], None]] = []  # engine calls queued for the gap between steps
         self.rejected: list[tuple[Attempt, str]] = []  # submits the engine refused, to report
         self.wake = asyncio.Event()
@@ -88,17 +130,61 @@ class Worker:
 
     # ------------------------------------------------------------ handlers
 
+    def fence(self, incarnation: int) -> None:
+        """Refuse a router incarnation below the highest seen; remember a higher one."""
+        if incarnation < self.router_incarnation:
+            self.metrics.fenced.inc()
+            raise ServiceError(
+                "fenced", f"router incarnation {incarnation} is older than {self.router_incarnation}"
+            )
+        self.router_incarnation = incarnation
+
+    async def on_adopt(self, request: AdoptRequest) -> AdoptReply:
+        """What this worker holds of the requests asked about, for a router that just took the
+        lease: running attempts with every token so far, and those that ended lately. Fences off
+        every lower incarnation. The answer stays within ADOPT_REPLY_BYTES: what does not fit is
+        resumed from the log by the router (tokens generated again, nothing lost)."""
+        self.fence(request.incarnation)
+        self.forget_ended()
+        held: list[HeldAttempt] = []
+        budget = ADOPT_REPLY_BYTES
+        for request_id in request.request_ids:
+            attempt, ended = self.attempts.get(request_id), self.ended.get(request_id)
+            found = attempt.held() if attempt is not None else ended.held if ended is not None else None
+            if found is None:
+                continue
+            budget -= HELD_OVERHEAD_BYTES + BYTES_PER_TOKEN * len(found.tokens)
+            if budget < 0:
+                break
+            held.append(found)
+        return AdoptReply(engine_id=self.config.engine_id, epoch=self.epoch, pid=os.getpid(), attempts=held)
+
+    def forget_ended(self) -> None:
+        """Drop ended attempts past ENDED_KEPT_S or past the count bound (the dict is in end order)."""
+        now = time.monotonic()
+        while self.ended:
+            request_id, oldest = next(iter(self.ended.items()))
+            if now - oldest.ended_at < ENDED_KEPT_S and len(self.ended) <= MAX_BEAT_ATTEMPTS:
+                return
+            del self.ended[request_id]
+
+    async def on_router_started(self, started: RouterStarted) -> None:
+        self.router_incarnation = max(self.router_incarnation, started.incarnation)
+
     async def on_dispatch(self, dispatch: Dispatch) -> Ack:
         if dispatch.engine_id != self.config.engine_id:
             raise ServiceError("wrong-engine", f"this is {self.config.engine_id}, not {dispatch.engine_id}")
         if dispatch.epoch != self.epoch:
             raise ServiceError("stale-epoch", f"epoch {dispatch.epoch} is not the current {self.epoch}")
+        self.fence(dispatch.incarnation)
         version = dispatch.weight_version
         to_map = version is not None and version not in self.engine.weights
         if to_map and self.pins is None:
             raise ServiceError("weight-version", f"serving only {self.engine.weight_version}")
         previous = self.attempts.get(dispatch.request_id)
-        if previous is not None and previous.dispatch.attempt >= dispatch.attempt:
+        # Ordered by router incarnation first: ids of a router from before incarnations existed
+        # (incarnation 0) came from the wall clock and are larger than any since.
+        if previous is not None and order(previous.dispatch) >= order(dispatch):
             raise ServiceError("stale-attempt", f"already running attempt {previous.dispatch.attempt}")
         attempt = Attempt(dispatch)
         self.attempts[dispatch.request_id] = attempt  # before any wait: a cancel must find it
@@ -130,6 +216,7 @@ class Worker:
         return Ack(detail=f"attempt {dispatch.attempt} queued on {self.config.engine_id}")
 
     async def on_cancel(self, cancel: CancelDispatch) -> Ack:
+        self.fence(cancel.incarnation)
         attempt = self.attempts.get(cancel.request_id)
         if attempt is None or cancel.attempt not in (0, attempt.dispatch.attempt):
             return Ack(detail="nothing to cancel")
@@ -186,6 +273,8 @@ class Worker:
         if attempt is None or attempt.dispatch.attempt != attempt_id:
             return  # cancelled or superseded while the step ran
         if event.new_tokens:
+            del attempt.tokens[event.position :]
+            attempt.tokens.extend(event.new_tokens)
             chunk = WorkerChunk(
                 request_id=request_id,
                 attempt=attempt_id,
@@ -198,6 +287,9 @@ class Worker:
             self.metrics.tokens.inc(len(event.new_tokens))
         if event.finished is not None:
             del self.attempts[request_id]
+            self.ended.pop(request_id, None)  # (re-inserted last: the dict stays in end order)
+            self.ended[request_id] = Ended(attempt.held(event.finished), time.monotonic())
+            self.forget_ended()
             await self._publish_done(attempt, event.finished, event.position + len(event.new_tokens), "")
 
     async def _publish_done(self, attempt: Attempt, reason: str, num_tokens: int, error: str) -> None:
@@ -226,6 +318,7 @@ class Worker:
                 waiting=waiting,
                 outstanding_tokens=outstanding,
                 weight_version=self.engine.weight_version,
+                attempts=[a.dispatch.attempt for a in self.attempts.values()][:MAX_BEAT_ATTEMPTS],
             )
             try:
                 await bus.publish(self.nc, subject, beat)

@@ -160,10 +160,14 @@ async def test_two_clusters_on_one_server_never_see_each_other(tmp_path: Path) -
                 for name, other in (("alpha", "beta"), ("beta", "alpha")):
                     status = await clients[name].status()
                     assert ids[other] not in {r.request_id for r in status.requests}
-                    beats = [event for event in seen[name] if '"type":"heartbeat"' in event]
-                    assert any(f'"pid":{worker_pid[name]},' in beat for beat in beats), (
-                        "the control: its own beats"
-                    )
+
+                    async def own_beats(name: str = name) -> list[str] | None:
+                        """The heartbeats seen so far, once its own worker's are among them (the
+                        control: every 0.2 s, so a fast run may not have seen one yet)."""
+                        beats = [event for event in seen[name] if '"type":"heartbeat"' in event]
+                        return beats if any(f'"pid":{worker_pid[name]},' in b for b in beats) else None
+
+                    beats = await poll(own_beats, timeout_s=10, every_s=0.1)
                     assert not any(f'"pid":{worker_pid[other]},' in beat for beat in beats), (
                         f"{name} saw {other}'s"
                     )

@@ -7,6 +7,7 @@ and shadow workers; failures are real SIGKILL and SIGSTOP at seeded random point
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -154,6 +155,38 @@ async def test_sigstop_main_is_a_hang_killed_before_the_arena_is_reused(nats_ser
     assert event.reason == "hang" and event.path == "shadow"
     assert main_gone  # SIGKILLed and reaped, not merely resumed
     assert list(event.phases_ms)[:3] == ["kill_confirmed", "servers_checked", "arena_flushed"]
+    expected = reference_tokens(jobs)
+    for job, result in zip(jobs, results, strict=True):
+        assert result.tokens == expected[job.request_id]
+
+
+@pytest.mark.slow
+async def test_a_stopped_main_outliving_its_supervisor_never_shares_its_arena(
+    nats_server, tmp_path, seed
+) -> None:
+    """SIGSTOP the main mid-generation, SIGKILL the supervisor, let the cluster start it again, then
+    SIGCONT the old main. The main dies with its supervisor (SIGKILL, which a stopped process does
+    not ignore, unlike the SIGTERM it got before), the new supervisor's workers get the arena only
+    once it is dead, and every request ends token-exact. Mutation check: with SIGTERM as the death
+    signal and no holder check in the KV server, the woken main and the new one share the arena."""
+    rng = random.Random(seed)
+    async with shadowed(nats_server, tmp_path) as cluster:
+        pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
+        jobs = [make_job(rng, f"orphan-{i}", max_tokens=300) for i in range(3)]
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        await poll(lambda: busy_requests(cluster.client, 0, 200))
+        kill(pids["main"], signal.SIGSTOP)
+        old_supervisor = cluster.pid_of("shadow-supervisor")
+        kill(old_supervisor)
+        await poll(lambda: restarted_server(cluster, "shadow-supervisor", old_supervisor), timeout_s=60)
+        with contextlib.suppress(ProcessLookupError):
+            kill(pids["main"], signal.SIGCONT)
+        fresh = await poll(lambda: shadow_ready(cluster, "e0", {pids["main"], pids["shadow"]}), timeout_s=120)
+        main_gone = not alive(pids["main"]) and not alive(pids["shadow"])
+        results = await asyncio.gather(*running)
+
+    assert main_gone
+    assert fresh["main"] not in (pids["main"], pids["shadow"])
     expected = reference_tokens(jobs)
     for job, result in zip(jobs, results, strict=True):
         assert result.tokens == expected[job.request_id]

@@ -13,17 +13,21 @@ import asyncio
 import dataclasses
 import random
 
+import pytest
+
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import (
     AttachRequest,
     GenerateEnd,
     GenerateRequest,
+    LogTakeover,
     RequestResumed,
     RouterStarted,
     SamplingParams,
     TokenChunk,
 )
 from tests.metrics.scrape import Moved, Scrape, assert_moved_exactly, metrics_port, scrape, wrong
+from tests.rollout.test_router_fencing import subject_records
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import EventLog, Job, busy_requests, kill, poll, reference_tokens, running_cluster
 
@@ -91,9 +95,14 @@ async def test_worker_sigkill_moves_router_counters_by_exactly_the_fault(nats_se
     assert all(r.tokens == expected[j.request_id] for j, r in zip(jobs, results, strict=True))
 
 
-async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp_path) -> None:
-    """A client that had N tokens re-attaches to the restarted router at N; the new router rebuilt
-    L <= N from the token log, so it produces positions L..N-1 again: regenerated == N - L."""
+@pytest.mark.parametrize("worker_too", [False, True], ids=["router", "router-and-worker"])
+async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp_path, worker_too) -> None:
+    """A client that had N tokens re-attaches to the restarted router at N.
+
+    With the worker alive the new router adopts what it holds, W >= N tokens: nothing is generated
+    again, and the positions past the log's L are new to it. With the worker killed as well, the
+    new router rebuilt L <= N from the token log, so it produces positions L..N-1 again:
+    regenerated == N - L."""
     job = dataclasses.replace(long_jobs(random.Random(7), 1, 380, at_least=200)[0], request_id="restart-1")
     async with running_cluster(nats_server, tmp_path, engines=1, chunk_tokens=16) as cluster:
         nc = cluster.client.nc
@@ -125,6 +134,8 @@ async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp
         await bus.request(nc, cluster.client.subjects.router_generate, request, 5.0)
         await poll(lambda: received(40))
         old_router = cluster.pid_of("router")
+        if worker_too:
+            kill(cluster.pid_of("worker-e0"))
         kill(old_router)
         await asyncio.sleep(0.5)  # chunks already in flight land; the dead router sends no more
         had = len(tokens)
@@ -137,10 +148,16 @@ async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp
         await bus.request(nc, cluster.client.subjects.router_attach, attach, 5.0)
         await asyncio.wait_for(ended.wait(), 60)
         after = await scrape(port)
+        records = await subject_records(nc.jetstream(), cluster.client.subjects)
 
-    rebuilt = next(e for e in resumed.events if isinstance(e, RequestResumed)).from_position
-    assert rebuilt <= had and rebuilt % 16 == 0, (rebuilt, had)
+    logged = next(r for _, r in records[job.request_id] if isinstance(r, LogTakeover)).position
+    carried = next(e for e in resumed.events if isinstance(e, RequestResumed))
     assert restart.resumed_requests == 1
+    if worker_too:
+        assert carried.reason == "resume" and carried.from_position == logged
+        assert logged <= had and logged % 16 == 0, (logged, had)
+    else:
+        assert carried.reason == "adopt" and carried.from_position >= had, (carried, had)
     assert [tokens[i] for i in range(len(tokens))] == reference_tokens([job])[job.request_id]
     assert_moved_exactly(
         Scrape({}),  # a new process: its counters started at zero
@@ -148,8 +165,8 @@ async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp
         [
             Moved.of("belayer_router_resumes_total", 1, cause="router-restart"),
             Moved.of("belayer_router_resumes_total", 1),
-            Moved.of("belayer_router_tokens_regenerated_total", had - rebuilt),
-            Moved.of("belayer_router_tokens_generated_total", len(tokens) - rebuilt),
+            Moved.of("belayer_router_tokens_regenerated_total", had - logged if worker_too else 0),
+            Moved.of("belayer_router_tokens_generated_total", len(tokens) - logged),
             Moved.of(NEXT_TOKEN, 1, cause="router-restart"),
         ],
     )

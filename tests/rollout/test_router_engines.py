@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from belayer_rl.services.router.lease import Lease, lease_bucket
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import RouterConfig
@@ -22,7 +23,8 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
         kv = await bus.declare_jetstream(js, Subjects())
         config = RouterConfig(nats_url=nats_server.url)
         runtime = Runtime("test-router", config)
-        router = Router(config, nc, js, kv, runtime.spawn, runtime.record_skipped)
+        lease = Lease(await lease_bucket(js, Subjects(), 1), config.lease_ttl_s)
+        router = Router(config, nc, js, kv, lease, runtime.spawn, runtime.record_skipped)
         epoch, _ = await registry.install_worker(kv, "e0", os.getpid())
         installed = []
         router.dispatch_waiting = lambda: installed.append(router.engines["e0"])  # type: ignore[method-assign]

@@ -1,6 +1,6 @@
 """SIGKILL (or a SIGTERM drain) of the router mid-stream: the supervisor restarts it, it rebuilds
-the in-flight requests from the JetStream token log and resumes them; clients re-attach and see one
-exact stream. A drained router stops intake and flushes its log, and leaves its requests to the
+the in-flight requests from the JetStream token log, and adopts from the workers the sequences they
+still run, so no token is generated again; clients re-attach and see one exact stream. A drained router stops intake and flushes its log, and leaves its requests to the
 successor the same way."""
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ async def test_router_stopped_midstream_resumes_token_exact(nats_server, tmp_pat
         resumes = [e for e in resumed.events if isinstance(e, RequestResumed) and e.request_id == request_id]
         if not resumes:
             continue  # it finished before the router died
-        regenerated = had - resumes[0].from_position
-        assert regenerated <= K, f"{request_id}: resumed at {resumes[0].from_position}, had {had}"
-        assert resumes[0].from_position % K == 0  # resumed from whole logged chunks
+        # The workers lived: the new router adopted what they held, and nothing was generated again.
+        assert resumes[0].reason == "adopt", resumes[0]
+        assert resumes[0].from_position >= had, (
+            f"{request_id}: adopted at {resumes[0].from_position}, had {had}"
+        )

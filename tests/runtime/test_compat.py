@@ -7,7 +7,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from belayer_rl.services.checkpointer.store import Store
+import pytest
+
+from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store, decode_manifest
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import Dispatch, GenerateRequest, SamplingParams
@@ -77,11 +79,13 @@ def test_a_version_2_request_still_decodes() -> None:
     assert request.sampling == protocol.SamplingParams(seed=3, temperature=0.5, min_tokens=0)
 
 
-def test_a_checkpoint_manifest_written_by_the_previous_version_loads(tmp_path) -> None:
+def test_a_checkpoint_manifest_written_by_the_first_version_decodes_but_is_refused(tmp_path) -> None:
     folder = tmp_path / "ck-0001"
     folder.mkdir()
     shutil.copy(FIXTURES / "manifest_v1.json", folder / "manifest.json")
-    manifest = Store(tmp_path).load(folder)
+    manifest = decode_manifest((folder / "manifest.json").read_bytes(), folder.name)
+    with pytest.raises(CorruptCheckpoint, match="not authenticated"):  # it has no MAC: never restored
+        Store(tmp_path, b"k" * 32).load(folder)
 
     assert (manifest.trajectory, manifest.incarnation, manifest.k) == ("traj-old", 2, 7)
     assert manifest.spec.image == "belayer-sandbox:test" and manifest.spec.cap_add == ["CHOWN"]

@@ -1,0 +1,249 @@
+"""The router lease: at most one router acts at a time, and one that lost the lease is fenced.
+
+The lease is one key in a JetStream KV bucket; its value names the holder's incarnation. The
+holder renews it every ttl/3 by compare-and-set on the key's revision. A router that wants it
+watches the revision: one that stands still for a whole TTL, timed on the watcher's own clock, is a
+lease that expired, and the watcher takes it by compare-and-set under incarnation + 1. No two
+routers read each other's clocks, so only clock *rates* must agree, not their times.
+
+The holder may act only until `sent + ttl`, where `sent` is when it sent its last renewal that the
+store acknowledged: a successor waits a full TTL after it *saw* that revision, so the two windows
+never overlap. A router stopped past its lease (SIGSTOP, a long pause) therefore finds on waking
+that it may not act; its next renewal fails the compare-and-set and it steps down for good.
+
+That is the router's own discipline. The fence that holds whatever the old router does is
+elsewhere: its incarnation rides on every dispatch and cancel (workers refuse a lower one) and the
+successor claims every running request's log subject with a LogTakeover record, so the store
+refuses the predecessor's appends (services/router/token_log.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from belayer_rl.shared import protocol
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.protocol import RouterLease
+from belayer_rl.shared.subjects import Subjects
+
+log = logging.getLogger("belayer.router.lease")
+
+KEY = "lease"
+_lease_decoder = protocol.decoder_for(RouterLease)
+_STORE_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError)
+
+
+class LeaseLost(RuntimeError):
+    """Another router took the lease: this one must stop acting, for good."""
+
+
+async def lease_bucket(js: JetStreamContext, names: Subjects, replicas: int) -> KeyValue:
+    """The lease bucket, created (file storage, one value per key) when it does not exist yet."""
+    try:
+        return await js.key_value(names.router_lease_bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=names.router_lease_bucket, history=1, storage=StorageType.FILE, replicas=replicas
+            )
+        )
+
+
+async def lease_holder(js: JetStreamContext, names: Subjects) -> RouterLease | None:
+    """The lease's current value (its holder, which may have stopped), or None when there is none
+    or it does not decode. For operators, tests and benchmarks."""
+    try:
+        entry = await (await js.key_value(names.router_lease_bucket)).get(KEY)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    try:
+        return protocol.decode(_lease_decoder, entry.value or b"")
+    except protocol.BadMessage:
+        return None
+
+
+class Lease:
+    def __init__(self, kv: KeyValue, ttl_s: float) -> None:
+        self.kv = kv
+        self.ttl_s = ttl_s
+        self.incarnation = 0  # 0 until acquired
+        self.revision = 0  # of the key's value this router wrote last
+        self.valid_until = 0.0  # monotonic: the end of the window in which this router may act
+        self.lost = asyncio.Event()
+        self.released = False  # handed back at a drain: never renewed again
+
+    def held(self) -> bool:
+        """Whether this router may act now: it holds the lease and its window has not run out."""
+        return not self.lost.is_set() and time.monotonic() < self.valid_until
+
+    def check(self) -> None:
+        """Raise ServiceError("not-leader") unless the router may act now."""
+        if not self.held():
+            why = "lost its lease to another router" if self.lost.is_set() else "has no lease in force"
+            raise ServiceError("not-leader", f"this router (incarnation {self.incarnation}) {why}")
+
+    def _value(self, incarnation: int, *, released: bool = False) -> bytes:
+        lease = RouterLease(
+            incarnation=incarnation,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            ttl_s=self.ttl_s,
+            released=released,
+        )
+        return protocol.encode(lease)
+
+    async def acquire(self) -> None:
+        """Wait until the lease is free or expired, then take it. A router that starts while
+        another one leads waits here: a warm standby."""
+        seen: tuple[int, float] | None = None  # (revision, monotonic time first seen)
+        waiting_logged = False
+        while True:
+            try:
+                entry = await self.kv.get(KEY)
+            except nats.js.errors.KeyNotFoundError:
+                entry = None
+            except _STORE_ERRORS as exc:
+                log.info("lease unreadable (%s); asking again", exc)
+                await asyncio.sleep(self.ttl_s / 4)
+                continue
+            now = time.monotonic()
+            if entry is None or entry.value is None or entry.revision is None:
+                if await self._take(1, 0, now):
+                    return
+                continue
+            if seen is None or seen[0] != entry.revision:
+                seen = (entry.revision, now)
+            holder = self._decode(entry.value, entry.revision)
+            if holder is not None and not holder.released and now - seen[1] < self.ttl_s:
+                if not waiting_logged:
+                    log.info(
+                        "router %d on %s holds the lease (incarnation %d): standing by",
+                        holder.pid, holder.host, holder.incarnation,
+                    )  # fmt: skip
+                    waiting_logged = True
+                await asyncio.sleep(self.ttl_s / 8)
+                continue
+            # Expired, released, or unreadable (which nobody could be renewing): take it over.
+            if holder is None:
+                log.warning("taking over a lease that does not decode (revision %d)", entry.revision)
+            incarnation = (holder.incarnation if holder is not None else entry.revision) + 1
+            if await self._take(incarnation, entry.revision, now):
+                return
+            seen = None
+
+    def _decode(self, value: bytes, revision: int) -> RouterLease | None:
+        try:
+            return protocol.decode(_lease_decoder, value)
+        except protocol.BadMessage as exc:
+            log.error("the lease at revision %d does not decode (%s)", revision, exc)
+            return None
+
+    async def _take(self, incarnation: int, last: int, sent: float) -> bool:
+        try:
+            if last == 0:
+                self.revision = await self.kv.create(KEY, self._value(incarnation))
+            else:
+                self.revision = await self.kv.update(KEY, self._value(incarnation), last=last)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+            return False  # another router was faster: watch its lease instead
+        except _STORE_ERRORS as exc:
+            log.info("taking the lease failed (%s); trying again", exc)
+            return False
+        self.incarnation = incarnation
+        self.valid_until = sent + self.ttl_s
+        log.info("took the router lease: incarnation %d", incarnation)
+        return True
+
+    async def renew(self) -> None:
+        """Renew every ttl/3 until another router takes the lease, or a worker or the log says a
+        later incarnation exists (`lost`); then raise LeaseLost (an essential task: the router
+        stops)."""
+        unconfirmed: float | None = None  # when the oldest renewal with no answer yet was sent
+        delay = self.ttl_s / 3
+        while not self.released:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.lost.wait(), delay)
+            if self.lost.is_set():
+                log.error("router incarnation %d was fenced by a later one: stepping down", self.incarnation)
+                raise LeaseLost(f"incarnation {self.incarnation} was fenced")
+            if self.released:
+                return
+            sent = time.monotonic()
+            delay = self.ttl_s / 3
+            try:
+                # Waiting past the window would not help: a renewal answered after it is moot.
+                async with asyncio.timeout(max(self.ttl_s / 3, self.valid_until - sent)):
+                    self.revision = await self.kv.update(
+                        KEY, self._value(self.incarnation), last=self.revision
+                    )
+            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError) as exc:
+                ours = await self._own_write_landed()
+                if ours is None:  # the key is unreadable now: ask again at once
+                    delay = 0.05
+                    continue
+                if ours:  # an earlier renewal landed whose answer was lost: it counts from its sending
+                    if unconfirmed is not None:
+                        self._extend(unconfirmed)
+                    unconfirmed, delay = None, 0.0
+                    continue
+                self.lost.set()
+                log.error("router incarnation %d lost its lease (%s): stepping down", self.incarnation, exc)
+                raise LeaseLost(f"incarnation {self.incarnation} lost the router lease") from exc
+            except _STORE_ERRORS as exc:
+                # Not known to be renewed: the window runs out on its own, and a retry may still
+                # succeed if nobody took over in the meantime.
+                unconfirmed = sent if unconfirmed is None else unconfirmed
+                log.warning("lease renewal failed (%s); %.2fs left", exc, self.valid_until - time.monotonic())
+                delay = 0.05
+                continue
+            unconfirmed = None
+            self._extend(sent)
+
+    def _extend(self, sent: float) -> None:
+        """A renewal sent at `sent` landed: a standby saw its revision no earlier, so it waits a
+        whole TTL from then at least."""
+        if not self.released:
+            self.valid_until = max(self.valid_until, sent + self.ttl_s)
+
+    async def _own_write_landed(self) -> bool | None:
+        """Whether the key's current value is this router's own (a renewal that was applied but
+        whose acknowledgement never came); if so, renew from its revision. None: unreadable."""
+        try:
+            entry = await self.kv.get(KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return False
+        except _STORE_ERRORS:
+            return None
+        if entry.value is None or entry.revision is None:
+            return False
+        holder = self._decode(entry.value, entry.revision)
+        if holder is None or holder.incarnation != self.incarnation or holder.pid != os.getpid():
+            return False
+        self.revision = entry.revision
+        return True
+
+    async def release(self) -> None:
+        """Hand the lease back at a drain, once the log is flushed: a standby takes it at once
+        instead of after a TTL. This router acts no more."""
+        self.released = True
+        self.valid_until = 0.0
+        if self.lost.is_set() or self.incarnation == 0:
+            return
+        try:
+            async with asyncio.timeout(self.ttl_s):
+                await self.kv.update(KEY, self._value(self.incarnation, released=True), last=self.revision)
+        except (*_STORE_ERRORS, nats.js.errors.KeyWrongLastSequenceError) as exc:
+            log.info("lease not released (%s): it expires on its own", exc)
+            return
+        log.info("released the router lease (incarnation %d)", self.incarnation)
