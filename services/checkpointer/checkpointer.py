@@ -35,13 +35,15 @@ from belayer_rl.services.checkpointer.sandbox import (
     Engine,
     EnvironmentFailure,
     SandboxPolicy,
+    container_name,
     dump_in_flight,
     host_memory_mb,
+    host_trouble,
 )
-from belayer_rl.services.checkpointer.store import CorruptCheckpoint, Store
+from belayer_rl.services.checkpointer.store import TRAJECTORY, CorruptCheckpoint, Store, checkpoint_key
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.config import CheckpointerConfig
+from belayer_rl.shared.config import CheckpointerConfig, ConfigError
 from belayer_rl.shared.metrics import CheckpointerMetrics, Metrics
 from belayer_rl.shared.protocol import (
     Ack,
@@ -95,7 +97,15 @@ class Checkpointer:
         self.engine = engine
         self.nc = nc
         self.kv = kv
-        self.store = Store(config.state_dir / "checkpoints")
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        try:  # a key file named by the operator must exist: a new key would disown every checkpoint
+            key = checkpoint_key(
+                config.checkpoint_key or config.state_dir / "checkpoint.key",
+                create=config.checkpoint_key is None,
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--checkpoint-key: {exc}") from None
+        self.store = Store(config.state_dir / "checkpoints", key)
         self.records_dir = config.state_dir / "sandboxes"
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.sandboxes: dict[str, Sandbox] = {}
@@ -131,8 +141,11 @@ class Checkpointer:
     def save(self, sb: Sandbox) -> None:
         path = self.records_dir / f"{sb.record.sandbox}.json"
         tmp = path.with_suffix(".part")
-        tmp.write_bytes(msgspec.json.encode(sb.record))
-        tmp.replace(path)
+        try:
+            tmp.write_bytes(msgspec.json.encode(sb.record))
+            tmp.replace(path)
+        except OSError as exc:
+            raise host_trouble(exc) or exc from None
 
     def get(self, sandbox: str) -> Sandbox:
         sb = self.sandboxes.get(sandbox)
@@ -185,10 +198,46 @@ class Checkpointer:
             except PoisonedRecord as poisoned:  # which checkpoint it named is unknown: keep them all
                 await self.skipped(poisoned)
                 continue
-            for stored in self.store.ready(trajectory):
-                if current is None or stored.manifest.order > pointer.order(current):
-                    log.info("removing checkpoint %s: never pointed at", stored.path.name)
-                    self.store.remove(stored.path)
+            try:
+                await self.rebuild_pointer(trajectory, current)
+            except Exception:  # the bus, say: this trajectory keeps its pointer; the others go on
+                log.exception("trajectory %s: pointer not rebuilt", trajectory)
+
+    async def rebuild_pointer(self, trajectory: str, current: PrefixPointer | None) -> PrefixPointer | None:
+        """Move the trajectory's pointer to its newest checkpoint here that is ahead of `current`
+        and verifies against its authenticated manifest; return the pointer then in effect.
+
+        A checkpoint ahead of the pointer was sealed and published, but its pointer update was
+        lost: a crash between publish and advance, or a broker that lost, purged or never had the
+        pointer. It is a whole checkpoint of one action boundary (E_k with its own L_k), so
+        adopting it keeps the trajectory prefix-consistent, and nothing is deleted for want of
+        metadata. Checkpoints that do not verify are left for the restore that meets them."""
+        newer = [
+            s for s in await asyncio.to_thread(self.store.ready, trajectory)
+            if s.manifest.trajectory == trajectory
+            and (current is None or s.manifest.order > pointer.order(current))
+        ]  # fmt: skip
+        for stored in newer:
+            try:
+                manifest = await asyncio.to_thread(self.store.verify, stored.path)
+            except (CorruptCheckpoint, OSError) as exc:
+                log.warning("trajectory %s: not adopting %s: %s", trajectory, stored.path.name, exc)
+                continue
+            # The host that took it: a folder copied or fetched from elsewhere keeps its origin, so
+            # a restore here still counts as a move (a new incarnation).
+            adopted = PrefixPointer(
+                trajectory=trajectory, host_id=manifest.host_id, sandbox=manifest.sandbox,
+                checkpoint_id=manifest.checkpoint_id, incarnation=manifest.incarnation, k=manifest.k,
+                context_digest=manifest.context_digest, context_len=manifest.context_len,
+            )  # fmt: skip
+            moved, now = await pointer.advance(self.kv, adopted)
+            if moved:
+                log.warning(
+                    "trajectory %s: pointer %s rebuilt from checkpoint %s %s",
+                    trajectory, current and pointer.order(current), manifest.checkpoint_id, manifest.order,
+                )  # fmt: skip
+            return now
+        return current
 
     async def watch(self) -> None:
         """Report sandboxes that die or hit OOM between actions as soon as the engine says so;
@@ -265,6 +314,8 @@ class Checkpointer:
                 if sb.record.container_id:
                     with contextlib.suppress(aiodocker.DockerError):
                         await self.engine.remove(sb.record.container_id)
+                if (trouble := host_trouble(exc)) is not None:
+                    raise trouble from None
                 code = "no-image" if not sb.record.image_id else "create-failed"
                 detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
                 raise ServiceError(code, f"sandbox {name} from {req.spec.image!r}: {detail}") from None
@@ -300,8 +351,15 @@ class Checkpointer:
 
     async def on_destroy(self, req: SandboxDestroy) -> Ack:
         sb = self.get(req.sandbox)
-        sb.record.state = "destroyed"  # an action running now ends as "destroyed", not as a failure
-        await self.engine.remove(sb.record.container_id)
+        was, sb.record.state = sb.record.state, "destroyed"  # a running action ends as "destroyed"
+        # By id, and by name: a restore whose cleanup met an unreachable daemon left its container.
+        try:
+            for container in (sb.record.container_id, container_name(self.config.host_id, sb.record.sandbox)):
+                if container:
+                    await self.engine.remove(container)
+        except aiodocker.DockerError as exc:
+            sb.record.state = was  # not destroyed: the caller may ask again
+            raise host_trouble(exc) or exc from None
         async with sb.fifo:
             self.save(sb)
             (self.records_dir / f"{sb.record.sandbox}.json").unlink(missing_ok=True)
@@ -384,6 +442,8 @@ class Checkpointer:
 
     async def on_restore(self, req: SandboxRestore) -> RestoreResult:
         current, _ = await pointer.read(self.kv, req.trajectory)
+        if current is None:  # lost by the broker? this host's checkpoints may still name it
+            current = await self.rebuild_pointer(req.trajectory, None)
         if current is None:
             raise ServiceError("no-checkpoint", f"trajectory {req.trajectory} has no prefix pointer")
         here = self.store.trajectory_dir(req.trajectory) / current.checkpoint_id
@@ -396,7 +456,10 @@ class Checkpointer:
                     f" folder checkpoints/{req.trajectory} of that host's store into this one's",
                 )  # fmt: skip
             try:
-                await objects.download(self.objects, self.store, req.trajectory, current.checkpoint_id)
+                await objects.download(
+                    self.objects, self.store, req.trajectory, current.checkpoint_id,
+                    max_bytes=int(self.config.max_download_gb * (1 << 30)),
+                )  # fmt: skip
             except (nats.js.errors.Error, CorruptCheckpoint, layer.HostileLayer, OSError) as exc:
                 raise ServiceError("wrong-host", f"{why}, and fetching it failed: {exc}") from None
             store = "object-store"
@@ -431,12 +494,12 @@ class Checkpointer:
         return result
 
     def base_record(self, trajectory: str, current: PrefixPointer) -> SandboxRecord:
-        """The sandbox's settings for a restore here: from the trajectory's record, else from the
-        pointed checkpoint's manifest (a folder that came from another host)."""
-        path = self.store.trajectory_dir(trajectory) / "trajectory.json"
+        """The sandbox's settings for a restore here: from the trajectory's signed record, else from
+        the pointed checkpoint's authenticated manifest (a folder that came from another host)."""
+        path = self.store.trajectory_dir(trajectory) / TRAJECTORY
         try:
-            base = msgspec.json.decode(path.read_bytes(), type=SandboxRecord)
-        except (OSError, msgspec.DecodeError):
+            base = msgspec.json.decode(self.store.read_signed(path), type=SandboxRecord)
+        except (CorruptCheckpoint, msgspec.DecodeError):
             try:
                 manifest = self.store.load(self.store.trajectory_dir(trajectory) / current.checkpoint_id)
             except CorruptCheckpoint as exc:

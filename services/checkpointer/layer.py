@@ -1,8 +1,10 @@
 """A container's writable layer (the overlay upper dir) as a tar archive, and its safe installation.
 
 Archiving runs GNU tar over the upper dir while the container is frozen: numeric owners, overlay
-opaque-dir xattrs, whiteouts (character devices 0/0) as they are. Installing never trusts the
-archive: `check` reads every member first and rejects the archive whole when any entry could write
+opaque-dir xattrs, whiteouts (character devices 0/0) as they are, sparse files as sparse (PAX
+sparse 1.0: only their data regions are stored, and only those are written back).
+
+Installing never trusts the archive: `check` reads every member first and rejects the archive whole when any entry could write
 outside the new layer (absolute paths, `..`, a path through a symlink, a symlink whose relative
 target climbs above the root, a hardlink to anything but an earlier regular file of the archive,
 device nodes other than whiteouts, duplicates), or that does not end as a tar archive ends (cut
@@ -27,6 +29,7 @@ OPAQUE_XATTR = "trusted.overlay.opaque"
 PAX_OPAQUE = "SCHILY.xattr." + OPAQUE_XATTR
 MAX_MEMBERS = 1_000_000
 COPY_CHUNK = 1 << 20
+FS_BLOCK = 4096
 
 
 class HostileLayer(ValueError):
@@ -42,7 +45,7 @@ def archive(upper_dir: Path, out: Path) -> int:
         result = subprocess.run(
             [
                 "tar", "--create", "--file=-", "--format=posix", "--numeric-owner",
-                "--xattrs", f"--xattrs-include={OPAQUE_XATTR}",
+                "--xattrs", f"--xattrs-include={OPAQUE_XATTR}", "--sparse",
                 f"--directory={upper_dir}", ".",
             ],
             stdout=f, stderr=subprocess.PIPE, check=False,
@@ -133,7 +136,7 @@ def check(archive_path: Path, max_bytes: int | None = None) -> list[Entry]:
                 elif not (member.isreg() or member.isdir() or member.isfifo()):
                     raise HostileLayer(f"unsupported entry type {member.type!r} for {member.name!r}")
                 if member.isreg():
-                    total += member.size
+                    total += _data_bytes(member)
                     if max_bytes is not None and total > max_bytes:
                         raise HostileLayer(f"the layer holds more than {max_bytes} bytes")
                 seen[parts] = member
@@ -142,6 +145,20 @@ def check(archive_path: Path, max_bytes: int | None = None) -> list[Entry]:
     except tarfile.TarError as exc:
         raise HostileLayer(f"not a readable tar archive: {exc}") from None
     return entries
+
+
+def _data_bytes(member: tarfile.TarInfo) -> int:
+    """What the file takes on disk once installed: for a sparse one, its data regions, each counted
+    in whole blocks (a map of one-byte regions still allocates a block for each)."""
+    if member.sparse is None:
+        return member.size
+    end, total = 0, 0
+    for offset, size in member.sparse:
+        if offset < end or size < 0 or offset + size > member.size:
+            raise HostileLayer(f"sparse file {member.name!r} has an overlapping or outlying region")
+        end = offset + size
+        total += -(-size // FS_BLOCK) * FS_BLOCK
+    return total
 
 
 def _check_end(archive_path: Path, end: int) -> None:
@@ -234,10 +251,18 @@ def _write_file(tar: tarfile.TarFile, m: tarfile.TarInfo, parent: int, name: str
     try:
         source = tar.extractfile(m)
         assert source is not None
-        while chunk := source.read(COPY_CHUNK):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
+        # A sparse file gets only its data regions written, its holes stay holes; `check` has
+        # made sure the regions are ordered and inside the file.
+        for offset, size in m.sparse if m.sparse is not None else [(0, m.size)]:
+            source.seek(offset)
+            while size > 0 and (chunk := source.read(min(size, COPY_CHUNK))):
+                size -= len(chunk)
+                view = memoryview(chunk)
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    offset += written
+                    view = view[written:]
+        os.ftruncate(fd, m.size)
         os.fchown(fd, m.uid, m.gid)
         os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears setuid bits
         os.utime(fd, (m.mtime, m.mtime))

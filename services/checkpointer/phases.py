@@ -1,13 +1,15 @@
 """full_checkpoint and full_restore: the phases, on a sandbox record whose FIFO the caller holds.
 
 Checkpoint: freeze (docker pause) -> archive the writable layer -> CRIU dump, leaving the processes
-running -> unfreeze -> seal (checksums, manifest, fsync) -> publish (rename) -> advance (pointer
-compare-and-set). A failure or crash before "advance" leaves the previous pointer in effect; a
-folder published but never pointed at is deleted when the checkpointer starts.
+running -> unfreeze -> seal (checksums, signed manifest, fsync) -> publish (rename) -> advance
+(pointer compare-and-set). A failure or crash before "publish" leaves the previous pointer in
+effect; a folder published whose pointer update was lost is whole, and the checkpointer adopts it
+when it starts (checkpointer.py, rebuild_pointer).
 
 Restore: the pointed-at checkpoint, else older ready ones, newest first, else the base image. Each
 candidate is verified against its manifest and its layer checked before anything is created; a
-rejected one is deleted and named in the result. Falling back starts a new incarnation.
+rejected one is named in the result and deleted, unless its only fault is a MAC this host cannot
+match (another key). Falling back starts a new incarnation.
 
 The phases get the host's parts they use (a Host) and the sandbox's record, which they update as
 they go; they raise EnvironmentFailure for a sandbox whose environment failed. Saving the record,
@@ -24,7 +26,7 @@ import secrets
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiodocker
@@ -33,15 +35,17 @@ from nats.js.kv import KeyValue
 
 from belayer_rl.services.checkpointer import layer, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
-from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, SandboxPolicy
+from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, SandboxPolicy, host_trouble
 from belayer_rl.services.checkpointer.store import (
     CONTEXT,
     CRIU,
     LAYER,
+    TRAJECTORY,
     Context,
     CorruptCheckpoint,
     Manifest,
     Store,
+    Unauthenticated,
 )
 from belayer_rl.services.checkpointer.store import digest_context as digest
 from belayer_rl.shared.bus import ServiceError
@@ -69,6 +73,14 @@ class Host:
     max_layer_bytes: int  # a layer archive holding more is refused at restore
     policy: SandboxPolicy  # what a sandbox may ask for here
     crash_at: str = ""  # chaos testing: SIGKILL this process when a checkpoint reaches this phase
+    # Checkpoint id -> restores of it that failed in a row for no proven reason (see full_restore).
+    failed_restores: dict[str, tuple[int, float]] = field(default_factory=dict)  # (failures, first at)
+
+
+# A checkpoint whose restores fail for no proven reason is rejected once they failed this many
+# times in a row over at least this long: a burst of failures within seconds (the host busy
+# with something else) condemns nothing.
+RESTORE_TRIES, RESTORE_REJECT_AFTER_S = 3, 30.0
 
 
 async def fresh_container(host: Host, record: SandboxRecord, image: str) -> str:
@@ -196,8 +208,16 @@ async def _checkpoint_phases(
             await asyncio.to_thread(host.store.remove, path)
             raise ServiceError("checkpoint-failed", f"pointer not advanced: {exc}") from None
         moved = True
+    if not moved and now is not None and now.checkpoint_id == checkpoint_id:
+        moved = True  # a restart's or a restore's rebuild adopted this very checkpoint meanwhile
     if not moved:
         await asyncio.to_thread(host.store.remove, path)
+        if pointer.conflict(new, now):
+            assert now is not None
+            raise ServiceError(
+                "conflict", f"checkpoint {pointer.order(new)} of {req.trajectory} was taken first by host"
+                f" {now.host_id} ({now.checkpoint_id}); this one is discarded",
+            )  # fmt: skip
         raise ServiceError("stale", f"pointer moved to {now and pointer.order(now)} meanwhile")
     return CheckpointResult(
         trajectory=req.trajectory, sandbox=r.sandbox, checkpoint_id=checkpoint_id, incarnation=incarnation,
@@ -207,15 +227,14 @@ async def _checkpoint_phases(
 
 
 def write_trajectory_spec(store: Store, trajectory: str, record: SandboxRecord) -> None:
-    """What a restore from the base image needs even when every checkpoint is unusable."""
+    """What a restore from the base image needs even when every checkpoint is unusable; signed,
+    since it names the image and settings of a container this host would create."""
     folder = store.trajectory_dir(trajectory)
     folder.mkdir(parents=True, exist_ok=True)
     base = msgspec.structs.replace(
         record, container_id="", step=0, state="running", trajectory="", incarnation=-1, oom_seen=0
     )
-    tmp = folder / "trajectory.json.part"
-    tmp.write_bytes(msgspec.json.encode(base))
-    tmp.replace(folder / "trajectory.json")
+    store.write_signed(folder / TRAJECTORY, msgspec.json.encode(base))
 
 
 # ---------------------------------------------------------------- full_restore
@@ -230,20 +249,38 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
         try:
             chosen = await restore_from(host, r, stored)
             break
-        except (
-            CorruptCheckpoint,
-            layer.HostileLayer,
-            EnvironmentFailure,
-            aiodocker.DockerError,
-            OSError,
-        ) as exc:
+        except (CorruptCheckpoint, layer.HostileLayer) as exc:  # its content is proven bad: garbage
             reason = f"{stored.name}: {type(exc).__name__}: {exc}"
             log.warning("restore of %s: rejected %s", current.trajectory, reason)
             rejected.append(reason)
+            if not isinstance(exc, Unauthenticated):  # another host's key, perhaps: not garbage
+                await asyncio.to_thread(host.store.remove, stored)
+        except (EnvironmentFailure, aiodocker.DockerError, OSError) as exc:
+            # Nothing proves the checkpoint bad (a daemon shutting down answers errors like these):
+            # keep it, and fail this restore rather than fall back past acknowledged work. Only
+            # when it fails every time, for a while, is it taken as bad, and an older one tried.
+            if (trouble := host_trouble(exc)) is not None:
+                raise trouble from None
+            failures, first_at = host.failed_restores.get(stored.name, (0, time.monotonic()))
+            failures += 1
+            reason = f"{stored.name}: {type(exc).__name__}: {exc}"
+            if failures < RESTORE_TRIES or time.monotonic() - first_at < RESTORE_REJECT_AFTER_S:
+                host.failed_restores[stored.name] = (failures, first_at)
+                raise ServiceError(
+                    "restore-failed", f"{reason} (failure {failures}; the checkpoint is kept)"
+                ) from None
+            host.failed_restores.pop(stored.name, None)
+            log.warning("restore of %s: rejected %s, failed %d times", current.trajectory, reason, failures)
+            rejected.append(f"{reason} ({failures} times)")
             await asyncio.to_thread(host.store.remove, stored)
+    if chosen is not None:
+        host.failed_restores.pop(chosen[0].checkpoint_id, None)
     if chosen is None:  # the base image, from the start
-        await fresh_container(host, r, r.image_id)
-        await host.engine.start(r.container_id)
+        try:
+            await fresh_container(host, r, r.image_id)
+            await host.engine.start(r.container_id)
+        except aiodocker.DockerError as exc:
+            raise host_trouble(exc) or ServiceError("create-failed", f"base image: {exc.message}") from None
         manifest, context = None, Context()
     else:
         manifest, context = chosen
@@ -254,10 +291,13 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
         if manifest.checkpoint_id == current.checkpoint_id
         else "previous"
     )
-    incarnation = current.incarnation if source == "latest" else current.incarnation + 1
+    # Falling back, or moving the trajectory to this host, starts a new incarnation: whatever the
+    # old one does next (a host that comes back, a dead branch) orders below what this one does.
+    stays = source == "latest" and current.host_id == host.host_id
+    incarnation = current.incarnation if stays else current.incarnation + 1
     k = manifest.k if manifest is not None else 0
     checkpoint_id = manifest.checkpoint_id if manifest is not None else ""
-    if source != "latest" or current.host_id != host.host_id:  # fell back, or moved here
+    if not stays:
         new = msgspec.structs.replace(
             current, incarnation=incarnation, k=k, checkpoint_id=checkpoint_id, host_id=host.host_id,
             context_digest=digest(context), context_len=len(context.tokens),
@@ -294,6 +334,8 @@ async def restore_from(host: Host, r: SandboxRecord, path: Path) -> tuple[Manife
     try:
         await host.engine.image_id(manifest.image_id)
     except aiodocker.DockerError as exc:  # not the artifact's fault: stop, keep it, say what is missing
+        if (trouble := host_trouble(exc)) is not None:
+            raise trouble from None
         raise ServiceError(
             "no-image",
             f"image {manifest.spec.image} ({manifest.image_id[:19]}) is not on this host: {exc.message}",

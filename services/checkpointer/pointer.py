@@ -2,7 +2,9 @@
 
 A pointer names a trajectory's latest ready checkpoint. It advances only to a strictly greater
 (incarnation, k), and only by an update conditioned on the revision that was read, so two
-checkpointers (or a checkpoint racing a restore) can never move it backwards.
+checkpointers (or a checkpoint racing a restore) can never move it backwards. Two checkpoints of
+equal (incarnation, k) are a conflict: the first to land wins and the other is told. A restore that
+moves a trajectory to another host therefore starts a new incarnation rather than rewriting the host.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ HISTORY = 8  # kept per trajectory, for `nats kv history` when debugging
 MAX_BYTES = 1 << 30  # bounded: a full bucket fails checkpoints loudly rather than dropping pointers
 
 
-async def declare(js: JetStreamContext, names: Subjects) -> KeyValue:
+async def declare(js: JetStreamContext, names: Subjects, replicas: int = 1) -> KeyValue:
     try:
         return await js.key_value(names.prefix_pointer_bucket)
     except nats.js.errors.BucketNotFoundError:
@@ -32,6 +34,7 @@ async def declare(js: JetStreamContext, names: Subjects) -> KeyValue:
                 history=HISTORY,
                 storage=StorageType.FILE,
                 max_bytes=MAX_BYTES,
+                replicas=replicas,
             )
         )
 
@@ -56,14 +59,12 @@ async def read(kv: KeyValue, trajectory: str) -> tuple[PrefixPointer | None, int
 
 
 async def advance(kv: KeyValue, new: PrefixPointer) -> tuple[bool, PrefixPointer | None]:
-    """Move the pointer to `new` if that is strictly ahead, or the same checkpoint moved to another
-    host; (moved, the pointer now in effect)."""
+    """Move the pointer to `new` if that is strictly ahead; (moved, the pointer now in effect). Not
+    moved with an equal order in effect: `conflict` tells whether that is another checkpoint."""
     for _ in range(MAX_CAS_TRIES):
         current, revision = await read(kv, new.trajectory)
-        if current is not None and (
-            order(current) > order(new) or (order(current) == order(new) and current.host_id == new.host_id)
-        ):
-            return False, current  # behind, or already there (the same order may only move hosts)
+        if current is not None and order(current) >= order(new):
+            return False, current
         value = protocol.encode(new)
         try:
             if revision == 0:
@@ -76,6 +77,11 @@ async def advance(kv: KeyValue, new: PrefixPointer) -> tuple[bool, PrefixPointer
     raise RuntimeError(
         f"trajectory {new.trajectory}: prefix pointer compare-and-set lost {MAX_CAS_TRIES} times"
     )
+
+
+def conflict(new: PrefixPointer, now: PrefixPointer | None) -> bool:
+    """Whether `now`, in effect instead of `new`, is another checkpoint at the same (incarnation, k)."""
+    return now is not None and order(now) == order(new) and now.checkpoint_id != new.checkpoint_id
 
 
 async def delete(kv: KeyValue, trajectory: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ import aiodocker
 import aiohttp
 import msgspec
 
+from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailureReason, SandboxSpec
 
 log = logging.getLogger("belayer.checkpointer")
@@ -58,6 +60,31 @@ exit "$rc"
 OUTPUT_CAP = 256 << 10  # bytes kept per stream; MAX_MESSAGE_BYTES bounds the whole reply
 EXEC_GRACE_S = 10.0  # past timeout + grace, the wrapper itself is presumed stuck
 SWEEP_GRACE_S = 1.0  # past timeout + this, the host kills what the action started
+FREEZE_TRIES = 4  # runc's freeze can time out under load; see `pause`
+FREEZE_RETRY_S = 0.2
+
+
+DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect to
+UNREACHABLE_TEXT = "Cannot connect to Docker Engine"  # aiodocker's message for that status
+NO_SPACE_TEXT = "No space left on device"  # strerror(ENOSPC), as it appears in gathered errors
+
+
+def host_trouble(exc: BaseException) -> ServiceError | None:
+    """The error to answer when `exc` is this host's trouble rather than the sandbox's or a
+    checkpoint's: Docker out of reach or a full disk. Both pass; the caller may ask again."""
+    if isinstance(exc, aiodocker.DockerError) and exc.status == DOCKER_UNREACHABLE:
+        return ServiceError("daemon-unavailable", exc.message)
+    if (
+        isinstance(exc, EnvironmentFailure)
+        and exc.reason == "daemon-error"
+        and UNREACHABLE_TEXT in exc.detail
+    ):
+        return ServiceError("daemon-unavailable", exc.detail)
+    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    # shutil.copytree gathers its failures into one shutil.Error; the daemon reports its own disk
+    if full or (isinstance(exc, (shutil.Error, aiodocker.DockerError)) and NO_SPACE_TEXT in str(exc)):
+        return ServiceError("store-full", f"a disk of this host is full: {exc}")
+    return None
 
 
 class EnvironmentFailure(Exception):
@@ -308,8 +335,23 @@ class Engine:
                 raise
 
     async def pause(self, container_id: str) -> None:
-        async with self.docker._query(f"containers/{container_id}/pause", method="POST"):
-            pass
+        """Freeze the container. runc gives up when the cgroup's tasks do not settle within its
+        own deadline ("unable to freeze"), which many sandboxes busy at once can cause; it thaws
+        the cgroup again before it answers, so asking again is safe."""
+        for attempt in range(FREEZE_TRIES):
+            try:
+                async with self.docker._query(f"containers/{container_id}/pause", method="POST"):
+                    return
+            except aiodocker.DockerError as exc:
+                if "unable to freeze" not in exc.message or attempt == FREEZE_TRIES - 1:
+                    raise
+                log.warning(
+                    "freezing %s failed (try %d), trying again: %s",
+                    container_id[:12],
+                    attempt + 1,
+                    exc.message,
+                )
+                await asyncio.sleep(FREEZE_RETRY_S * 2**attempt)
 
     async def unpause(self, container_id: str) -> None:
         async with self.docker._query(f"containers/{container_id}/unpause", method="POST"):

@@ -58,14 +58,15 @@ def router(checkpointer: Checkpointer) -> Callable[[SandboxRequest, str], Awaita
 async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
     nc = await rt.connect()
     kv = await bus.with_retries(
-        "declare prefix pointers", lambda: pointer.declare(nc.jetstream(), rt.subjects)
+        "declare prefix pointers", lambda: pointer.declare(nc.jetstream(), rt.subjects, config.replicas)
     )
     engine = await Engine.connect(config.docker_url)
     rt.on_close(engine.close)
     checkpointer = Checkpointer(config, engine, nc, kv, rt.record_skipped, CheckpointerMetrics(rt.metrics))
     if config.object_store:
         checkpointer.objects = await bus.with_retries(
-            "declare checkpoint object store", lambda: objects.declare(nc.jetstream(), rt.subjects)
+            "declare checkpoint object store",
+            lambda: objects.declare(nc.jetstream(), rt.subjects, config.replicas),
         )
     rt.on_close(checkpointer.close)
     await checkpointer.reconcile()

@@ -2,6 +2,7 @@
 
     <root>/<trajectory>/<checkpoint id>/
         manifest.json   sizes and sha256 of every other file, the create settings, L_k's digest
+        manifest.mac    HMAC-SHA256 of manifest.json's bytes
         layer.tar       the writable layer (see layer.py)
         context.json    L_k: the context tokens or a reference
         criu/           CRIU images as the engine wrote them
@@ -9,6 +10,15 @@
 A checkpoint is written under `.tmp-<id>`, fsynced, and renamed into place; anything whose name
 starts with `.tmp-` is half-written and never read. A folder is self-contained and can be moved
 to another host. The manifest is checked against every file before any of it is used.
+
+The manifest is authenticated: manifest.mac holds an HMAC-SHA256, with a key that only
+checkpointers hold, of manifest.json's exact bytes, which name every file's size and checksum (the
+CRIU images among them), the container settings, L_k's digest, the checkpoint's id and its
+trajectory. A manifest whose MAC does not match is not even decoded, so a folder forged into a
+store, one whose settings were edited, or one moved under another name is never restored. It is
+not deleted for that either: a host given the wrong key must not destroy good checkpoints. The
+trajectory's own record (trajectory.json, the settings of a restart from the base image) is signed
+the same way.
 Knows nothing about Docker or NATS.
 """
 
@@ -16,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import os
+import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,17 +38,26 @@ import msgspec
 
 from belayer_rl.shared.protocol import CheckpointId, SandboxSpec
 
-FORMAT = "belayer-checkpoint/1"
+FORMAT = "belayer-checkpoint/2"  # /1 had no MAC: decoded, never trusted
 TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
+MAC_SUFFIX = ".mac"  # beside each signed file: manifest.mac, trajectory.mac
+MANIFEST_MAC = "manifest.mac"
+TRAJECTORY = "trajectory.json"
+MAX_SIGNED_BYTES = 16 << 20  # a signed file is read whole to check its MAC: bounded first
 LAYER = "layer.tar"
 CONTEXT = "context.json"
 CRIU = "criu"
 HASH_CHUNK = 1 << 20
+KEY_BYTES = 32
 
 
 class CorruptCheckpoint(ValueError):
     """The folder does not match its manifest (missing, extra, resized or altered files)."""
+
+
+class Unauthenticated(CorruptCheckpoint):
+    """Not signed with this store's key: a forgery, an edit, or another key. Never used; kept."""
 
 
 class FileSum(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,6 +121,46 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def checkpoint_key(path: Path, *, create: bool) -> bytes:
+    """The key that authenticates manifests, read from `path` (hex); with `create`, made there
+    (mode 0600, whole or not at all) when the file does not exist. Every checkpointer that restores
+    another's checkpoints needs the same key."""
+    if create and not path.exists():
+        tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(KEY_BYTES) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        with contextlib.suppress(FileExistsError):  # another process made one first: use that
+            os.link(tmp, path)
+        tmp.unlink()
+    text = path.read_text().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"checkpoint key {path}: not hex") from None
+    if len(key) < KEY_BYTES:
+        raise ValueError(f"checkpoint key {path}: {len(key)} bytes, needs at least {KEY_BYTES}")
+    return key
+
+
+def decode_manifest(data: bytes, name: str) -> Manifest:
+    """The manifest as written, names pattern-checked, not yet authenticated."""
+    try:
+        return msgspec.json.decode(data, type=Manifest)
+    except msgspec.DecodeError as exc:
+        raise CorruptCheckpoint(f"{name}: unreadable manifest: {exc}") from None
+
+
+def mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).hexdigest().encode()
+
+
+def mac_path(path: Path) -> Path:
+    return path.with_suffix(MAC_SUFFIX)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -113,8 +174,9 @@ def _files(folder: Path) -> list[Path]:
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, key: bytes) -> None:
         self.root = root
+        self.key = key  # authenticates manifests: see the module's docstring
         root.mkdir(parents=True, exist_ok=True)
 
     def trajectory_dir(self, trajectory: str) -> Path:
@@ -145,12 +207,7 @@ class Store:
             finally:
                 os.close(fd)
         manifest = msgspec.structs.replace(draft, files=sums, created_at=time.time())
-        tmp = staging / (MANIFEST + ".part")
-        with tmp.open("wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(manifest)))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.rename(staging / MANIFEST)
+        self.write_signed(staging / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest)))
         for folder in sorted({p.parent for p in _files(staging)} | {staging}, key=lambda p: -len(p.parts)):
             _fsync_dir(folder)
         return manifest
@@ -162,21 +219,53 @@ class Store:
         _fsync_dir(final.parent)
         return final
 
+    def write_signed(self, path: Path, data: bytes) -> None:
+        """Write `data` to `path` and its MAC beside it, each fsynced and renamed into place."""
+        for target, body in ((path, data), (mac_path(path), mac(self.key, data))):
+            tmp = target.with_name(target.name + ".part")
+            with tmp.open("wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(target)
+
+    def read_signed(self, path: Path) -> bytes:
+        """The bytes of `path`, once the MAC beside it proves a holder of this store's key wrote them."""
+        try:
+            if path.stat().st_size > MAX_SIGNED_BYTES:
+                raise CorruptCheckpoint(f"{path.name} is larger than {MAX_SIGNED_BYTES} bytes")
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CorruptCheckpoint(f"{path.parent.name}: unreadable {path.name}: {exc}") from None
+        try:
+            tag = mac_path(path).read_bytes()
+        except OSError as exc:  # an earlier format had none
+            raise Unauthenticated(f"{path.parent.name}: {path.name} is not authenticated: {exc}") from None
+        if not hmac.compare_digest(tag.strip(), mac(self.key, data)):
+            raise Unauthenticated(f"{path.parent.name}: {path.name} is not authenticated by this store's key")
+        return data
+
     # ------------------------------------------------------------ read
 
     def load(self, path: Path) -> Manifest:
-        try:
-            return msgspec.json.decode((path / MANIFEST).read_bytes(), type=Manifest)
-        except (OSError, msgspec.DecodeError) as exc:
-            raise CorruptCheckpoint(f"{path.name}: unreadable manifest: {exc}") from None
+        """The folder's manifest, once its MAC proves a checkpointer holding our key wrote it for
+        this folder: this checkpoint id, in this trajectory's folder."""
+        manifest = decode_manifest(self.read_signed(path / MANIFEST), path.name)
+        if manifest.format != FORMAT:
+            raise CorruptCheckpoint(f"{path.name}: format {manifest.format!r}, not {FORMAT!r}")
+        name, trajectory = path.name.removeprefix(TMP_PREFIX), path.parent.name
+        if (manifest.checkpoint_id, manifest.trajectory) != (name, trajectory):
+            raise CorruptCheckpoint(
+                f"{trajectory}/{name}: holds checkpoint {manifest.checkpoint_id} of {manifest.trajectory}"
+            )
+        return manifest
 
     def verify(self, path: Path) -> Manifest:
-        """The manifest, once every file matches it (no file missing, extra, resized or altered)."""
+        """The authenticated manifest, once every file matches it (no file missing, extra, resized or
+        altered): the layer, L_k and each CRIU image are checked before any is used."""
         manifest = self.load(path)
-        if manifest.format != FORMAT:
-            raise CorruptCheckpoint(f"{path.name}: unknown format {manifest.format!r}")
         listed = {f.path: f for f in manifest.files}
-        present = {str(p.relative_to(path)) for p in _files(path)} - {MANIFEST}
+        present = {str(p.relative_to(path)) for p in _files(path)} - {MANIFEST, MANIFEST_MAC}
         if present != set(listed):
             raise CorruptCheckpoint(
                 f"{path.name}: files differ from the manifest: {sorted(present ^ set(listed))[:5]}"
@@ -203,8 +292,8 @@ class Store:
             raise CorruptCheckpoint(f"{path.name}: unreadable context: {exc}") from None
 
     def ready(self, trajectory: str) -> list[Stored]:
-        """Published checkpoints of the trajectory whose manifest reads, newest (incarnation, k) first.
-        Full verification is left to the restore that uses one."""
+        """Published checkpoints of the trajectory, newest (incarnation, k) first; one whose manifest
+        does not read or is not authenticated comes last. Full verification is left to the restore that uses one."""
         folder = self.trajectory_dir(trajectory)
         if not folder.is_dir():
             return []
@@ -277,10 +366,18 @@ class Store:
         for stored in candidates:
             if used <= budget_bytes:
                 break
-            used -= stored.manifest.bytes
+            used -= _folder_bytes(stored.path)  # the manifest's count, unless it is unreadable
             self.remove(stored.path)
             removed.append(stored.path)
         return removed
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for path in _files(folder):
+        with contextlib.suppress(OSError):
+            total += path.lstat().st_size
+    return total
 
 
 def _unreadable(name: str) -> Manifest:

@@ -11,7 +11,14 @@ from pathlib import Path
 import aiodocker
 import msgspec
 
-from belayer_rl.services.checkpointer.store import MANIFEST, FileSum, Manifest, sha256_file
+from belayer_rl.services.checkpointer.store import (
+    MANIFEST,
+    FileSum,
+    Manifest,
+    Store,
+    checkpoint_key,
+    sha256_file,
+)
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.protocol import SandboxEvent
 from belayer_rl.shared.subjects import Subjects
@@ -31,18 +38,20 @@ def checkpoint_dir(state_dir: Path, trajectory: str, checkpoint_id: str) -> Path
     return state_dir / "checkpoints" / trajectory / checkpoint_id
 
 
-def reseal(folder: Path) -> None:
-    """Rewrite the manifest's checksums to match the folder: a tampered artifact that the checksums
-    alone would not catch."""
+def reseal(folder: Path, key_file: Path) -> None:
+    """Rewrite the manifest's checksums to match the folder and sign it with the checkpointer's own
+    key: a tampered artifact that neither the checksums nor the MAC would catch (an attacker who
+    holds the key), left to the layer's own checks."""
     manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=Manifest)
     files = [
         FileSum(path=f.path, size=(folder / f.path).stat().st_size, sha256=sha256_file(folder / f.path))
         for f in manifest.files
     ]
-    (folder / MANIFEST).write_bytes(msgspec.json.encode(msgspec.structs.replace(manifest, files=files)))
+    store = Store(folder.parent.parent, checkpoint_key(key_file, create=False))
+    store.write_signed(folder / MANIFEST, msgspec.json.encode(msgspec.structs.replace(manifest, files=files)))
 
 
-def replace_layer(folder: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
+def replace_layer(folder: Path, members: list[tuple[tarfile.TarInfo, bytes | None]], key_file: Path) -> None:
     import io
 
     with tarfile.open(folder / "layer.tar", "w", format=tarfile.PAX_FORMAT) as tar:
@@ -52,7 +61,7 @@ def replace_layer(folder: Path, members: list[tuple[tarfile.TarInfo, bytes | Non
                 tar.addfile(info, io.BytesIO(data))
             else:
                 tar.addfile(info)
-    reseal(folder)
+    reseal(folder, key_file)
 
 
 @contextlib.asynccontextmanager

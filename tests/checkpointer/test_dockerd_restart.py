@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import signal
-import subprocess
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiodocker
 import pytest
 
+from belayer_rl.cli.chaos import OwnDockerd
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.shared import bus
@@ -26,51 +23,8 @@ from .conftest import Service, remove_host_containers
 from .test_recovery import SEEN
 
 
-class OwnDockerd:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.url = f"unix://{root}/docker.sock"
-        self.process: subprocess.Popen | None = None
-        (root / "daemon.json").write_text("{}\n")
-
-    def start(self) -> None:
-        argv = [
-            "dockerd", "--experimental", "--config-file", str(self.root / "daemon.json"),
-            "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "x"),
-            "--pidfile", str(self.root / "dockerd.pid"), "--host", self.url,
-            "--bridge", "none", "--iptables=false", "--ip-masq=false",
-            "--containerd-namespace", "belayer-test", "--containerd-plugins-namespace", "belayer-test-plugins",
-        ]  # fmt: skip
-        with (self.root / "dockerd.log").open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-
-    async def ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            docker = aiodocker.Docker(url=self.url)
-            try:
-                await docker.system.info()
-                return
-            except Exception:
-                if time.monotonic() > deadline or (self.process and self.process.poll() is not None):
-                    log = (self.root / "dockerd.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"own dockerd did not come up:\n{log}") from None
-                await asyncio.sleep(0.2)
-            finally:
-                await docker.close()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 @pytest.fixture
-async def own_dockerd(docker_env: str) -> AsyncIterator[OwnDockerd]:
+async def own_dockerd(docker_env: str, tmp_path: Path) -> AsyncIterator[OwnDockerd]:
     root = Path(tempfile.mkdtemp(prefix="bd-", dir="/tmp"))  # short: socket paths are limited
     daemon = OwnDockerd(root)
     daemon.start()
@@ -83,11 +37,7 @@ async def own_dockerd(docker_env: str) -> AsyncIterator[OwnDockerd]:
             await docker.close()
         yield daemon
     finally:
-        daemon.stop()
-        await asyncio.to_thread(
-            subprocess.run, ["umount", "-R", "-l", str(root / "data")], capture_output=True, check=False
-        )
-        shutil.rmtree(root, ignore_errors=True)
+        daemon.remove(keep_log=tmp_path / "dockerd.log")
 
 
 async def test_dockerd_restart_between_checkpoint_and_restore(
@@ -109,9 +59,7 @@ async def test_dockerd_restart_between_checkpoint_and_restore(
         first = await client.checkpoint("r", "traj-r", k=1, context_tokens=[3, 1, 4])
         await client.exec("r", "echo two > /two")
 
-        own_dockerd.stop()
-        own_dockerd.start()
-        await own_dockerd.ready()
+        await own_dockerd.restart()
 
         with pytest.raises(ServiceError) as failed:
             await client.exec("r", "echo hi")
@@ -127,6 +75,42 @@ async def test_dockerd_restart_between_checkpoint_and_restore(
         assert lines[0] == "one" and "No such file" in lines[1]
         before, after = map(int, lines[2].split())
         assert after > before > 0
+    finally:
+        await nc.close()
+        svc.stop()
+        with contextlib.suppress(Exception):
+            await remove_host_containers(svc.host_id, own_dockerd.url)
+
+
+async def test_a_restore_while_dockerd_is_down_keeps_the_checkpoint(
+    own_dockerd: OwnDockerd, nats_url: str, tmp_path: Path
+) -> None:
+    """A restore that cannot reach Docker says so (daemon-unavailable) and deletes nothing; once
+    Docker is back, the same checkpoint restores. Mutation check, run by hand: treating the
+    daemon's error as the checkpoint's fault (the earlier code) deletes it, and the second restore
+    starts from the base image."""
+    svc = Service(
+        nats_url, "tdockerdown", tmp_path / "state", tmp_path / "checkpointer.log", docker_url=own_dockerd.url
+    )
+    svc.start()
+    nc = await bus.connect(nats_url, "test-client")
+    client = SandboxClient(nc, svc.host_id)
+    try:
+        await svc.ready(client)
+        await client.create(SandboxSpec(image=DEFAULT_IMAGE), sandbox="d")
+        await client.exec("d", "echo kept > /tmp/mark")
+        first = await client.checkpoint("d", "traj-d", k=1, context_tokens=[2, 7])
+        await asyncio.to_thread(own_dockerd.stop)
+        with pytest.raises(ServiceError) as refused:
+            await client.restore("traj-d")
+        assert refused.value.code == "daemon-unavailable", refused.value
+        own_dockerd.start()
+        await own_dockerd.ready()
+        restored = await client.restore("traj-d")
+        assert (restored.source, restored.checkpoint_id, restored.k, restored.context_tokens) == (
+            "latest", first.checkpoint_id, 1, [2, 7],
+        )  # fmt: skip
+        assert (await client.exec("d", "cat /tmp/mark")).stdout.strip() == "kept"
     finally:
         await nc.close()
         svc.stop()

@@ -137,3 +137,88 @@ def test_clean_layer_round_trip_keeps_whiteouts_links_modes_and_opaque_dirs(tmp_
     assert describe(target) == describe(upper)
     assert os.getxattr(target / "dir" / "sub", layer.OPAQUE_XATTR) == b"y"
     assert os.stat(target / "hard").st_ino == os.stat(target / "dir" / "file").st_ino
+
+
+def test_sparse_files_are_archived_and_installed_sparse(tmp_path: Path) -> None:
+    """A 1 GiB file with two small data regions: the archive holds the regions, not the holes, and
+    the installed file has the same bytes and size while taking a few blocks. Mutation: without
+    --sparse the archive is 1 GiB; writing every region as zeros gives a fully allocated file."""
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    big = upper / "big"
+    with big.open("wb") as f:
+        f.truncate(1 << 30)
+        f.seek(123_456_789)
+        f.write(b"middle")
+        f.seek((1 << 30) - 4)
+        f.write(b"tail")
+    archive = tmp_path / "layer.tar"
+    size = layer.archive(upper, archive)
+    assert size < 1 << 20
+
+    entries = layer.check(archive, max_bytes=1 << 20)  # counts data regions, not the apparent size
+    target = tmp_path / "installed"
+    target.mkdir()
+    layer.install(archive, entries, target)
+    installed = target / "big"
+    assert installed.stat().st_size == 1 << 30
+    assert installed.stat().st_blocks * 512 < 1 << 20
+    with installed.open("rb") as f:
+        f.seek(123_456_789 - 3)
+        assert f.read(9) == b"\0\0\0middle"
+        f.seek((1 << 30) - 6)
+        assert f.read() == b"\0\0tail"
+
+
+def test_a_sparse_map_reaching_outside_its_file_is_hostile(tmp_path: Path) -> None:
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    with (upper / "s").open("wb") as f:
+        f.truncate(1 << 20)
+        f.seek(4096 * 10)
+        f.write(b"x" * 4096)
+    archive = tmp_path / "layer.tar"
+    layer.archive(upper, archive)
+    data = archive.read_bytes()
+    assert data.count(b"GNU.sparse.realsize=1048576") == 1
+    # shrink the declared size below the data region: same length record, a region past the end
+    archive.write_bytes(data.replace(b"GNU.sparse.realsize=1048576", b"GNU.sparse.realsize=0000010"))
+    with pytest.raises(layer.HostileLayer, match="sparse"):
+        layer.check(archive)
+
+
+def test_an_empty_sparse_map_writes_nothing_and_counts_nothing_past_the_bound(tmp_path: Path) -> None:
+    """A 10 KiB archive whose member claims 50 MiB and an empty sparse map (GNU tar itself writes a
+    closing `(size, 0)` region; this map is edited to have none): installed as a hole, never as
+    50 MiB of zeros. Mutation check: with `m.sparse or [(0, m.size)]` the whole size is written."""
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    with (upper / "h").open("wb") as f:
+        f.truncate(50 << 20)
+    archive = tmp_path / "layer.tar"
+    layer.archive(upper, archive)
+    data = archive.read_bytes()
+    assert data.count(b"1\n52428800\n0\n") == 1  # the map: one region, empty, at the end
+    archive.write_bytes(data.replace(b"1\n52428800\n0\n", b"0\n" + b"\0" * 11))
+    entries = layer.check(archive, max_bytes=4096)
+    (member,) = [e.member for e in entries if e.parts == ("h",)]
+    assert member.sparse == []
+    target = tmp_path / "installed"
+    target.mkdir()
+    layer.install(archive, entries, target)
+    assert (target / "h").stat().st_size == 50 << 20
+    assert (target / "h").stat().st_blocks == 0
+
+
+def test_one_byte_regions_count_whole_blocks(tmp_path: Path) -> None:
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    with (upper / "dots").open("wb") as f:
+        for i in range(64):
+            f.seek(i * 65536)
+            f.write(b".")
+    archive = tmp_path / "layer.tar"
+    layer.archive(upper, archive)
+    layer.check(archive, max_bytes=64 * 4096)
+    with pytest.raises(layer.HostileLayer, match="more than"):
+        layer.check(archive, max_bytes=64 * 4096 - 1)

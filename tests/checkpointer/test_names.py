@@ -40,11 +40,11 @@ def manifest(checkpoint_id: str) -> bytes:
 
 @pytest.mark.parametrize("name", HOSTILE)
 def test_a_manifest_naming_a_path_is_corrupt(tmp_path: Path, name: str) -> None:
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", b"k" * 32)
     folder = tmp_path / "store" / "t" / "i0-k1-0a1b2c3d"
     folder.mkdir(parents=True)
-    (folder / MANIFEST).write_bytes(manifest("i0-k1-0a1b2c3d"))
+    store.write_signed(folder / MANIFEST, manifest("i0-k1-0a1b2c3d"))
     assert store.load(folder).checkpoint_id == "i0-k1-0a1b2c3d"
-    (folder / MANIFEST).write_bytes(manifest(name))
+    store.write_signed(folder / MANIFEST, manifest(name))  # signed, and still refused for its name
     with pytest.raises(CorruptCheckpoint):
         store.load(folder)

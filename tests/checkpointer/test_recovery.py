@@ -51,7 +51,9 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["flip-criu", "truncate-layer", "drop-manifest", "edit-context"])
+@pytest.mark.parametrize(
+    "damage", ["flip-criu", "truncate-layer", "drop-manifest", "edit-context", "edit-manifest"]
+)
 async def test_corrupt_newest_falls_back_to_previous(
     client: SandboxClient, service: Service, image: str, damage: str
 ) -> None:
@@ -63,10 +65,15 @@ async def test_corrupt_newest_falls_back_to_previous(
         os.truncate(folder / "layer.tar", (folder / "layer.tar").stat().st_size // 2)
     elif damage == "drop-manifest":
         (folder / "manifest.json").unlink()
-    else:
+    elif damage == "edit-context":
         (folder / "context.json").write_text('{"tokens":[9,9],"ref":""}')
+    else:  # the settings of the container to create, edited; the MAC no longer matches
+        manifest = (folder / "manifest.json").read_text()
+        assert manifest.count('"cap_add": []') == 1
+        (folder / "manifest.json").write_text(manifest.replace('"cap_add": []', '"cap_add": ["SYS_ADMIN"]'))
     async with events(service.nats_url) as seen:
         restored = await client.restore("traj-c")
+    assert folder.is_dir() == (damage == "edit-manifest")  # refused for its MAC only: kept
     assert (restored.source, restored.checkpoint_id, restored.k) == ("previous", first, 1)
     assert restored.incarnation == 1 and restored.context_tokens == [1]
     assert len(restored.rejected) == 1 and second in restored.rejected[0]
@@ -97,7 +104,11 @@ async def test_hostile_layer_rejected_and_clean_one_restores(
 ) -> None:
     first, second = await two_checkpoints(client, "h", "traj-h", image)
     folder = checkpoint_dir(service.state_dir, "traj-h", second)
-    replace_layer(folder, [(entry("two"), b"two\n"), *hostile_members(canary_dir)[variant]])
+    replace_layer(
+        folder,
+        [(entry("two"), b"two\n"), *hostile_members(canary_dir)[variant]],
+        service.state_dir / "checkpoint.key",
+    )
     restored = await client.restore("traj-h")
     assert (restored.source, restored.checkpoint_id) == ("previous", first)
     assert "HostileLayer" in restored.rejected[0]
@@ -132,12 +143,21 @@ async def test_checkpointer_killed_at_each_phase(
     # reconcile unfroze the container; nothing half-written is left
     alive = await client.exec("p", "cat /two")
     assert alive.stdout == "two\n"
-    leftovers = [p.name for p in (service.state_dir / "checkpoints" / "traj-p").iterdir()]
-    assert sorted(leftovers) == sorted([first.checkpoint_id, "trajectory.json"])
+    leftovers = sorted(p.name for p in (service.state_dir / "checkpoints" / "traj-p").iterdir())
     await kill_container(info.container_id)
     restored = await client.restore("traj-p")
-    assert (restored.source, restored.checkpoint_id, restored.k) == ("latest", first.checkpoint_id, 1)
-    await assert_restored_at_one(client, "p")
+    if phase != "advance":
+        assert leftovers == sorted([first.checkpoint_id, "trajectory.json", "trajectory.mac"])
+        assert (restored.source, restored.checkpoint_id, restored.k) == ("latest", first.checkpoint_id, 1)
+        await assert_restored_at_one(client, "p")
+        return
+    # Published whole, its pointer update lost with the process: the restart adopts it (E_2 with
+    # its own L_2), rather than deleting a ready checkpoint for want of metadata.
+    (adopted,) = set(leftovers) - {first.checkpoint_id, "trajectory.json", "trajectory.mac"}
+    assert len(leftovers) == 4
+    assert (restored.source, restored.checkpoint_id, restored.k) == ("latest", adopted, 2)
+    files = await client.exec("p", "cat /one /two", expect_step=2)
+    assert files.stdout == "one\ntwo\n"
 
 
 async def test_checkpointer_killed_mid_dump(client: SandboxClient, service: Service, image: str) -> None:
@@ -255,7 +275,8 @@ async def test_artifact_moves_to_another_host(
     await client.exec("mv", f"echo one > /one; {COUNTER}")
     first = await client.checkpoint("mv", "traj-mv", k=1, context_tokens=[7])
     await kill_container(info.container_id)  # the first host's sandbox is lost
-    other = Service(service.nats_url, "tother", tmp_path / "other-state", tmp_path / "other.log")
+    key = ["--checkpoint-key", str(service.state_dir / "checkpoint.key")]  # the hosts share one
+    other = Service(service.nats_url, "tother", tmp_path / "other-state", tmp_path / "other.log", extra=key)
     other.start()
     nc = await bus.connect(service.nats_url, "test-other")
     there = SandboxClient(nc, other.host_id)
@@ -273,6 +294,7 @@ async def test_artifact_moves_to_another_host(
             first.checkpoint_id,
             [7],
         )
+        assert restored.incarnation == first.incarnation + 1  # moving hosts starts a new incarnation
         await assert_restored_at_one(there, "mv")
         listing = await there.list()
         assert [(s.sandbox, s.state, s.step) for s in listing.sandboxes] == [("mv", "running", 3)]
@@ -291,14 +313,15 @@ async def test_checkpoint_travels_through_the_object_store(
 
     service.stop()
     service.start("--object-store")
+    key = ["--checkpoint-key", str(service.state_dir / "checkpoint.key")]  # the hosts share one
     other = Service(
-        service.nats_url, "tfar", tmp_path / "far-state", tmp_path / "far.log", extra=["--object-store"]
+        service.nats_url, "tfar", tmp_path / "far-state", tmp_path / "far.log", extra=["--object-store", *key]
     )
-    other.start()
     nc = await bus.connect(service.nats_url, "test-objects")
     here, there = SandboxClient(nc, service.host_id), SandboxClient(nc, other.host_id)
     try:
-        await service.ready(here)
+        await service.ready(here)  # it has made the key the other host is given
+        other.start()
         await other.ready(there)
         info = await here.create(SandboxSpec(image=image), sandbox="far")
         await here.exec("far", f"echo one > /one; {COUNTER}")
