@@ -5,7 +5,10 @@ Every figure is printed next to its baseline from the same run:
   straight to the worker (Dispatch to its subject, chunks to our inbox), alternated round by round;
 - recovery after a worker SIGKILL: time from the kill to each interrupted request's next token and
   tokens regenerated, vs restarting the request from its prompt (time to regain the same position);
-- recovery after a router SIGKILL: the same, with tokens regenerated bounded by k;
+- recovery after a router SIGKILL, `--router-kills` times (10): the active router, the lease holder,
+  is killed mid-decode and the warm standby takes its lease after the TTL and adopts what the
+  workers hold; p50/p95 of the time from the kill to each interrupted request's next new token and
+  of the tokens generated again, vs restarting from the prompt;
 - token-log cost: JetStream append time per token;
 - the metrics' own cost: the router's CPU time per token with its metrics on (the default) and off
   (`--metrics-port -1`): pairs of rounds of one fixed workload on the same cluster, the router
@@ -26,6 +29,7 @@ import time
 import timeit
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router import token_log
+from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import RouterConfig
@@ -72,6 +77,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     rollout.add_argument(
         "--metrics-batches", type=int, default=8, help="batches of --requests per metrics-cost round"
     )
+    rollout.add_argument("--router-kills", type=int, default=10, help="router SIGKILLs per preset")
+    rollout.add_argument(
+        "--lease-ttl", type=float, default=RouterConfig.lease_ttl_s, help="the router lease's TTL (s)"
+    )
     rollout.add_argument("--json", action="store_true", help="print one JSON object")
     rollout.set_defaults(run=run)
 
@@ -83,34 +92,51 @@ def run(args: argparse.Namespace) -> int:
 async def bench(args: argparse.Namespace) -> dict[str, object]:
     report: dict[str, object] = {"host_cpus": os.cpu_count(), "presets": {}}
     for n, preset in enumerate(args.presets.split(",")):
-        with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
-            # Workers started directly (no shadows): this measures the router's own recovery.
-            config = ClusterConfig(
-                state_dir=Path(state),
-                engines=2,
-                preset=preset,
-                chunk_tokens=args.chunk_tokens,
-                shadows=False,
-                sandboxes=False,
-            )
-            async with local_cluster(config) as supervisor:
-                client = await Client.connect(supervisor.target(), "bench")
-                async with client:
-                    await client.wait_for_engines(2, 300)
-                    figures = {
-                        "overhead": await overhead(client, args),
-                        "worker_kill": await recovery(client, supervisor, args, kill_router=False),
-                        "router_kill": await recovery(client, supervisor, args, kill_router=True),
-                        "token_log": await log_cost(client, args.chunk_tokens),
-                    }
-                    # The router's work per token does not depend on the model: measured once.
-                    if n == 0 and args.metrics_rounds > 0:
-                        report["metrics_cost"] = {
-                            "preset": preset,
-                            **await metrics_cost(client, supervisor, args),
-                        }
-        report["presets"][preset] = figures  # type: ignore[index]
+        # A warm standby router, as the production shape has it: a router kill is a failover.
+        async with bench_cluster(args, preset, standby_routers=1) as (supervisor, client):
+            report["presets"][preset] = {  # type: ignore[index]
+                "overhead": await overhead(client, args),
+                "worker_kill": summarise([await failover(client, supervisor, args, kill_router=False)]),
+                "router_kill": {
+                    "lease_ttl_s": args.lease_ttl,
+                    **summarise(
+                        [
+                            await failover(client, supervisor, args, kill_router=True)
+                            for _ in range(args.router_kills)
+                        ]
+                    ),
+                },
+                "token_log": await log_cost(client, args.chunk_tokens),
+            }
+        # The router's work per token does not depend on the model: measured once, on a cluster
+        # of one router, which the rounds restart with metrics on and off.
+        if n == 0 and args.metrics_rounds > 0:
+            async with bench_cluster(args, preset, standby_routers=0) as (supervisor, client):
+                report["metrics_cost"] = {"preset": preset, **await metrics_cost(client, supervisor, args)}
     return report
+
+
+@contextlib.asynccontextmanager
+async def bench_cluster(
+    args: argparse.Namespace, preset: str, *, standby_routers: int
+) -> AsyncIterator[tuple[Supervisor, Client]]:
+    """Two engines with workers started directly (no shadows): the router's own recovery."""
+    with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
+        config = ClusterConfig(
+            state_dir=Path(state),
+            engines=2,
+            preset=preset,
+            chunk_tokens=args.chunk_tokens,
+            shadows=False,
+            sandboxes=False,
+            standby_routers=standby_routers,
+            lease_ttl_s=args.lease_ttl,
+        )
+        async with local_cluster(config) as supervisor:
+            client = await Client.connect(supervisor.target(), "bench")
+            async with client:
+                await client.wait_for_engines(2, 300)
+                yield supervisor, client
 
 
 # ---------------------------------------------------------------- failure-free overhead
@@ -161,6 +187,7 @@ async def straight_to_worker(
     The router spreads requests over both engines, so this path splits them round robin."""
     status = await client.status()
     engines = [(e.engine_id, e.epoch) for e in status.engines if e.alive] or [(engine_id, epoch)]
+    incarnation = status.incarnation
     mine = {uuid.uuid4().hex for _ in range(n)}
     done = asyncio.Event()
     tokens = 0
@@ -194,6 +221,7 @@ async def straight_to_worker(
             max_tokens=args.max_tokens,
             sampling=SamplingParams(seed=i, temperature=0.8),
             reply_to=client.subjects.worker_stream(target),
+            incarnation=incarnation,  # the router's: workers refuse an older one
         )
         await bus.request(client.nc, client.subjects.worker_dispatch(target), dispatch, 5.0)
     await done.wait()
@@ -228,11 +256,31 @@ async def follow(
                 progress.set()
 
 
-async def recovery(
+STANDBY_WARM_S = 5.0  # a restarted router has connected and stands by after this long
+
+
+@dataclass
+class Failover:
+    interrupted: int  # requests in flight on what was killed
+    to_next_token_s: list[float]  # per interrupted request: kill -> the first token it had not had
+    regenerated: list[int]  # per resumed request: tokens the client had that were computed again
+    restart_s: float  # baseline: the same requests restarted from the prompt, to the same position
+    restart_tokens: int  # what that baseline computes again
+
+
+async def failover(
     client: Client, supervisor: Supervisor, args: argparse.Namespace, *, kill_router: bool
-) -> dict[str, object]:
-    """Kill the worker serving the first request (or the router) mid-decode; time the recovery."""
+) -> Failover:
+    """SIGKILL the worker serving the first request (or the active router) mid-decode; time the
+    recovery."""
     await client.wait_for_engines(2, 120)
+    # Every router up for a while: a router killed by the last round is back as the standby.
+    while any(  # noqa: ASYNC110 - the supervisor restarts children on its own
+        c.state != "running" or time.monotonic() - c.started_at < STANDBY_WARM_S
+        for name, c in supervisor.children.items()
+        if name.startswith("router")
+    ):
+        await asyncio.sleep(0.2)
     max_tokens = args.max_tokens * 4
     streams: dict[int, Stream] = {}
     seeds = range(1000, 1000 + args.requests)
@@ -250,7 +298,9 @@ async def recovery(
         if busy:
             break
     if kill_router:
-        victim_pid = supervisor.children["router"].pid
+        holder = await lease_holder(client.nc.jetstream(), client.subjects)
+        assert holder is not None and holder.incarnation == status.incarnation, (holder, status.incarnation)
+        victim_pid = holder.pid
         in_flight = {r.request_id for r in status.requests}
     else:
         engine_id = busy[0].engine_id
@@ -259,48 +309,62 @@ async def recovery(
     interrupted = {s for s, stream in streams.items() if stream.request_id in in_flight}
     had = {s: len(streams[s].tokens) for s in interrupted}
     resumed_from: dict[str, int] = {}  # request id -> position its first resume started from
+    seed_of = {streams[s].request_id: s for s in interrupted}
 
     async def on_resumed(event: protocol.RequestResumed) -> None:
-        resumed_from.setdefault(event.request_id, event.from_position)
+        if event.request_id in resumed_from:
+            return
+        resumed_from[event.request_id] = event.from_position
+        # What the client holds when its request is carried on is what it had: after a router
+        # kill the dead router's last chunks may still have been on their way, and no new router
+        # relays anything before it announced its requests.
+        if (s := seed_of.get(event.request_id)) is not None:
+            had[s] = len(streams[s].tokens)
 
-    sub = await bus.listen(
-        client.nc, client.subjects.event("request_resumed", "*"), protocol.RequestResumed, on_resumed
-    )
+    subs = [
+        await bus.listen(
+            client.nc, client.subjects.event("request_resumed", "*"), protocol.RequestResumed, on_resumed
+        )
+    ]
     killed_at = time.perf_counter()
     os.kill(victim_pid, signal.SIGKILL)
     await asyncio.gather(*running)
-    await sub.unsubscribe()
-    # Tokens the client had already seen that the resumed attempt had to compute again.
+    for sub in subs:
+        await sub.unsubscribe()
     regenerated = [
         max(0, had[s] - resumed_from[streams[s].request_id])
         for s in interrupted
         if streams[s].request_id in resumed_from
     ]
-
-    # Time from the kill to the first token computed by the resumed attempt.
+    # Time from the kill to the first token the client had not had (a request that ended with
+    # what it had by then has no next token).
     to_next_token = []
     for s in interrupted:
-        stream = streams[s]
-        start = resumed_from.get(stream.request_id)
-        after = [t for t, n in stream.positions if start is not None and n > start and t > killed_at]
+        after = [t for t, n in streams[s].positions if n > had[s] and t > killed_at]
         if after:
             to_next_token.append(after[0] - killed_at)
     # Baseline: the same interrupted requests restarted from the prompt; time to regain position.
     restart_streams: dict[int, Stream] = {}
     t0 = time.perf_counter()
     await asyncio.gather(*(follow(client, s, max(had[s], 1), restart_streams) for s in interrupted))
-    baseline = time.perf_counter() - t0
+    return Failover(len(interrupted), to_next_token, regenerated, time.perf_counter() - t0, sum(had.values()))
+
+
+def summarise(failovers: list[Failover]) -> dict[str, object]:
+    to_next = [t for f in failovers for t in f.to_next_token_s]
+    regenerated = [n for f in failovers for n in f.regenerated]
+    restart = statistics.median(f.restart_s for f in failovers)
     return {
-        "interrupted_requests": len(interrupted),
-        "time_to_next_token_s": summary(to_next_token),
+        "kills": len(failovers),
+        "interrupted_requests": sum(f.interrupted for f in failovers),
+        "time_to_next_token_s": summary(to_next),
         "resumed_requests": len(regenerated),
+        "tokens_regenerated": summary([float(n) for n in regenerated]),
         "tokens_regenerated_max": max(regenerated, default=None),
         "tokens_regenerated_total": sum(regenerated),
-        "restart_from_prompt_s": round(baseline, 3),
-        "restart_tokens_regenerated": sum(had.values()),
-        "speedup_vs_restart": round(baseline / statistics.median(to_next_token), 1)
-        if to_next_token
-        else None,
+        "restart_from_prompt_s": round(restart, 3),
+        "restart_tokens_regenerated": round(statistics.median(f.restart_tokens for f in failovers)),
+        "speedup_vs_restart": round(restart / statistics.median(to_next), 1) if to_next else None,
     }
 
 
@@ -310,6 +374,7 @@ def summary(values: list[float]) -> dict[str, float] | None:
     ordered = sorted(values)
     return {
         "p50": round(statistics.median(ordered), 4),
+        "p95": round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 4),
         "max": round(ordered[-1], 4),
         "n": len(ordered),
     }
@@ -323,11 +388,11 @@ async def log_cost(client: Client, k: int, chunks: int = 200) -> dict[str, float
     request_id = f"bench-{uuid.uuid4().hex[:12]}"
     tokens = list(range(k))
     t0 = time.perf_counter()
+    after = 0  # each append follows the last, as the router's do
     for i in range(chunks):
         chunk = LogChunk(request_id=request_id, index=i, position=i * k, tokens=tokens, attempt=1)
-        await token_log.append(js, client.subjects, chunk)
-    elapsed = time.perf_counter() - t0
-    await js.purge_stream(client.subjects.token_log_stream, subject=client.subjects.token_log(request_id))
+        after = await token_log.append(js, client.subjects, chunk, after, incarnation=0)
+    elapsed = time.perf_counter() - t0  # (the log denies purges: these records age out with the rest)
     return {
         "append_ms_per_chunk": round(1000 * elapsed / chunks, 3),
         "append_us_per_token": round(1e6 * elapsed / (chunks * k), 3),
@@ -387,10 +452,11 @@ async def measured_round(
     """Restart the router with `argv`, run one unmeasured batch, then `--metrics-batches` batches
     of `--requests` requests, reading the router's CPU time before and after. With metrics on,
     the round ends with one scrape, as Prometheus would, whose token count must be the client's.
-    The token log is emptied first (every request in it has ended), so each new router starts
-    from the same empty state: one rebuilt from a log that grows round by round would hold ever
-    more requests, and its garbage collector would take ever longer."""
-    await client.nc.jetstream().purge_stream(client.subjects.token_log_stream)
+    The token log is deleted first (every request in it has ended; it denies purges, not its own
+    deletion) and the new router declares it again, so each starts from the same empty state: one
+    rebuilt from a log that grows round by round would hold ever more requests, and its garbage
+    collector would take ever longer."""
+    await client.nc.jetstream().delete_stream(client.subjects.token_log_stream)
     pid = await restart_router(client, supervisor, argv)
     await routed_batch(client, args, args.requests)  # warm-up on the new router
     port = (await router_stats(client)).metrics_port  # 0: metrics off
@@ -489,10 +555,11 @@ def print_table(report: dict[str, object]) -> None:
         print(f"  router overhead       {o['overhead_pct']:>8}%  ({o['rounds']} alternated rounds each)")
         for name, f in (("worker kill", w), ("router kill", r)):
             print(
-                f"  {name}: next token {f['time_to_next_token_s']} s, regenerated max {f['tokens_regenerated_max']} per request;"
-                f" restart from prompt {f['restart_from_prompt_s']} s, regenerated"
+                f"  {name} x{f['kills']}: next new token {f['time_to_next_token_s']} s, regenerated per request"
+                f" {f['tokens_regenerated']}; restart from prompt {f['restart_from_prompt_s']} s, regenerated"
                 f" {f['restart_tokens_regenerated']}; ratio {f['speedup_vs_restart']}x"
             )
+        print(f"  (router lease TTL {r['lease_ttl_s']} s: the target for the next new token is TTL + 0.5 s)")
         print(
             f"  token log: {t['append_us_per_token']} us/token ({t['append_ms_per_chunk']} ms per {t['chunk_tokens']}-token chunk)"
         )

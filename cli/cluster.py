@@ -54,7 +54,7 @@ from belayer_rl.shared.processes import (
     stop_process,
 )
 from belayer_rl.shared.protocol import ProcessEvent, WorkerFailed
-from belayer_rl.shared.roles import Credentials
+from belayer_rl.shared.roles import CHECKPOINT_KEY_FILE, Credentials
 from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects
 
 log = logging.getLogger("belayer.cluster")
@@ -102,6 +102,14 @@ class ClusterConfig:
     nats_cert: Path | None = same_as(ServiceConfig, "nats_cert")
     nats_key: Path | None = same_as(ServiceConfig, "nats_key")
     chunk_tokens: int = same_as(RouterConfig, "chunk_tokens")
+    replicas: int = same_as(RouterConfig, "replicas")
+    log_max_mb: int = same_as(RouterConfig, "log_max_mb")
+    lease_ttl_s: float = same_as(RouterConfig, "lease_ttl_s")
+    progress_deadline_s: float = same_as(RouterConfig, "progress_deadline_s")
+    debug_accept_stale: bool = same_as(RouterConfig, "debug_accept_stale")
+    standby_routers: int = setting(
+        0, "routers started beside the active one, each waiting to take its lease when it expires"
+    )
     heartbeat_timeout_s: float = same_as(RouterConfig, "heartbeat_timeout_s")
     no_worker_deadline_s: float = same_as(RouterConfig, "no_worker_deadline_s")
     client_timeout_s: float = same_as(RouterConfig, "client_timeout_s")
@@ -112,10 +120,13 @@ class ClusterConfig:
     failure_window_s: float = same_as(ShadowSupervisorConfig, "failure_window_s")
     quarantine_after: int = same_as(ShadowSupervisorConfig, "quarantine_after")
     sandboxes: bool = setting(True, "start the checkpointer when a Docker engine answers")
+    docker_url: str | None = same_as(CheckpointerConfig, "docker_url")
 
     def __post_init__(self) -> None:
         if self.engines < 0:
             raise ConfigError(f"--engines must be >= 0, got {self.engines}")
+        if self.standby_routers < 0:
+            raise ConfigError(f"--standby-routers must be >= 0, got {self.standby_routers}")
         positive("--restart-backoff", self.restart_backoff_s)
         positive("--max-restart-backoff", self.max_restart_backoff_s)
 
@@ -197,10 +208,20 @@ class Supervisor:
             no_worker_deadline_s=c.no_worker_deadline_s,
             client_timeout_s=c.client_timeout_s,
             handover_grace_s=HANDOVER_GRACE_S if c.shadows else 0.0,
+            replicas=c.replicas,
+            log_max_mb=c.log_max_mb,
+            lease_ttl_s=c.lease_ttl_s,
+            progress_deadline_s=c.progress_deadline_s,
+            debug_accept_stale=c.debug_accept_stale,
         )
-        router_child = service("router", "belayer_rl.services.router", router)
+        # Started first, the first router takes the lease; every router is the same process, and
+        # whichever holds the lease acts (services/router/lease.py).
+        routers = [service("router", "belayer_rl.services.router", router)] + [
+            service(f"router-standby-{i}", "belayer_rl.services.router", router)
+            for i in range(1, c.standby_routers + 1)
+        ]
         workers = self.shadowed_workers() if c.shadows else [self.worker(f"e{i}") for i in range(c.engines)]
-        return [router_child, *workers, *self.sandbox_services()]
+        return [*routers, *workers, *self.sandbox_services()]
 
     @property
     def shm_prefix(self) -> str:
@@ -244,11 +265,18 @@ class Supervisor:
             return []
         from belayer_rl.services.checkpointer.probe import docker_unreachable
 
-        unreachable = docker_unreachable()
+        unreachable = docker_unreachable(c.docker_url)
         if unreachable is not None:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
             return []
-        checkpointer = CheckpointerConfig(**self.bus("checkpointer"), state_dir=c.state_dir / "checkpointer")
+        # The cluster's shared key when its credentials have one (older `belayer creds` made none);
+        # else the checkpointer makes its own in its state folder.
+        shared = self.creds_dir / CHECKPOINT_KEY_FILE if self.creds_dir is not None else None
+        key = shared if shared is not None and shared.exists() else None
+        checkpointer = CheckpointerConfig(
+            **self.bus("checkpointer"), state_dir=c.state_dir / "checkpointer", checkpoint_key=key,
+            replicas=c.replicas, docker_url=c.docker_url,
+        )  # fmt: skip
         return [
             service("checkpointer", "belayer_rl.services.checkpointer", checkpointer),
             service("policy", "belayer_rl.services.policy", PolicyConfig(**self.bus("policy"))),
@@ -321,11 +349,13 @@ class Supervisor:
             await self.spawn(child)
 
     async def stop(self) -> None:
-        """SIGTERM workers, then the router (so it can flush the log); SIGKILL past the grace."""
+        """SIGTERM workers, then standby routers (which must not take over the lease), then the
+        router (so it can flush the log); SIGKILL past the grace."""
         self.stopping = True
-        ordered = [c for c in self.children.values() if c.engine_id] + [
-            c for c in self.children.values() if not c.engine_id
-        ]
+        ordered = sorted(
+            self.children.values(),
+            key=lambda c: (c.engine_id is None, not c.name.startswith("router-standby-")),
+        )
         for child in ordered:
             if child.process is not None and child.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -672,12 +672,13 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     creds.set_defaults(run=cmd_creds)
 
-    from belayer_rl.cli import bench, demo
+    from belayer_rl.cli import bench, chaos, demo
     from belayer_rl.cli import policy as policy_cli
     from belayer_rl.cli import rollout as rollout_cli
     from belayer_rl.cli import train as train_cli
 
     demo.add_parser(commands)
+    chaos.add_parser(commands)
     policy_cli.add_parser(commands)
     rollout_cli.add_parser(commands)
     train_cli.add_parser(commands)

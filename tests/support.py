@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from belayer_rl.cli.chaos import Job, reference_tokens  # noqa: F401 - the tests take them from here
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
-from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
-from belayer_rl.shared import bus, protocol, tokenizer
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import start_nats_server
 from belayer_rl.shared.subjects import Subjects
@@ -69,35 +69,6 @@ async def running_cluster(nats: NatsServer, state_dir: Path, **options: object) 
             yield Cluster(supervisor, client, nats)
         finally:
             await client.nc.close()
-
-
-@dataclass(frozen=True)
-class Job:
-    request_id: str
-    prompt: str
-    max_tokens: int
-    seed: int
-    temperature: float = 0.8
-
-
-def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 0) -> dict[str, list[int]]:
-    """What an uninterrupted run produces: the engine in-process, all jobs in one batch."""
-    engine = Engine(EngineConfig(preset=preset, weights_seed=weights_seed))
-    for job in jobs:
-        spec = SeqSpec(
-            key=job.request_id,
-            prompt_tokens=tokenizer.encode(job.prompt),
-            prefix_tokens=[],
-            max_new_tokens=job.max_tokens,
-            seed=job.seed,
-            temperature=job.temperature,
-        )
-        engine.submit(spec)
-    out: dict[str, list[int]] = {job.request_id: [] for job in jobs}
-    while engine.has_work():
-        for event in engine.step():
-            out[str(event.key)].extend(event.new_tokens)
-    return out
 
 
 class EventLog:

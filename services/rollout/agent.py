@@ -61,6 +61,9 @@ from belayer_rl.shared.subjects import Subjects
 log = logging.getLogger("belayer.rollout")
 
 ENV_FAILURES = ("env-failure", "destroyed", "no-sandbox")  # the sandbox is gone: recover it
+# After the policy service failed to answer, the fallback decides at once for this long: waiting
+# out its timeout at every consult would let most responses end before any decision came.
+POLICY_RETRY_S = 5.0
 Status = Literal["done", "infra-error"]
 
 
@@ -181,6 +184,7 @@ class Trajectory:
     checkpoint_s: float = 0.0
     exposed_checkpoint_s: float = 0.0
     fallback_decisions: int = 0
+    policy_down_until: float = float("-inf")  # on this trajectory's clock: see POLICY_RETRY_S
     timeline: list[TimelineEntry] = field(default_factory=list)
     on_action: Callable[[Trajectory, int], None] | None = None  # the chaos hook: step about to run
 
@@ -373,9 +377,12 @@ class Trajectory:
             in_flight=self.checkpoint is not None,
             policy=self.settings.policy,
         )
+        if self.clock() < self.policy_down_until:
+            return await self.fallback(request, "the policy service did not answer a moment ago")
         try:
             return await self.services.policy.decide(request)
         except ServiceError as exc:
+            self.policy_down_until = self.clock() + POLICY_RETRY_S
             return await self.fallback(request, str(exc))
 
     async def fallback(self, request: PolicyDecide, why: str) -> PolicyDecision:

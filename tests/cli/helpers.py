@@ -203,6 +203,10 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
             trajectory="t2", sandbox="t2", host_id="h1", container_id="c0ffee", step=5, delay_s=0.12
         ),
     ),
+    "chaos_fault": (
+        "worker-kill",
+        protocol.ChaosFault(kind="worker-kill", target="e0 pid 4242", hits=3, at_s=12.5),
+    ),
     "trainer_step": (
         "run1",
         protocol.TrainerStep(

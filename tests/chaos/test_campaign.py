@@ -1,0 +1,103 @@
+"""The fault campaign (`belayer chaos`) and its oracle.
+
+The campaign test runs 200 seeded faults of every kind but one (see CI_KINDS) against a cluster
+like `belayer up`'s while generations and sandbox trajectories run, and requires no violation and
+no leak, but for the one finding still open (OPEN_FINDING), which it reports as an expected
+failure. The mutation test shows the oracle can fail: with the router's debug flag that accepts
+stale attempts, a late chunk of a superseded attempt gets into the log, and the oracle must say
+so; without the flag, the same chunk is dropped and it has nothing to report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import pytest
+
+from belayer_rl.cli.chaos import FAULT_KINDS, ChaosConfig, check_token_log, render, run_campaign
+from belayer_rl.shared import bus
+from belayer_rl.shared.protocol import RequestResumed, WorkerChunk
+from tests.rollout.test_worker_faults import make_job, run
+from tests.support import NAMES, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
+
+MIN_HITS = 3  # in-flight requests or trajectories each fault kind must strike over the campaign
+# `container-pause` finds two bugs not fixed yet (docs/benchmarks.md, the fault campaign): an exec
+# that meets a paused container is answered as the action's output, and an acknowledged checkpoint
+# taken around a pause did not restore. Until they are, CI runs every other kind; `belayer chaos`
+# runs all of them.
+CI_KINDS = tuple(kind for kind in FAULT_KINDS if kind != "container-pause")
+# The one kind of violation still open (docs/benchmarks.md): an acknowledged checkpoint that CRIU
+# would not restore, or whose restored process died at once, so a trajectory went back to the one
+# before. A run that shows it is reported as an expected failure naming it; any other violation,
+# or any leak, fails the test.
+OPEN_FINDING = "was acknowledged, the restore gave"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the issue's bound for 200 faults: 15 minutes
+async def test_two_hundred_faults_leave_no_violation_and_nothing_leaked(docker_env, tmp_path, seed) -> None:
+    config = ChaosConfig(state_dir=tmp_path / "campaign", faults=200, seed=seed, kinds=CI_KINDS)
+    summary = await run_campaign(config)
+    print(render(summary))
+    open_finding = [v for v in summary.violations if OPEN_FINDING in v]
+    assert [v for v in summary.violations if v not in open_finding] == []
+    assert summary.leaks == []
+    assert sum(summary.faults.values()) == 200
+    assert summary.faults.get("nats-restart", 0) <= config.nats_restarts
+    for kind in CI_KINDS:
+        assert summary.hits.get(kind, 0) >= MIN_HITS, f"{kind} struck {summary.hits.get(kind, 0)} in flight"
+    assert summary.recoveries["sandbox-restore"] >= 1
+    assert summary.generations_completed >= 0.95 * summary.generations
+    if open_finding:
+        pytest.xfail(f"the open finding, {len(open_finding)} times: {open_finding[:2]}")
+
+
+@pytest.mark.parametrize("accept_stale", [False, True], ids=["router-as-built", "router-accepts-stale"])
+async def test_the_oracle_catches_a_router_that_accepts_a_stale_attempt(
+    nats_server, tmp_path, seed, accept_stale: bool
+) -> None:
+    """Stop worker A mid-decode; once its request is resumed on B, stop B too, and let A's attempt
+    send its next tokens, ahead of B's. A real worker drops its attempt at the router's cancel, so
+    the late chunk is published by the test under A's subject and attempt: it stands for a cancel
+    that was lost, a fault that cannot be made on demand. Its tokens are the right ones; only the
+    attempt that sent them is stale, which only the log's records show."""
+    rng = random.Random(seed)
+    options = {"chunk_tokens": 16, "heartbeat_timeout_s": 1.0, "debug_accept_stale": accept_stale}
+    jobs = [make_job(rng, f"stale-{i}", max_tokens=400) for i in range(4)]
+    expected = reference_tokens(jobs)
+    async with running_cluster(nats_server, tmp_path, engines=2, **options) as cluster:
+        resumed = await EventLog.start(cluster.client, "request_resumed")
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        busy = await poll(lambda: busy_requests(cluster.client, 20, 120))
+        first = busy[0]
+        engines = {e.engine_id: e for e in (await cluster.client.status()).engines}
+        a = engines[first.engine_id or ""]
+        kill(a.pid, signal.SIGSTOP)
+        moved = await resumed.wait_for(
+            lambda e: isinstance(e, RequestResumed) and e.request_id == first.request_id
+        )
+        assert isinstance(moved, RequestResumed)
+        b = await cluster.engine_pid(moved.engine_id)
+        kill(b, signal.SIGSTOP)
+        have = next(
+            r.num_tokens for r in (await cluster.client.status()).requests if r.request_id == first.request_id
+        )
+        late = WorkerChunk(
+            request_id=first.request_id, attempt=first.attempt, epoch=a.epoch, engine_id=a.engine_id,
+            position=have, tokens=expected[first.request_id][have : have + 40],
+        )  # fmt: skip
+        await bus.publish(cluster.client.nc, NAMES.worker_stream(a.engine_id), late)
+        await asyncio.sleep(0.2)
+        kill(a.pid, signal.SIGCONT)
+        kill(b, signal.SIGCONT)
+        results = await asyncio.gather(*running)
+        finished = {job.request_id: result.tokens for job, result in zip(jobs, results, strict=True)}
+        violations = await check_token_log(cluster.client.nc.jetstream(), NAMES, finished)
+
+    assert finished == expected  # the tokens alone cannot tell
+    if accept_stale:
+        assert any(f"{first.request_id} chunk" in v and "dispatched to" in v for v in violations), violations
+    else:
+        assert violations == []
