@@ -237,6 +237,7 @@ class Trajectories:
     violations: list[str] = field(default_factory=list)
     restores: int = 0
     running: dict[str, int] = field(default_factory=dict)  # trajectory -> its step now
+    waiting: dict[str, str] = field(default_factory=dict)  # trajectory -> the call it waits on
 
     async def produce(self, slot: int, stopping: asyncio.Event) -> None:
         n = 0
@@ -253,22 +254,27 @@ class Trajectories:
             except TimeoutError:
                 step = self.running.get(trajectory, 0)
                 self.failed[trajectory] = (
-                    f"trajectory-deadline: at step {step} after {TRAJECTORY_DEADLINE_S:.0f}s"
+                    f"trajectory-deadline: at step {step} after {TRAJECTORY_DEADLINE_S:.0f}s, "
+                    f"waiting on {self.waiting.get(trajectory, 'nothing')}"
                 )
             finally:
                 self.running.pop(trajectory, None)
                 with contextlib.suppress(ServiceError):
-                    await self.call(lambda t=trajectory: self.sandboxes.end(t))
+                    await self.call(trajectory, "end", lambda t=trajectory: self.sandboxes.end(t))
                 with contextlib.suppress(ServiceError):
-                    await self.call(lambda t=trajectory: self.sandboxes.destroy(t))
+                    await self.call(trajectory, "destroy", lambda t=trajectory: self.sandboxes.destroy(t))
+                self.waiting.pop(trajectory, None)
             n += 1
 
-    async def call(self, make):  # type: ignore[no-untyped-def]
+    async def call(self, trajectory: str, what: str, make):  # type: ignore[no-untyped-def]
         """A sandbox call, tried again while nobody serves it (the checkpointer or the bus
         restarting), Docker is away or the store is full, and, a few times, when it timed out
-        (a reply lost with the bus)."""
-        away, timeouts = 0, 0
+        (a reply lost with the bus). `waiting` says what it waits on, for a deadline's report."""
+        away, timeouts, since = 0, 0, time.monotonic()
         while True:
+            self.waiting[trajectory] = (
+                f"{what} since {time.monotonic() - since:.0f}s ({away} away, {timeouts} timeouts)"
+            )
             try:
                 return await make()
             except ServiceError as exc:
@@ -285,7 +291,7 @@ class Trajectories:
         step, acked, recoveries = 0, 0, 0
         failed: ServiceError | None = None
         try:
-            await self.call(lambda: self.sandboxes.create(SANDBOX, sandbox=trajectory))
+            await self.call(trajectory, "create", lambda: self.sandboxes.create(SANDBOX, sandbox=trajectory))
         except ServiceError as exc:  # the restore below starts it from the base image
             failed, recoveries = exc, 1
         while step < self.steps:
@@ -295,7 +301,7 @@ class Trajectories:
                     step, failed = await self.restore(trajectory, acked), None
                     continue
                 result = await self.call(
-                    lambda step=step: self.sandboxes.exec(
+                    trajectory, "exec", lambda step=step: self.sandboxes.exec(
                         trajectory, f"echo {trail_line(trajectory, step + 1)} >> /tmp/trail && cat /tmp/trail",
                         timeout_s=30.0, expect_step=step,
                     )
@@ -308,6 +314,7 @@ class Trajectories:
                     )
                 step += 1
                 with contextlib.suppress(ServiceError):  # a checkpoint is an optimisation
+                    self.waiting[trajectory] = f"checkpoint k={step}"
                     done = await self.sandboxes.checkpoint(
                         trajectory,
                         trajectory,
@@ -329,7 +336,9 @@ class Trajectories:
         """Restore the latest checkpoint, check it, and return the step it resumes at."""
         self.restores += 1
         try:
-            restored = await self.call(lambda: self.sandboxes.restore(trajectory, timeout_s=60.0))
+            restored = await self.call(
+                trajectory, "restore", lambda: self.sandboxes.restore(trajectory, timeout_s=60.0)
+            )
         except ServiceError as exc:
             if exc.code not in ("no-checkpoint", "no-sandbox"):  # (no-sandbox: its create failed)
                 raise
@@ -344,8 +353,8 @@ class Trajectories:
             self.violations.append(f"{trajectory}: the restore of k={k} returned another L_k")
         if k == 0:  # from the base image
             with contextlib.suppress(ServiceError):
-                await self.call(lambda: self.sandboxes.destroy(trajectory))
-            await self.call(lambda: self.sandboxes.create(SANDBOX, sandbox=trajectory))
+                await self.call(trajectory, "destroy", lambda: self.sandboxes.destroy(trajectory))
+            await self.call(trajectory, "create", lambda: self.sandboxes.create(SANDBOX, sandbox=trajectory))
         return k
 
 
@@ -384,15 +393,43 @@ class Nats:
         await self.process.wait()
 
 
+# runc as the campaign's dockerd calls it: a restore or checkpoint that fails leaves CRIU's log
+# (restore.log or dump.log in its --work-path) in the campaign's logs/criu.
+RUNC_WRAPPER = """#!/bin/sh
+work= previous=
+for arg; do [ "$previous" = --work-path ] && work=$arg; previous=$arg; done
+{runc} "$@"
+status=$?
+if [ $status -ne 0 ] && [ -n "$work" ]; then
+    for log in "$work"/*.log; do
+        [ -f "$log" ] && cp "$log" "{logs}/$(date +%s.%N)-$(basename "$log")"
+    done
+fi
+exit $status
+"""
+
+
 class OwnDockerd:
     """A dockerd of the campaign's own (its own data root, exec root, socket and containerd
     namespace), so that restarting it touches no one else's containers. Needs root."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, criu_logs: Path | None = None) -> None:
         self.root = root
         self.url = f"unix://{root}/docker.sock"
         self.process: subprocess.Popen[bytes] | None = None
-        (root / "daemon.json").write_text("{}\n")
+        config: dict[str, object] = {}
+        if criu_logs is not None:
+            # containerd deletes a failed restore's bundle, CRIU's log with it: runc goes through
+            # a wrapper that copies the log out first.
+            criu_logs.mkdir(parents=True, exist_ok=True)
+            wrapper = root / "runc-keeping-logs"
+            wrapper.write_text(RUNC_WRAPPER.format(runc=shutil.which("runc") or "runc", logs=criu_logs))
+            wrapper.chmod(0o755)
+            config = {
+                "runtimes": {"runc-keeping-logs": {"path": str(wrapper)}},
+                "default-runtime": "runc-keeping-logs",
+            }
+        (root / "daemon.json").write_text(json.dumps(config) + "\n")
 
     def start(self) -> None:
         argv = [
@@ -782,7 +819,9 @@ async def run_campaign(config: ChaosConfig, report=print) -> Summary:  # type: i
         dockerd = store = None
         if "dockerd-restart" in config.kinds:
             # Short: a unix socket's path is bounded.
-            dockerd = OwnDockerd(Path(tempfile.mkdtemp(prefix="bc-", dir="/tmp")))
+            dockerd = OwnDockerd(
+                Path(tempfile.mkdtemp(prefix="bc-", dir="/tmp")), state_dir / "logs" / "criu"
+            )
             stack.callback(dockerd.remove, state_dir / "logs" / "dockerd.log")
             dockerd.start()
             await dockerd.ready()

@@ -148,8 +148,16 @@ async def _checkpoint_phases(
     write_trajectory_spec(host.store, req.trajectory, r)
     try:
         upper = await host.engine.upper_dir(r.container_id)
+        strays = await host.engine.strays(r.container_id)
     except (aiodocker.DockerError, msgspec.ValidationError) as exc:
         raise EnvironmentFailure("daemon-error", f"inspect failed: {exc}") from None
+    if strays:
+        raise ServiceError(
+            "checkpoint-failed",
+            f"processes {', '.join(strays)} were started by an action after the sandbox was restored: "
+            "they live outside its time namespace, and CRIU could not restore them; end them before "
+            "checkpointing (the previous checkpoint stays the latest)",
+        )
     await phase(host, "freeze")
     frozen_at = time.monotonic()
     try:

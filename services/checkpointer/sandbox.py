@@ -61,6 +61,7 @@ OUTPUT_CAP = 256 << 10  # bytes kept per stream; MAX_MESSAGE_BYTES bounds the wh
 EXEC_GRACE_S = 10.0  # past timeout + grace, the wrapper itself is presumed stuck
 SWEEP_GRACE_S = 1.0  # past timeout + this, the host kills what the action started
 FREEZE_TRIES = 4  # runc's freeze can time out under load; see `pause`
+STRAY_GRACE_S = 2.0  # for the last action's processes to finish dying before a dump; see `strays`
 FREEZE_RETRY_S = 0.2
 
 
@@ -357,6 +358,18 @@ class Engine:
         async with self.docker._query(f"containers/{container_id}/unpause", method="POST"):
             pass
 
+    async def strays(self, container_id: str) -> list[str]:
+        """Processes that would make a dump of the container unrestorable (see
+        `outside_time_namespace`), after STRAY_GRACE_S for those of the last action that are
+        still dying; raises as `state` does."""
+        init_pid = (await self.state(container_id)).pid
+        deadline = time.monotonic() + STRAY_GRACE_S
+        while (
+            found := await asyncio.to_thread(outside_time_namespace, init_pid)
+        ) and time.monotonic() < deadline:  # noqa: ASYNC110 - the kernel's state
+            await asyncio.sleep(0.02)
+        return found
+
     async def checkpoint(self, container_id: str, images: Path) -> str:
         """CRIU-dump the container's processes into `images`, leaving them running (or paused).
 
@@ -602,6 +615,33 @@ def container_processes(init_pid: int) -> set[tuple[int, int]]:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 found.add((pid, int(stat.rsplit(")", 1)[1].split()[19])))  # field 22: starttime
     return found
+
+
+def time_namespace(pid: int) -> str | None:
+    """The time namespace of a live process; None for one gone or a zombie (it has none)."""
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/{pid}/ns/time")
+    return None
+
+
+def outside_time_namespace(init_pid: int) -> list[str]:
+    """The container's live processes that are not in its init's time namespace, as "pid (comm)".
+
+    A restore puts the container's processes in a new time namespace; a process Docker execs
+    into the container later stays in the host's (runc does not enter time namespaces). Such a
+    process that is alive at a dump makes the checkpoint one that CRIU refuses to restore ("Can't
+    restore sub-task in NS"). Zombies are restored with their parent's namespaces: not counted."""
+    own = time_namespace(init_pid)
+    if own is None:
+        return []
+    strays = []
+    for pid, _ in container_processes(init_pid):
+        if (ns := time_namespace(pid)) is not None and ns != own:
+            comm = ""
+            with contextlib.suppress(OSError):
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            strays.append(f"{pid} ({comm})")
+    return strays
 
 
 def started_by_the_action(init_pid: int, before: set[tuple[int, int]]) -> list[int]:
