@@ -41,6 +41,20 @@ async def test_two_hundred_faults_leave_no_violation_and_nothing_leaked(docker_e
     config = ChaosConfig(state_dir=tmp_path / "campaign", faults=200, seed=seed, kinds=CI_KINDS)
     summary = await run_campaign(config)
     print(render(summary))
+    if not summary.passed:  # what a failed CI run needs to be understood: the services' complaints
+        for log in sorted((config.state_dir / "logs").glob("*.log")):
+            complaints = [
+                line
+                for line in log.read_text(errors="replace").splitlines()
+                if " WARNING " in line or " ERROR " in line
+            ]
+            print(f"--- {log.name}: last warnings and errors", *complaints[-15:], sep="\n")
+        for criu_log in sorted((config.state_dir / "logs" / "criu").glob("*.log"))[:3]:
+            print(
+                f"--- {criu_log.name}: its errors",
+                *[line for line in criu_log.read_text(errors="replace").splitlines() if "Error" in line],
+                sep="\n",
+            )
     open_finding = [v for v in summary.violations if OPEN_FINDING in v]
     assert [v for v in summary.violations if v not in open_finding] == []
     assert summary.leaks == []
