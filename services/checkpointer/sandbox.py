@@ -43,7 +43,8 @@ IDLE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait 
 
 # $1 command, $2 timeout in seconds, $3 the line written to stderr when the watcher fired.
 # The action and the watcher each lead their own process group (setsid in a non-interactive
-# shell's background child keeps the pid), so one `kill -KILL -pgid` ends either whole.
+# shell's background child keeps the pid), so one `kill -KILL -pgid` ends either whole. A quick
+# action can end before the watcher has called setsid: the watcher's pid is killed as well.
 EXEC_WRAPPER = r"""
 setsid /bin/sh -c "$1" </dev/null &
 p=$!
@@ -52,7 +53,8 @@ setsid /bin/sh -c 'sleep "$1"; kill -0 -"$2" 2>/dev/null && echo "$3" >&2 && kil
 w=$!
 wait "$p"
 rc=$?
-kill -KILL -"$w" 2>/dev/null
+kill -KILL -"$w" "$w" 2>/dev/null
+wait "$w"
 exit "$rc"
 """
 # The watcher's stdout goes nowhere, only its marker line reaches stderr; see run_action.
@@ -364,10 +366,10 @@ class Engine:
         still dying; raises as `state` does."""
         init_pid = (await self.state(container_id)).pid
         deadline = time.monotonic() + STRAY_GRACE_S
-        while (
-            found := await asyncio.to_thread(outside_time_namespace, init_pid)
-        ) and time.monotonic() < deadline:  # noqa: ASYNC110 - the kernel's state
+        found = await asyncio.to_thread(outside_time_namespace, init_pid)
+        while found and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+            found = await asyncio.to_thread(outside_time_namespace, init_pid)
         return found
 
     async def checkpoint(self, container_id: str, images: Path) -> str:

@@ -17,6 +17,7 @@ from belayer_rl.shared.protocol import SandboxSpec
 from .helpers import kill_container
 
 ROUNDS = 4  # restore, act, checkpoint at once: each round is a chance for the watcher's race
+QUICK_ACTIONS = 20  # the watcher race lost at least once in 20 on an idle machine, before the fix
 
 
 async def crash_and_restore(client: SandboxClient, trajectory: str) -> int:
@@ -56,3 +57,17 @@ async def test_a_process_started_after_a_restore_is_named_not_checkpointed(
     assert await crash_and_restore(client, "traj-r") == 3
     out = await client.exec("r", "cat /tmp/trail", expect_step=3)
     assert out.stdout.split() == ["one", "two"]
+
+
+async def test_no_timeout_watcher_outlives_a_quick_action(client: SandboxClient, image: str) -> None:
+    """A quick action used to end before its watcher had made itself a process group, so the
+    wrapper's kill of that group missed, and the watcher slept out the whole timeout. Besides
+    holding up checkpoints of a restored sandbox, it would then have killed whatever process group
+    had by then been given the action's old pid."""
+    await client.create(SandboxSpec(image=image), sandbox="w")
+    for step in range(QUICK_ACTIONS):
+        await client.exec("w", "true", timeout_s=60.0, expect_step=step)
+    # (this action's own watcher waits 61 s: only the quick actions' ones show "watcher 60.000")
+    listing = await client.exec("w", "ps -o pid,args", timeout_s=61.0, expect_step=QUICK_ACTIONS)
+    watchers = [line for line in listing.stdout.splitlines() if " watcher 60.000 " in line]
+    assert watchers == []
