@@ -361,6 +361,10 @@ class Checkpointer:
             sb.record.state = was  # not destroyed: the caller may ask again
             raise host_trouble(exc) or exc from None
         async with sb.fifo:
+            # A restore that held the sandbox meanwhile may have made a container since.
+            with contextlib.suppress(aiodocker.DockerError):
+                await self.engine.remove(container_name(self.config.host_id, sb.record.sandbox))
+            sb.record.state = "destroyed"
             self.save(sb)
             (self.records_dir / f"{sb.record.sandbox}.json").unlink(missing_ok=True)
             self.sandboxes.pop(sb.record.sandbox, None)
