@@ -41,6 +41,7 @@ import dataclasses
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -237,7 +238,8 @@ class Trajectories:
     violations: list[str] = field(default_factory=list)
     restores: int = 0
     running: dict[str, int] = field(default_factory=dict)  # trajectory -> its step now
-    waiting: dict[str, str] = field(default_factory=dict)  # trajectory -> the call it waits on
+    # trajectory -> (the call it waits on, since when, its tries so far)
+    waiting: dict[str, tuple[str, float, str]] = field(default_factory=dict)
 
     async def produce(self, slot: int, stopping: asyncio.Event) -> None:
         n = 0
@@ -255,7 +257,7 @@ class Trajectories:
                 step = self.running.get(trajectory, 0)
                 self.failed[trajectory] = (
                     f"trajectory-deadline: at step {step} after {TRAJECTORY_DEADLINE_S:.0f}s, "
-                    f"waiting on {self.waiting.get(trajectory, 'nothing')}"
+                    f"waiting on {self.waiting_on(trajectory)}"
                 )
             finally:
                 self.running.pop(trajectory, None)
@@ -266,15 +268,19 @@ class Trajectories:
                 self.waiting.pop(trajectory, None)
             n += 1
 
+    def waiting_on(self, trajectory: str) -> str:
+        if trajectory not in self.waiting:
+            return "nothing"
+        what, since, tries = self.waiting[trajectory]
+        return f"{what} for {time.monotonic() - since:.0f}s ({tries})"
+
     async def call(self, trajectory: str, what: str, make):  # type: ignore[no-untyped-def]
         """A sandbox call, tried again while nobody serves it (the checkpointer or the bus
         restarting), Docker is away or the store is full, and, a few times, when it timed out
         (a reply lost with the bus). `waiting` says what it waits on, for a deadline's report."""
         away, timeouts, since = 0, 0, time.monotonic()
         while True:
-            self.waiting[trajectory] = (
-                f"{what} since {time.monotonic() - since:.0f}s ({away} away, {timeouts} timeouts)"
-            )
+            self.waiting[trajectory] = (what, since, f"{away} away, {timeouts} timeouts")
             try:
                 return await make()
             except ServiceError as exc:
@@ -314,7 +320,7 @@ class Trajectories:
                     )
                 step += 1
                 with contextlib.suppress(ServiceError):  # a checkpoint is an optimisation
-                    self.waiting[trajectory] = f"checkpoint k={step}"
+                    self.waiting[trajectory] = (f"checkpoint k={step}", time.monotonic(), "one try")
                     done = await self.sandboxes.checkpoint(
                         trajectory,
                         trajectory,
@@ -402,7 +408,7 @@ for arg; do [ "$previous" = --work-path ] && work=$arg; previous=$arg; done
 status=$?
 if [ $status -ne 0 ] && [ -n "$work" ]; then
     for log in "$work"/*.log; do
-        [ -f "$log" ] && cp "$log" "{logs}/$(date +%s.%N)-$(basename "$log")"
+        [ -f "$log" ] && cp "$log" {logs}/"$(date +%s.%N)-$(basename "$log")"
     done
 fi
 exit $status
@@ -423,7 +429,8 @@ class OwnDockerd:
             # a wrapper that copies the log out first.
             criu_logs.mkdir(parents=True, exist_ok=True)
             wrapper = root / "runc-keeping-logs"
-            wrapper.write_text(RUNC_WRAPPER.format(runc=shutil.which("runc") or "runc", logs=criu_logs))
+            runc = shlex.quote(shutil.which("runc") or "runc")
+            wrapper.write_text(RUNC_WRAPPER.format(runc=runc, logs=shlex.quote(str(criu_logs))))
             wrapper.chmod(0o755)
             config = {
                 "runtimes": {"runc-keeping-logs": {"path": str(wrapper)}},

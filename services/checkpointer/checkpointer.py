@@ -361,9 +361,14 @@ class Checkpointer:
             sb.record.state = was  # not destroyed: the caller may ask again
             raise host_trouble(exc) or exc from None
         async with sb.fifo:
+            if self.sandboxes.get(sb.record.sandbox) is not sb:  # a create took the name meanwhile
+                return Ack(detail=f"destroyed {req.sandbox}")
             # A restore that held the sandbox meanwhile may have made a container since.
-            with contextlib.suppress(aiodocker.DockerError):
+            try:
                 await self.engine.remove(container_name(self.config.host_id, sb.record.sandbox))
+            except aiodocker.DockerError as exc:
+                sb.record.state = was
+                raise host_trouble(exc) or exc from None
             sb.record.state = "destroyed"
             self.save(sb)
             (self.records_dir / f"{sb.record.sandbox}.json").unlink(missing_ok=True)

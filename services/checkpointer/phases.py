@@ -139,6 +139,14 @@ async def full_checkpoint(
     return result
 
 
+def unrestorable(strays: list[str]) -> str:
+    return (
+        f"processes {', '.join(strays)} were started by an action after the sandbox was restored: "
+        "they live outside its time namespace, and CRIU could not restore them; end them before "
+        "checkpointing (the previous checkpoint stays the latest)"
+    )
+
+
 async def _checkpoint_phases(
     host: Host, r: SandboxRecord, req: SandboxCheckpoint, incarnation: int, checkpoint_id: str,
     staging: Path, abandoned: asyncio.Event, started: float,
@@ -148,16 +156,11 @@ async def _checkpoint_phases(
     write_trajectory_spec(host.store, req.trajectory, r)
     try:
         upper = await host.engine.upper_dir(r.container_id)
-        strays = await host.engine.strays(r.container_id)
+        init_pid = (await host.engine.state(r.container_id)).pid
     except (aiodocker.DockerError, msgspec.ValidationError) as exc:
         raise EnvironmentFailure("daemon-error", f"inspect failed: {exc}") from None
-    if strays:
-        raise ServiceError(
-            "checkpoint-failed",
-            f"processes {', '.join(strays)} were started by an action after the sandbox was restored: "
-            "they live outside its time namespace, and CRIU could not restore them; end them before "
-            "checkpointing (the previous checkpoint stays the latest)",
-        )
+    if strays := await host.engine.strays(init_pid):
+        raise ServiceError("checkpoint-failed", unrestorable(strays))
     await phase(host, "freeze")
     frozen_at = time.monotonic()
     try:
@@ -169,6 +172,9 @@ async def _checkpoint_phases(
         raise ServiceError("checkpoint-failed", f"freeze: {exc.message}") from None
     dump_s = 0.0
     try:
+        # Again, frozen: an exec that began since the first look (a health check) is in the dump.
+        if strays := await host.engine.strays(init_pid, grace_s=0.0):
+            raise ServiceError("checkpoint-failed", unrestorable(strays))
         await phase(host, "archive")
         await asyncio.to_thread(layer.archive, upper, staging / LAYER)
         await phase(host, "dump")

@@ -44,7 +44,8 @@ IDLE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait 
 # $1 command, $2 timeout in seconds, $3 the line written to stderr when the watcher fired.
 # The action and the watcher each lead their own process group (setsid in a non-interactive
 # shell's background child keeps the pid), so one `kill -KILL -pgid` ends either whole. A quick
-# action can end before the watcher has called setsid: the watcher's pid is killed as well.
+# action can end before the watcher has called setsid: its pid is killed first, then its group.
+# (Reaped with stderr closed: the shell reports a killed job as "Killed" on its stderr.)
 EXEC_WRAPPER = r"""
 setsid /bin/sh -c "$1" </dev/null &
 p=$!
@@ -53,8 +54,8 @@ setsid /bin/sh -c 'sleep "$1"; kill -0 -"$2" 2>/dev/null && echo "$3" >&2 && kil
 w=$!
 wait "$p"
 rc=$?
-kill -KILL -"$w" "$w" 2>/dev/null
-wait "$w"
+kill -KILL "$w" -"$w" 2>/dev/null
+wait "$w" 2>/dev/null
 exit "$rc"
 """
 # The watcher's stdout goes nowhere, only its marker line reaches stderr; see run_action.
@@ -360,12 +361,12 @@ class Engine:
         async with self.docker._query(f"containers/{container_id}/unpause", method="POST"):
             pass
 
-    async def strays(self, container_id: str) -> list[str]:
-        """Processes that would make a dump of the container unrestorable (see
-        `outside_time_namespace`), after STRAY_GRACE_S for those of the last action that are
-        still dying; raises as `state` does."""
-        init_pid = (await self.state(container_id)).pid
-        deadline = time.monotonic() + STRAY_GRACE_S
+    @staticmethod
+    async def strays(init_pid: int, grace_s: float = STRAY_GRACE_S) -> list[str]:
+        """Processes that would make a dump of the container whose init is `init_pid`
+        unrestorable (see `outside_time_namespace`), after `grace_s` for those of the last action
+        that are still dying."""
+        deadline = time.monotonic() + grace_s
         found = await asyncio.to_thread(outside_time_namespace, init_pid)
         while found and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -640,8 +641,8 @@ def outside_time_namespace(init_pid: int) -> list[str]:
     for pid, _ in container_processes(init_pid):
         if (ns := time_namespace(pid)) is not None and ns != own:
             comm = ""
-            with contextlib.suppress(OSError):
-                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            with contextlib.suppress(OSError):  # (comm is cut at 15 bytes: maybe mid-character)
+                comm = Path(f"/proc/{pid}/comm").read_bytes().decode(errors="replace").strip()
             strays.append(f"{pid} ({comm})")
     return strays
 
