@@ -604,7 +604,8 @@ ImageRef = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0
 Capability = Annotated[str, Meta(pattern=r"^[A-Z_]{2,32}$")]
 Digest = Annotated[str, Meta(pattern=r"^(sha256:[0-9a-f]{64})?$")]
 RestoreSource = Literal["latest", "previous", "base"]
-EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing"]
+# interrupted: the checkpointer stopped during an action, whose effect on the sandbox is unknown
+EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing", "interrupted"]
 
 
 class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):

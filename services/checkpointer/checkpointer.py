@@ -183,6 +183,10 @@ class Checkpointer:
                 with contextlib.suppress(aiodocker.DockerError):
                     await self.engine.unpause(container.id)
             failure, _ = await self.engine.health(container.id, sb.record.oom_seen)
+            if failure is None and sb.record.acting:
+                failure = EnvironmentFailure(
+                    "interrupted", f"this service stopped during action {sb.record.step + 1}: it may have run"
+                )
             if failure is not None and sb.record.state == "running":
                 await self.env_failure(sb, failure)
         for sb in known.values():  # recorded, but its container is gone
@@ -273,7 +277,7 @@ class Checkpointer:
     async def env_failure(self, sb: Sandbox, failure: EnvironmentFailure) -> ServiceError:
         if sb.record.state == "destroyed":
             return ServiceError("destroyed", f"sandbox {sb.record.sandbox} was destroyed")
-        sb.record.state = "failed"
+        sb.record.state, sb.record.failure = "failed", str(failure)
         self.save(sb)
         self.metrics.env_failures.labels(failure.reason).inc()
         log.warning("sandbox %s: environment failure: %s", sb.record.sandbox, failure)
@@ -327,11 +331,18 @@ class Checkpointer:
         async with sb.fifo:
             r = sb.record
             if r.state != "running":
-                raise ServiceError("env-failure", f"sandbox {r.sandbox} is {r.state}: restore it first")
+                why = f" ({r.failure})" if r.failure else ""
+                raise ServiceError("env-failure", f"sandbox {r.sandbox} is {r.state}{why}: restore it first")
             if req.expect_step is not None and req.expect_step != r.step:
                 raise ServiceError(
                     "wrong-step", f"sandbox {r.sandbox} has completed {r.step} actions, not {req.expect_step}"
                 )
+            r.acting = True
+            try:
+                self.save(sb)
+            except BaseException:
+                r.acting = False  # not started
+                raise
             failure: EnvironmentFailure | None = None
             try:
                 out = await self.engine.run_action(r.container_id, req.command, req.timeout_s)
@@ -341,7 +352,7 @@ class Checkpointer:
             failure = health or failure  # the container's state explains a broken exec best
             if failure is not None:
                 raise await self.env_failure(sb, failure)
-            r.step += 1
+            r.step, r.acting = r.step + 1, False
             self.save(sb)
             return ExecResult(
                 sandbox=r.sandbox, step=r.step, exit_code=out.exit_code,

@@ -110,7 +110,9 @@ async def full_checkpoint(
     """Called with the sandbox's FIFO held. Raises ServiceError, or EnvironmentFailure for the caller
     to record and announce. On success the record is bound to the trajectory, for the caller to save."""
     if r.state != "running":
-        raise ServiceError("env-failure", f"sandbox {r.sandbox} is {r.state}")
+        raise ServiceError(
+            "env-failure", f"sandbox {r.sandbox} is {r.state}" + (f" ({r.failure})" if r.failure else "")
+        )
     if req.k != r.step:
         raise ServiceError(
             "wrong-step", f"checkpoint k={req.k} refused: the last completed action is {r.step}"
@@ -246,7 +248,15 @@ def write_trajectory_spec(store: Store, trajectory: str, record: SandboxRecord) 
     folder = store.trajectory_dir(trajectory)
     folder.mkdir(parents=True, exist_ok=True)
     base = msgspec.structs.replace(
-        record, container_id="", step=0, state="running", trajectory="", incarnation=-1, oom_seen=0
+        record,
+        container_id="",
+        step=0,
+        state="running",
+        trajectory="",
+        incarnation=-1,
+        oom_seen=0,
+        acting=False,
+        failure="",
     )
     store.write_signed(folder / TRAJECTORY, msgspec.json.encode(base))
 
@@ -320,6 +330,7 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
         if not moved:
             raise ServiceError("stale", f"pointer moved to {now and pointer.order(now)} during the restore")
     r.state, r.step, r.trajectory, r.incarnation = "running", k, current.trajectory, incarnation
+    r.acting, r.failure = False, ""
     return RestoreResult(
         trajectory=current.trajectory, sandbox=r.sandbox, container_id=r.container_id, source=source,
         checkpoint_id=checkpoint_id, incarnation=incarnation, k=k, context_tokens=context.tokens,

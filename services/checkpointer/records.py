@@ -27,3 +27,7 @@ class SandboxRecord(msgspec.Struct, kw_only=True):
     trajectory: str = ""
     incarnation: int = -1  # -1: not yet bound to a trajectory
     oom_seen: int = 0
+    # Written before an action starts and cleared once it is counted: a restart that finds it set
+    # cannot know whether the action ran, so the sandbox is failed rather than given it twice.
+    acting: bool = False
+    failure: str = ""  # why it is "failed", for the errors that refuse it
