@@ -225,7 +225,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(f"{r}.sandbox.*.*",),
             replies=True,
             streams=(kv_stream(pointers), object_stream(objects)),
-            stats="checkpointer",
+            stats="*",  # one per Docker host, named checkpointer-<host>: a token NATS cannot split
         ),
         "policy": Role(
             publish=(s.event("policy_decision", "*"),),

@@ -181,6 +181,35 @@ async def test_the_admin_control_is_not_refused(cluster: Supervisor) -> None:
         assert refusals.errors == []
 
 
+# The name each role's process runs under (its stats subject), as its __main__ names it.
+SERVICE_NAMES = {
+    "router": "router",
+    "engine-e0": "worker-e0-4242",  # and its pid
+    "shadow-supervisor": "shadow-supervisor",
+    "weight-server": "weight-server",
+    "kv-server": "kv-server",
+    "checkpointer": "checkpointer-somehost",  # one per Docker host, named after it
+    "policy": "policy",
+}
+
+
+async def test_every_service_may_answer_its_own_stats(cluster: Supervisor) -> None:
+    """A service's runtime answers stats on its own name; a role that cannot subscribe there has a
+    stats endpoint nobody reaches (the checkpointer's, whose name carries its host, was one)."""
+
+    async def refused(role: str, name: str) -> str | None:
+        subject = cluster.subjects.service_stats(name)
+        async with connected(cluster.nats_url, cluster.access(role)) as (nc, refusals):
+            await nc.subscribe(subject)
+            await nc.flush()
+            with contextlib.suppress(TimeoutError):
+                return await refusals.wait_for(subject)
+        return None
+
+    answers = await asyncio.gather(*(refused(role, name) for role, name in SERVICE_NAMES.items()))
+    assert dict(zip(SERVICE_NAMES, answers, strict=True)) == dict.fromkeys(SERVICE_NAMES)
+
+
 async def test_each_engine_credential_serves_only_its_own_engine(cluster: Supervisor) -> None:
     """engine-e0 may publish e0's chunks and heartbeats and read e0's dispatches: what it needs."""
     s = cluster.subjects
