@@ -223,9 +223,11 @@ class Router:
             # The append may have outlived the lease (a pause): then a successor, which did not
             # read this request, serves it; the client's retry reaches it.
             self.lease.check()
-        except ServiceError:
+        except ServiceError as exc:
             del self.requests[message.request_id]
             self.writer.last.pop(message.request_id, None)
+            if exc.code == "fenced":  # a later router claimed the request: the client asks it
+                raise ServiceError("not-leader", exc.message) from None
             raise
         self.metrics.requests.inc()
         self.enqueue(request)

@@ -24,6 +24,7 @@ from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import (
     Dispatch,
+    GenerateRequest,
     LogChunk,
     LogEnd,
     LogTakeover,
@@ -144,3 +145,26 @@ async def subject_records(js, subjects) -> dict[str, list[tuple[int, protocol.Lo
     finally:
         await sub.unsubscribe()
     return found
+
+
+async def test_a_request_a_later_router_claimed_is_answered_not_leader(nats_server, tmp_path) -> None:
+    """A router that wakes late and finds the request it is asked for claimed by a later
+    incarnation answers `not-leader`, which the client retries towards that router; it used to
+    answer `fenced`, which ended the client's call (the fault campaign's unfinished generations).
+    Mutation check: without the mapping in `on_generate` the code is `fenced`."""
+    async with running_cluster(nats_server, tmp_path, engines=1) as cluster:
+        js = cluster.client.nc.jetstream()
+        later = (await cluster.client.status()).incarnation + 1
+        claim = LogTakeover(request_id="claimed-later", incarnation=later, position=0)
+        await token_log.append(js, cluster.client.subjects, claim, 0, incarnation=later)
+        request = GenerateRequest(
+            request_id="claimed-later", prompt="hello", max_tokens=4,
+            sampling=SamplingParams(seed=1), reply_to=cluster.client.nc.new_inbox(),
+        )  # fmt: skip
+        with pytest.raises(ServiceError) as refused:
+            await bus.request(cluster.client.nc, cluster.client.subjects.router_generate, request, 5)
+        assert refused.value.code == "not-leader", refused.value
+        assert f"router incarnation {later} claimed claimed-later" in refused.value.message
+        # The router serves on: another request completes.
+        result = await cluster.client.generate_all("still serving", max_tokens=8, seed=2)
+        assert len(result.tokens) == 8
