@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +104,7 @@ SANDBOX = SandboxSpec(image=DEFAULT_IMAGE, memory_mb=64)
 RECOVERY_BACKOFF_MAX_S = 8.0  # between recoveries of one trajectory: 0.5 s, doubling, at most this
 MAX_RECOVERIES = 12  # per trajectory: past it, it fails, naming the last error
 TRAJECTORY_DEADLINE_S = 240.0  # a trajectory of `--steps` actions that takes longer has failed
+CLEANUP_DEADLINE_S = 60.0  # for a trajectory's end and destroy, however often they are tried
 PROGRESS_EVERY = 25  # faults between progress lines
 DOCKER_CALL_S = 5.0  # a pause, unpause or kill that takes longer is stuck (see Injector.unpause)
 SETTLE_S = 120.0  # for the work still running after the last fault to end
@@ -261,10 +262,12 @@ class Trajectories:
                 )
             finally:
                 self.running.pop(trajectory, None)
-                with contextlib.suppress(ServiceError):
-                    await self.call(trajectory, "end", lambda t=trajectory: self.sandboxes.end(t))
-                with contextlib.suppress(ServiceError):
-                    await self.call(trajectory, "destroy", lambda t=trajectory: self.sandboxes.destroy(t))
+                # Bounded: a sandbox left behind is the leak check's to report.
+                with contextlib.suppress(ServiceError, TimeoutError):
+                    async with asyncio.timeout(CLEANUP_DEADLINE_S):
+                        with contextlib.suppress(ServiceError):
+                            await self.call(trajectory, "end", lambda t=trajectory: self.sandboxes.end(t))
+                        await self.call(trajectory, "destroy", lambda t=trajectory: self.sandboxes.destroy(t))
                 self.waiting.pop(trajectory, None)
             n += 1
 
@@ -794,6 +797,7 @@ class Summary(msgspec.Struct, kw_only=True):
     violations: list[str]
     leaks: list[str]
     pids: set[int] = set()  # every process a fault struck: none may outlive the cluster
+    phases: dict[str, float] = {}  # seconds each step took, in order: a slow run says where
 
     @property
     def passed(self) -> bool:
@@ -820,8 +824,30 @@ async def campaign_state(config: ChaosConfig) -> AsyncIterator[Path]:
         yield Path(folder)
 
 
+@dataclass
+class Phases:
+    """The campaign's steps, one after another, each reported as it starts and as it ends, with
+    how long it took: a run past its time bound says where the time went."""
+
+    report: Callable[[str], None]
+    took: dict[str, float] = field(default_factory=dict)
+    running: tuple[str, float] | None = None
+
+    def next(self, name: str | None) -> None:
+        """End the running step; start `name` (None: none)."""
+        now = time.monotonic()
+        if self.running is not None:
+            ended, started = self.running
+            self.took[ended] = round(now - started, 1)
+            self.report(f"chaos: {ended} took {self.took[ended]:.0f}s")
+        self.running = None if name is None else (name, now)
+        if name is not None:
+            self.report(f"chaos: {name}...")
+
+
 async def run_campaign(config: ChaosConfig, report=print) -> Summary:  # type: ignore[no-untyped-def]
     started = time.monotonic()
+    phases = Phases(report)
     async with campaign_state(config) as state_dir, contextlib.AsyncExitStack() as stack:
         dockerd = store = None
         if "dockerd-restart" in config.kinds:
@@ -846,14 +872,17 @@ async def run_campaign(config: ChaosConfig, report=print) -> Summary:  # type: i
         stack.push_async_callback(nats.stop)
         lab = Lab(nats, docker, dockerd, store)
         cluster_config = dataclasses.replace(base, nats_url=nats.url, creds_dir=creds_dir)
+        phases.next("cluster start")
         async with local_cluster(cluster_config) as cluster:
             access = role_access(cluster_config, creds_dir, "admin")
             nc: NATS = await bus.connect(nats.url, "chaos", access=access)
             try:
-                summary = await campaign(config, cluster, lab, Client(nc), report)
+                summary = await campaign(config, cluster, lab, Client(nc), phases)
             finally:
                 await nc.close()
             pids = {child.pid for child in cluster.children.values() if child.pid > 0}
+            phases.next("cluster stop")
+        phases.next("leak check")
         summary.leaks += leaks(cluster, pids | summary.pids)
         containers = await docker.containers.list(all=True, filters={"label": [LABEL_SANDBOX]})
         summary.leaks += [
@@ -861,11 +890,16 @@ async def run_campaign(config: ChaosConfig, report=print) -> Summary:  # type: i
             for c in containers
             if c["Labels"][LABEL_SANDBOX].startswith("chaos-")
         ]
+        phases.next("lab stop")
+    phases.next(None)
     summary.duration_s = time.monotonic() - started
+    summary.phases = phases.took
     return summary
 
 
-async def campaign(config: ChaosConfig, cluster: Supervisor, lab: Lab, client: Client, report) -> Summary:  # type: ignore[no-untyped-def]
+async def campaign(
+    config: ChaosConfig, cluster: Supervisor, lab: Lab, client: Client, phases: Phases
+) -> Summary:
     names = client.subjects
     await client.wait_for_engines(config.engines, 120)
     js = client.nc.jetstream()
@@ -884,12 +918,14 @@ async def campaign(config: ChaosConfig, cluster: Supervisor, lab: Lab, client: C
     producers = [asyncio.create_task(generations.produce(i, stopping)) for i in range(config.generators)]
     producers += [asyncio.create_task(trajectories.produce(i, stopping)) for i in range(config.trajectories)]
     injector = Injector(config, cluster, lab, client, names, trajectories)
+    phases.next(f"{config.faults} faults")
     try:
         await injector.run()
     finally:
+        phases.next("the work in flight ending")
         stopping.set()
         await asyncio.gather(*producers)
-    report(f"chaos: {len(injector.faults)} faults injected; checking")
+    phases.next("the router settling")
     # A client may hear of its end before the LogEnd is durable: read the log once the router
     # holds nothing running (bounded: a request that never ends is the oracle's to report).
     with contextlib.suppress(TimeoutError):
@@ -898,6 +934,7 @@ async def campaign(config: ChaosConfig, cluster: Supervisor, lab: Lab, client: C
                 await asyncio.sleep(0.5)
 
     finished = dict(generations.tokens)
+    phases.next(f"the reference of {len(finished)} generations")
     expected = await asyncio.to_thread(
         reference_tokens, [j for j in generations.jobs if j.request_id in finished]
     )
@@ -907,7 +944,9 @@ async def campaign(config: ChaosConfig, cluster: Supervisor, lab: Lab, client: C
         if tokens != expected[rid]
     ]
     violations += trajectories.violations
+    phases.next("the token log check")
     violations += await check_token_log(js, names, finished)
+    phases.next("the consumer check")
     leaked: list[str] = []
     deadline = time.monotonic() + 30.0
     while len(now := await consumers(js)) > len(at_rest) and time.monotonic() < deadline:  # noqa: ASYNC110 - the server's state
@@ -979,5 +1018,6 @@ def render(summary: Summary) -> str:
         f"  leaks: {len(summary.leaks)}",
         *(f"    {v}" for v in summary.leaks[:20]),
         *(f"  incomplete {k}: {why}" for k, why in list(summary.incomplete.items())[:20]),
+        "  time: " + ", ".join(f"{name} {s:.0f}s" for name, s in summary.phases.items()),
     ]
     return "\n".join(lines)
