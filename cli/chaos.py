@@ -104,7 +104,7 @@ SANDBOX = SandboxSpec(image=DEFAULT_IMAGE, memory_mb=64)
 RECOVERY_BACKOFF_MAX_S = 8.0  # between recoveries of one trajectory: 0.5 s, doubling, at most this
 MAX_RECOVERIES = 12  # per trajectory: past it, it fails, naming the last error
 TRAJECTORY_DEADLINE_S = 240.0  # a trajectory of `--steps` actions that takes longer has failed
-CLEANUP_DEADLINE_S = 60.0  # for a trajectory's end and destroy, however often they are tried
+CLEANUP_DEADLINE_S, CLEANUP_TRY_S = 60.0, 10.0  # a trajectory's end, and its destroy: each, each try
 PROGRESS_EVERY = 25  # faults between progress lines
 DOCKER_CALL_S = 5.0  # a pause, unpause or kill that takes longer is stuck (see Injector.unpause)
 SETTLE_S = 120.0  # for the work still running after the last fault to end
@@ -262,12 +262,14 @@ class Trajectories:
                 )
             finally:
                 self.running.pop(trajectory, None)
-                # Bounded: a sandbox left behind is the leak check's to report.
-                with contextlib.suppress(ServiceError, TimeoutError):
-                    async with asyncio.timeout(CLEANUP_DEADLINE_S):
-                        with contextlib.suppress(ServiceError):
-                            await self.call(trajectory, "end", lambda t=trajectory: self.sandboxes.end(t))
-                        await self.call(trajectory, "destroy", lambda t=trajectory: self.sandboxes.destroy(t))
+                # Each bounded: a sandbox left behind is the leak check's to report.
+                for what, make in (
+                    ("end", lambda t=trajectory: self.sandboxes.end(t, timeout_s=CLEANUP_TRY_S)),
+                    ("destroy", lambda t=trajectory: self.sandboxes.destroy(t, timeout_s=CLEANUP_TRY_S)),
+                ):
+                    with contextlib.suppress(ServiceError, TimeoutError):
+                        async with asyncio.timeout(CLEANUP_DEADLINE_S):
+                            await self.call(trajectory, what, make)
                 self.waiting.pop(trajectory, None)
             n += 1
 

@@ -225,7 +225,9 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(f"{r}.sandbox.*.*",),
             replies=True,
             streams=(kv_stream(pointers), object_stream(objects)),
-            stats="*",  # one per Docker host, named checkpointer-<host>: a token NATS cannot split
+            # One per Docker host, named checkpointer-<host>: a token NATS wildcards cannot split.
+            # All hosts share this credential, so its own stats subject cannot be named here.
+            stats="*",
         ),
         "policy": Role(
             publish=(s.event("policy_decision", "*"),),

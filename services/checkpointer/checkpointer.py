@@ -184,9 +184,7 @@ class Checkpointer:
                     await self.engine.unpause(container.id)
             failure, _ = await self.engine.health(container.id, sb.record.oom_seen)
             if failure is None and sb.record.acting:
-                failure = EnvironmentFailure(
-                    "interrupted", f"this service stopped during action {sb.record.step + 1}: it may have run"
-                )
+                failure = EnvironmentFailure.interrupted(sb.record.step)
             if failure is not None and sb.record.state == "running":
                 await self.env_failure(sb, failure)
         for sb in known.values():  # recorded, but its container is gone
@@ -333,6 +331,8 @@ class Checkpointer:
             if r.state != "running":
                 why = f" ({r.failure})" if r.failure else ""
                 raise ServiceError("env-failure", f"sandbox {r.sandbox} is {r.state}{why}: restore it first")
+            if r.acting:  # an earlier action ended in an unexpected error: it may have run
+                raise await self.env_failure(sb, EnvironmentFailure.interrupted(r.step))
             if req.expect_step is not None and req.expect_step != r.step:
                 raise ServiceError(
                     "wrong-step", f"sandbox {r.sandbox} has completed {r.step} actions, not {req.expect_step}"

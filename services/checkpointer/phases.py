@@ -113,6 +113,8 @@ async def full_checkpoint(
         raise ServiceError(
             "env-failure", f"sandbox {r.sandbox} is {r.state}" + (f" ({r.failure})" if r.failure else "")
         )
+    if r.acting:  # an action without an outcome: the file system may hold step k + 1's effects
+        raise EnvironmentFailure.interrupted(r.step)
     if req.k != r.step:
         raise ServiceError(
             "wrong-step", f"checkpoint k={req.k} refused: the last completed action is {r.step}"

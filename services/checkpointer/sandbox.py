@@ -99,6 +99,12 @@ class EnvironmentFailure(Exception):
         self.reason: EnvFailureReason = reason
         self.detail = detail
 
+    @classmethod
+    def interrupted(cls, step: int) -> EnvironmentFailure:
+        """Action `step + 1` was marked started and never counted (the service stopped, or the
+        action ended in an unexpected error): whether it changed the sandbox is unknown."""
+        return cls("interrupted", f"action {step + 1} started and has no outcome: it may have run")
+
 
 @dataclass(frozen=True)
 class ActionOutput:

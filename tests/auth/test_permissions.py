@@ -190,6 +190,7 @@ SERVICE_NAMES = {
     "kv-server": "kv-server",
     "checkpointer": "checkpointer-somehost",  # one per Docker host, named after it
     "policy": "policy",
+    "trainer": "trainer-actor-0",  # its group workers: group and rank
 }
 
 

@@ -20,7 +20,8 @@ from belayer_rl.shared.protocol import SandboxSpec
 
 from .conftest import Service
 
-ACTION = "echo {line} >> /tmp/trail; sleep 3; cat /tmp/trail"
+ACTION = "echo {line} >> /tmp/trail; sleep {sleep}; cat /tmp/trail"
+KILLED_ACTION_S = 10  # long past the kill, which comes at most 2 s after the line is written
 WRITTEN = "until grep -q 2 /tmp/trail 2>/dev/null; do sleep 0.05; done"  # the action's effect is there
 
 
@@ -28,9 +29,10 @@ async def test_an_action_interrupted_by_a_checkpointer_kill_is_not_given_twice(
     client: SandboxClient, service: Service, image: str, seed: int
 ) -> None:
     info = await client.create(SandboxSpec(image=image), sandbox="x")
-    assert (await client.exec("x", ACTION.format(line=1), expect_step=0)).stdout.split() == ["1"]
+    assert (await client.exec("x", ACTION.format(line=1, sleep=0), expect_step=0)).stdout.split() == ["1"]
     await client.checkpoint("x", "traj-x", k=1)
-    attempt = asyncio.create_task(client.exec("x", ACTION.format(line=2), timeout_s=30, expect_step=1))
+    slow = ACTION.format(line=2, sleep=KILLED_ACTION_S)
+    attempt = asyncio.create_task(client.exec("x", slow, timeout_s=30, expect_step=1))
     # From the host: wait until the action has written its line, then kill at a random point of
     # its remaining sleep, as a crash of the service would.
     docker_exec = await asyncio.create_subprocess_exec(
@@ -46,9 +48,9 @@ async def test_an_action_interrupted_by_a_checkpointer_kill_is_not_given_twice(
     await service.ready(client)
 
     with pytest.raises(ServiceError) as refused:  # the caller's retry of the same step
-        await client.exec("x", ACTION.format(line=2), timeout_s=30, expect_step=1)
+        await client.exec("x", slow, timeout_s=30, expect_step=1)
     assert refused.value.code == "env-failure" and "interrupted" in refused.value.message
     restored = await client.restore("traj-x")
     assert restored.k == 1
-    again = await client.exec("x", ACTION.format(line=2), timeout_s=30, expect_step=1)
+    again = await client.exec("x", ACTION.format(line=2, sleep=0), timeout_s=30, expect_step=1)
     assert again.stdout.split() == ["1", "2"]
