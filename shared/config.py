@@ -461,6 +461,9 @@ class CheckpointerConfig(ServiceConfig):
     docker_url: str | None = setting(
         None, "Docker Engine URL (default: $DOCKER_HOST or the local socket)", flag="--docker"
     )
+    docker_timeout_s: float = setting(
+        30.0, "a Docker call unanswered for this long fails (a dump or restore gets 600 s)"
+    )
     disk_budget_gb: float = setting(
         50.0, "checkpoint store bound; oldest non-latest go first past it; 0: none"
     )
@@ -493,6 +496,7 @@ class CheckpointerConfig(ServiceConfig):
         if self.state_dir is None:
             object.__setattr__(self, "state_dir", default_state_dir() / "checkpointer")
         object.__setattr__(self, "state_dir", Path(self.state_dir).resolve())
+        positive("--docker-timeout", self.docker_timeout_s)
         if self.max_layer_gb <= 0 or self.max_download_gb <= 0:
             raise ConfigError("--max-layer-gb and --max-download-gb must be > 0")
         if not self.host_id.replace("-", "").replace("_", "").isalnum() or len(self.host_id) > 64:

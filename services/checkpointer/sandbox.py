@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -23,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import aiodocker
 import aiohttp
@@ -69,6 +70,8 @@ FREEZE_RETRY_S = 0.2
 
 
 DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect to
+DOCKER_SILENT = 504  # ours, for a call the daemon did not answer within the engine's bound
+CRIU_CALL_S = 600.0  # the bound of a call that dumps or restores processes (their memory may be large)
 UNREACHABLE_TEXT = "Cannot connect to Docker Engine"  # aiodocker's message for that status
 NO_SPACE_TEXT = "No space left on device"  # strerror(ENOSPC), as it appears in gathered errors
 
@@ -76,7 +79,7 @@ NO_SPACE_TEXT = "No space left on device"  # strerror(ENOSPC), as it appears in 
 def host_trouble(exc: BaseException) -> ServiceError | None:
     """The error to answer when `exc` is this host's trouble rather than the sandbox's or a
     checkpoint's: Docker out of reach or a full disk. Both pass; the caller may ask again."""
-    if isinstance(exc, aiodocker.DockerError) and exc.status == DOCKER_UNREACHABLE:
+    if isinstance(exc, aiodocker.DockerError) and exc.status in (DOCKER_UNREACHABLE, DOCKER_SILENT):
         return ServiceError("daemon-unavailable", exc.message)
     if (
         isinstance(exc, EnvironmentFailure)
@@ -249,6 +252,7 @@ class ExecInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
 
     running: bool
     exit_code: int | None = None  # null until the exec has ended
+    pid: int = 0  # 0: its process was never started (the daemon wrote why into the output)
 
 
 class ImageInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
@@ -270,34 +274,60 @@ class EngineEvent(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
 
 # ---------------------------------------------------------------- the engine
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def daemon_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Raise a call the daemon did not answer within the client's bound as aiodocker.DockerError
+    (DOCKER_SILENT), the error every caller handles: aiohttp raises a bare TimeoutError. A daemon
+    can stay silent for good (an exec that starts as its container freezes holds the container's
+    lock, and every later call on it waits); without the bound the caller would wait with it."""
+
+    @functools.wraps(method)
+    async def bounded(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(*args, **kwargs)
+        except TimeoutError:
+            raise aiodocker.DockerError(
+                DOCKER_SILENT, f"the Docker daemon did not answer {method.__name__} in time"
+            ) from None
+
+    return bounded
+
 
 class Engine:
     """One Docker engine: its client, its data root, and the calls the checkpointer makes."""
 
-    def __init__(self, docker: aiodocker.Docker, data_root: Path) -> None:
+    def __init__(self, docker: aiodocker.Docker, data_root: Path, call_timeout_s: float) -> None:
         self.docker = docker
         self.data_root = data_root
+        self.call_timeout_s = call_timeout_s
         self.oom_files: dict[str, list[Path]] = {}  # container id -> its memory cgroup's counters
 
     @classmethod
-    async def connect(cls, url: str | None) -> Engine:
-        docker = aiodocker.Docker(url=url)
+    async def connect(cls, url: str | None, call_timeout_s: float) -> Engine:
+        """Every call is bounded by `call_timeout_s`, except an exec's output stream, the event
+        stream (aiodocker leaves both unbounded) and a dump or restore (CRIU_CALL_S)."""
+        docker = aiodocker.Docker(url=url, timeout=aiohttp.ClientTimeout(total=call_timeout_s))
         try:
             info = msgspec.convert(await docker.system.info(), type=EngineInfo)
         except BaseException:
             await docker.close()
             raise
-        return cls(docker, Path(info.docker_root_dir))
+        return cls(docker, Path(info.docker_root_dir), call_timeout_s)
 
     async def close(self) -> None:
         await self.docker.close()
 
+    @daemon_call
     async def create(self, spec: SandboxSpec, host_id: str, sandbox: str) -> str:
         container = await self.docker.containers.create(
             create_config(spec, host_id, sandbox), name=container_name(host_id, sandbox)
         )
         return container.id
 
+    @daemon_call
     async def recreate(self, old: str, spec: SandboxSpec, host_id: str, sandbox: str) -> str:
         """Remove the sandbox's container `old` (if any) and create a new one. A container that
         holds the sandbox's name without being `old` (a crash between create and record) goes too."""
@@ -311,27 +341,35 @@ class Engine:
         await self.remove(container_name(host_id, sandbox))
         return await self.create(spec, host_id, sandbox)
 
+    @daemon_call
     async def state(self, container_id: str) -> ContainerState:
         """Raise aiodocker.DockerError, or msgspec.ValidationError for a reply that does not fit."""
         reply = await self.docker._query_json(f"containers/{container_id}/json")
         return msgspec.convert(reply, type=ContainerInspect).state
 
+    @daemon_call
     async def upper_dir(self, container_id: str) -> Path:
         """The container's writable layer on the host; raises as `state` does."""
         reply = await self.docker._query_json(f"containers/{container_id}/json")
         return Path(msgspec.convert(reply, type=ContainerStorage).graph_driver.data.upper_dir)
 
+    @daemon_call
     async def image_id(self, name: str) -> str:
         """Raise aiodocker.DockerError (404: no such image), or msgspec.ValidationError."""
         return msgspec.convert(await self.docker.images.inspect(name), type=ImageInspect).id
 
+    @daemon_call
     async def start(self, container_id: str, checkpoint: str | None = None) -> None:
         params = {"checkpoint": checkpoint} if checkpoint else None
-        async with self.docker._query(f"containers/{container_id}/start", method="POST", params=params):
+        bound = aiohttp.ClientTimeout(total=CRIU_CALL_S if checkpoint else self.call_timeout_s)
+        async with self.docker._query(
+            f"containers/{container_id}/start", method="POST", params=params, timeout=bound
+        ):
             pass
         with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
             self.oom_files[container_id] = oom_counter_files((await self.state(container_id)).pid)
 
+    @daemon_call
     async def remove(self, container_id: str) -> None:
         """Kill and remove; a container that is already gone is fine."""
         self.oom_files.pop(container_id, None)
@@ -344,6 +382,7 @@ class Engine:
             if exc.status != 404:
                 raise
 
+    @daemon_call
     async def pause(self, container_id: str) -> None:
         """Freeze the container. runc gives up when the cgroup's tasks do not settle within its
         own deadline ("unable to freeze"), which many sandboxes busy at once can cause; it thaws
@@ -363,6 +402,7 @@ class Engine:
                 )
                 await asyncio.sleep(FREEZE_RETRY_S * 2**attempt)
 
+    @daemon_call
     async def unpause(self, container_id: str) -> None:
         async with self.docker._query(f"containers/{container_id}/unpause", method="POST"):
             pass
@@ -379,6 +419,7 @@ class Engine:
             found = await asyncio.to_thread(outside_time_namespace, init_pid)
         return found
 
+    @daemon_call
     async def checkpoint(self, container_id: str, images: Path) -> str:
         """CRIU-dump the container's processes into `images`, leaving them running (or paused).
 
@@ -410,10 +451,11 @@ class Engine:
             f"containers/{container_id}/checkpoints",
             method="POST",
             data={"CheckpointID": images.name, "CheckpointDir": str(images.parent), "Exit": False},
-            timeout=aiohttp.ClientTimeout(),
+            timeout=aiohttp.ClientTimeout(total=CRIU_CALL_S),
         )
         return "engine"
 
+    @daemon_call
     async def ours(self, host_id: str) -> list[ContainerSummary]:
         reply = await self.docker._query_json(
             "containers/json",
@@ -498,10 +540,9 @@ class Engine:
                 ) from None
 
         try:
-            execution = await self.docker.containers.container(container_id).exec(
+            execution = await self.exec_create(
+                container_id,
                 ["/bin/sh", "-c", EXEC_WRAPPER, "belayer-action", command, f"{timeout_s:.3f}", marker],
-                stdout=True,
-                stderr=True,
             )
         except aiodocker.DockerError as exc:
             raise EnvironmentFailure("daemon-error", f"exec create failed: {exc.message}") from None
@@ -543,6 +584,9 @@ class Engine:
             raise EnvironmentFailure("exec-stream", f"exec stream broke: {reader.exception()}")
         if info.exit_code is None:
             raise EnvironmentFailure("exec-stream", "the exec ended without an exit code")
+        if info.pid == 0:  # e.g. the container froze as it started: the output is the daemon's
+            said = (bytes(out) + bytes(err)).decode(errors="replace").strip()[-400:]
+            raise EnvironmentFailure("daemon-error", f"the action never started: {said}")
         stderr = bytes(err)
         fired = (marker + "\n").encode() in stderr
         if fired:
@@ -557,6 +601,16 @@ class Engine:
             truncated=truncated,
             duration_s=time.monotonic() - start,
         )
+
+    @daemon_call
+    async def exec_create(self, container_id: str, argv: list[str]) -> Any:
+        """The exec (aiodocker's Exec), created and not started."""
+        return await self.docker.containers.container(container_id).exec(argv, stdout=True, stderr=True)
+
+    @daemon_call
+    async def exec_inspect(self, execution: Any) -> ExecInspect:
+        """Raise aiodocker.DockerError, or msgspec.ValidationError for a reply that does not fit."""
+        return msgspec.convert(await execution.inspect(), type=ExecInspect)
 
     async def kill_newer(self, container_id: str, init_pid: int, before: set[tuple[int, int]]) -> int:
         """Freeze the container, SIGKILL every process of it not in `before`, thaw it; how many.
@@ -597,7 +651,7 @@ class Engine:
             wake = remaining if swept else min(remaining, max(sweep_at - time.monotonic(), 0.0))
             done, _ = await asyncio.wait({reader}, timeout=min(poll, wake))
             try:
-                info = msgspec.convert(await execution.inspect(), type=ExecInspect)
+                info = await self.exec_inspect(execution)
             except aiodocker.DockerError as exc:
                 raise EnvironmentFailure("daemon-error", f"exec inspect failed: {exc.message}") from None
             except msgspec.ValidationError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -111,6 +112,53 @@ async def test_a_restore_while_dockerd_is_down_keeps_the_checkpoint(
             "latest", first.checkpoint_id, 1, [2, 7],
         )  # fmt: skip
         assert (await client.exec("d", "cat /tmp/mark")).stdout.strip() == "kept"
+    finally:
+        await nc.close()
+        svc.stop()
+        with contextlib.suppress(Exception):
+            await remove_host_containers(svc.host_id, own_dockerd.url)
+
+
+async def test_a_silent_dockerd_fails_each_call_and_not_the_service(
+    own_dockerd: OwnDockerd, nats_url: str, tmp_path: Path
+) -> None:
+    """dockerd SIGSTOPped (a daemon that holds a frozen container's lock is as silent): each call
+    fails after --docker-timeout, the service keeps answering, and nothing acknowledged is lost.
+    Mutation check, run by hand: without the bound, the exec waits until the client gives up
+    ("timeout"), and the restore behind it with it."""
+    svc = Service(
+        nats_url, "tsilent", tmp_path / "state", tmp_path / "checkpointer.log", docker_url=own_dockerd.url
+    )
+    svc.start("--docker-timeout", "2")
+    nc = await bus.connect(nats_url, "test-client")
+    client = SandboxClient(nc, svc.host_id)
+    assert own_dockerd.process is not None
+    try:
+        await svc.ready(client)
+        await client.create(SandboxSpec(image=DEFAULT_IMAGE), sandbox="s")
+        await client.exec("s", "echo kept > /tmp/mark")
+        first = await client.checkpoint("s", "traj-s", k=1, context_tokens=[5, 8])
+        own_dockerd.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(ServiceError) as failed:
+                await client.exec("s", "echo lost > /tmp/mark", timeout_s=5)
+            assert failed.value.code == "env-failure" and "did not answer" in failed.value.message, (
+                failed.value
+            )
+            with pytest.raises(ServiceError) as refused:
+                await client.restore("traj-s", timeout_s=10)
+            assert refused.value.code == "daemon-unavailable", refused.value
+            listing = await client.list()
+            assert [s.sandbox for s in listing.sandboxes] == ["s"]
+        finally:
+            own_dockerd.process.send_signal(signal.SIGCONT)
+        restored = await client.restore("traj-s")
+        assert (restored.checkpoint_id, restored.k, restored.context_tokens) == (
+            first.checkpoint_id,
+            1,
+            [5, 8],
+        )
+        assert (await client.exec("s", "cat /tmp/mark")).stdout.strip() == "kept"
     finally:
         await nc.close()
         svc.stop()

@@ -87,6 +87,21 @@ async def test_oom_kill_is_an_environment_failure(
     assert still.value.code == "env-failure"
 
 
+async def test_an_action_that_never_started_is_an_environment_failure(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    """Docker reports an exec it could not start (a frozen container, a missing shell) as exit code
+    126, with its own error as the output. That is not an observation. Mutation check, run by hand:
+    without the check on the exec's pid, the second exec answers 126 and "OCI runtime exec failed"."""
+    await client.create(SandboxSpec(image=image), sandbox="gone")
+    await client.exec("gone", "rm /bin/sh")  # the wrapper runs every action under /bin/sh
+    async with events(service.nats_url) as seen:
+        with pytest.raises(ServiceError) as failed:
+            await client.exec("gone", "echo never")
+    assert failed.value.code == "env-failure" and "never started" in failed.value.message, failed.value
+    assert any(isinstance(e, EnvFailure) and e.reason == "daemon-error" and e.step == 1 for e in seen)
+
+
 async def test_external_kill_is_an_environment_failure(
     client: SandboxClient, service: Service, image: str
 ) -> None:
