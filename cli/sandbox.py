@@ -54,6 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     create.add_argument("--pids-limit", type=int, default=512)
     create.add_argument("--network", action="store_true", help="attach to the default bridge network")
     create.add_argument("--cap-add", action="append", default=[], help="a capability to keep (repeatable)")
+    create.add_argument("--user", default="", help="name, uid or uid:gid to run as (default: the image's)")
 
     exec_ = verbs.add_parser("exec", help="run one action: /bin/sh -c COMMAND", parents=verb_options)
     exec_.add_argument("sandbox")
@@ -84,7 +85,7 @@ async def call(args: argparse.Namespace, client: SandboxClient) -> Message:
     if args.verb == "create":
         spec = SandboxSpec(
             image=args.image, memory_mb=args.memory_mb, pids_limit=args.pids_limit,
-            network=args.network, cap_add=args.cap_add,
+            network=args.network, cap_add=args.cap_add, user=args.user,
         )  # fmt: skip
         return await client.create(spec, sandbox=args.name)
     if args.verb == "exec":

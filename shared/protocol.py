@@ -608,6 +608,14 @@ RestoreSource = Literal["latest", "previous", "base"]
 EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing", "interrupted"]
 
 
+# Who a sandbox's init and every action run as: `name`, `uid` or `uid:gid`, as Docker's `User`;
+# empty: the image's own (its USER, root when it names none).
+SandboxUser = Annotated[
+    str,
+    Meta(max_length=65, pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?)?$"),
+]
+
+
 class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
     """How a sandbox container is created; kept in every checkpoint so a restore recreates it.
 
@@ -625,6 +633,7 @@ class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
     cpus: Annotated[float, Meta(gt=0.0, le=256.0)] = 1.0
     network: bool = False
     cap_add: Annotated[list[Capability], Meta(max_length=64)] = []
+    user: SandboxUser = ""
 
 
 class SandboxCreate(Message, tag="sandbox_create", kw_only=True):

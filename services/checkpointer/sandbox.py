@@ -71,6 +71,8 @@ FREEZE_RETRY_S = 0.2
 
 DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect to
 DOCKER_SILENT = 504  # ours, for a call the daemon did not answer within the engine's bound
+CAP_SYS_RESOURCE = 24  # prlimit() on another user's process needs it; CRIU reads every process's limits
+CRIU_NO_LIMITS = "Can't get rlimit"  # CRIU's log when prlimit() was refused
 CRIU_CALL_S = 600.0  # the bound of a call that dumps or restores processes (their memory may be large)
 UNREACHABLE_TEXT = "Cannot connect to Docker Engine"  # aiodocker's message for that status
 NO_SPACE_TEXT = "No space left on device"  # strerror(ENOSPC), as it appears in gathered errors
@@ -176,6 +178,7 @@ def create_config(spec: SandboxSpec, host_id: str, sandbox: str) -> dict[str, An
         "Cmd": list(spec.cmd) or IDLE_CMD,
         "Env": [f"{k}={v}" for k, v in sorted(spec.env.items())],
         "WorkingDir": spec.workdir,
+        "User": spec.user,
         "Labels": labels(host_id, sandbox, spec),
         "AttachStdin": False,
         "OpenStdin": False,
@@ -438,13 +441,20 @@ class Engine:
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
             out, _ = await process.communicate()
-            log_tail = ""
+            dump_log = ""
             with contextlib.suppress(OSError):
-                log_tail = (work / "dump.log").read_text(errors="replace")[-600:]
+                dump_log = (work / "dump.log").read_text(errors="replace")
             shutil.rmtree(work, ignore_errors=True)
             if process.returncode != 0:
+                why = ""
+                if CRIU_NO_LIMITS in dump_log and not has_capability(CAP_SYS_RESOURCE):
+                    why = (
+                        "CRIU may not read the limits of another user's processes: this host's root lacks"
+                        " CAP_SYS_RESOURCE (run the sandbox as root, or give the checkpointer that capability); "
+                    )
                 raise OSError(
-                    f"runc checkpoint failed ({process.returncode}): {out.decode(errors='replace')[-400:]} {log_tail}"
+                    f"{why}runc checkpoint failed ({process.returncode}):"
+                    f" {out.decode(errors='replace')[-400:]} {dump_log[-600:]}"
                 )
             return "runc"
         await self.docker._query_json(
@@ -678,6 +688,14 @@ def container_processes(init_pid: int) -> set[tuple[int, int]]:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 found.add((pid, int(stat.rsplit(")", 1)[1].split()[19])))  # field 22: starttime
     return found
+
+
+def has_capability(bit: int) -> bool:
+    """Whether this process holds the capability (its effective set, /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
 
 
 def time_namespace(pid: int) -> str | None:

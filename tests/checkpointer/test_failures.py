@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, has_capability
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
 from belayer_rl.shared.subjects import Subjects
@@ -250,6 +251,29 @@ async def test_a_sandbox_cannot_be_configured_into_the_host(
     with pytest.raises(ServiceError) as full:
         await client.create(SandboxSpec(image=image, memory_mb=64), sandbox="c")
     assert full.value.code == "host-full"
+
+
+async def test_a_spec_names_the_user_and_a_dump_it_cannot_make_says_why(
+    client: SandboxClient, image: str
+) -> None:
+    """`user` runs the init and every action as that user. CRIU reads the limits of every process it
+    dumps, which for another user's process needs CAP_SYS_RESOURCE: where the host's root lacks it
+    (this project's CI machines) the checkpoint fails saying so and the sandbox runs on; where root
+    has it, the checkpoint is made. A user that is no name is refused at the edge. Mutation check,
+    run by hand: without `User` in the create config, `id -u` answers 0."""
+    await client.create(SandboxSpec(image=image, user="65534:65534"), sandbox="nobody")
+    who = await client.exec("nobody", "id -u; id -g; stat -c %u /proc/1; touch /etc/x 2>&1")
+    lines = who.stdout.splitlines()
+    assert lines[:3] == ["65534", "65534", "65534"] and "Permission denied" in lines[3], who
+    if has_capability(CAP_SYS_RESOURCE):
+        assert (await client.checkpoint("nobody", "traj-nobody", k=1)).k == 1
+    else:
+        with pytest.raises(ServiceError) as refused:
+            await client.checkpoint("nobody", "traj-nobody", k=1)
+        assert refused.value.code == "checkpoint-failed" and "CAP_SYS_RESOURCE" in refused.value.message
+    assert (await client.exec("nobody", "id -u", expect_step=1)).stdout == "65534\n"
+    with pytest.raises(msgspec.ValidationError, match="user"):
+        msgspec.convert({"image": image, "user": "0;rm -rf /"}, type=SandboxSpec)
 
 
 async def test_oom_killed_init_is_an_oom_environment_failure(
