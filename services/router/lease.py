@@ -3,8 +3,10 @@
 The lease is one key in a JetStream KV bucket; its value names the holder's incarnation. The
 holder renews it every ttl/3 by compare-and-set on the key's revision. A router that wants it
 watches the revision: one that stands still for a whole TTL, timed on the watcher's own clock, is a
-lease that expired, and the watcher takes it by compare-and-set under incarnation + 1. No two
-routers read each other's clocks, so only clock *rates* must agree, not their times.
+lease that expired, and the watcher takes it by compare-and-set under incarnation + 1. A router
+that finds no lease (none yet, or one deleted or purged) takes the bucket's last revision + 1, so
+incarnations only grow while the bucket lives. No two routers read each other's clocks, so only
+clock *rates* must agree, not their times.
 
 The holder may act only until `sent + ttl`, where `sent` is when it sent its last renewal that the
 store acknowledged: a successor waits a full TTL after it *saw* that revision, so the two windows
@@ -119,7 +121,16 @@ class Lease:
                 continue
             now = time.monotonic()
             if entry is None or entry.value is None or entry.revision is None:
-                if await self._take(1, 0, now):
+                # No lease, or a deleted one: its last incarnation is gone with it. The bucket's
+                # last revision is above every incarnation ever written (each is written at a
+                # revision at least its own), so counting from it never goes backwards.
+                try:
+                    last = (await self.kv.status()).stream_info.state.last_seq
+                except _STORE_ERRORS as exc:
+                    log.info("lease bucket unreadable (%s); asking again", exc)
+                    await asyncio.sleep(self.ttl_s / 4)
+                    continue
+                if await self._take(last + 1, 0, now):
                     return
                 continue
             if seen is None or seen[0] != entry.revision:
