@@ -148,6 +148,7 @@ class Runtime:
         self.handled = 0
         self.started_at = time.time()
         self.is_ready = False
+        self.standby = ""  # what a warm standby waits for; "" when it is none
         self._nc: NATS | None = None
         self._stack = contextlib.AsyncExitStack()
         self._subscriptions: list[Subscription] = []
@@ -282,11 +283,19 @@ class Runtime:
         self.is_ready = True
         log.info("%s ready: %s", self.name, detail)
 
+    def standing_by(self, waiting_for: str) -> None:
+        """A warm standby, set up and waiting to take over: healthy (it does its job, a container
+        orchestrator must not restart it), but not ready (it serves nothing yet)."""
+        self.standby = waiting_for
+
     def health(self) -> tuple[bool, str]:
-        """What /healthz says: serving only between `ready()` and the start of a drain."""
+        """What /healthz says: serving only between `ready()` and the start of a drain, or
+        standing by."""
         if self.stopping.is_set():
             return False, "draining"
-        return (True, "ok") if self.is_ready else (False, "starting")
+        if self.is_ready:
+            return True, "ok"
+        return (True, f"standby: {self.standby}") if self.standby else (False, "starting")
 
     async def start_metrics(self) -> None:
         """Serve /metrics and /healthz (unless --metrics-port is -1), until the very end."""
@@ -306,7 +315,7 @@ class Runtime:
         return ServiceCounts(
             errors=self.errors,
             handled=self.handled,
-            ready=self.health()[0],
+            ready=self.is_ready and not self.stopping.is_set(),  # a standby is healthy, not ready
             records_skipped=self.records_skipped,
         )
 

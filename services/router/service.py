@@ -60,6 +60,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
         Endpoint.event(rt.subjects, "worker_failed", router.on_worker_failed, "*"),
         Endpoint.event(rt.subjects, "engine_quarantined", router.on_quarantined, "*"),
     )
+    rt.standing_by("the router lease")  # a warm standby until the lease is free
     await lease.acquire()
     rt.spawn(lease.renew(), "lease", essential=True)  # lost to another router: this one stops
     started = await router.rebuild()

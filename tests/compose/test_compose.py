@@ -7,8 +7,8 @@ every test of the module and is taken down (`down -v`) at the end, whatever happ
 
 - A SIGKILL of the main worker inside its engine container, at a seeded random token: the shadow
   takes over inside the container and the tokens equal a fault-free run's.
-- `docker compose restart router` (graceful, then with no grace) during a generation: it ends
-  token-exact, and so does one after. A restart of each other service, one at a time, leaves the
+- `docker compose restart` of the active router (graceful, then with no grace) during a
+  generation: the standby takes over, the generation ends token-exact, and so does one after. A restart of each other service, one at a time, leaves the
   cluster serving the same tokens.
 - The checkpointer in its container checkpoints and restores a sandbox, processes included.
 - The trainer (profile `train`) runs GRPO steps in its container, and a rerun resumes.
@@ -348,6 +348,23 @@ async def start_generation(stack: Stack, seed: int) -> asyncio.subprocess.Proces
     )
 
 
+ROUTERS = ("router", "router-standby")  # either may hold the lease
+
+
+def active_router(stack: Stack) -> str:
+    """The router service whose /healthz says "ok"; the other stands by ("standby: ...")."""
+    said = {
+        service: stack.compose(
+            "exec", "-T", service, "python", "-c",
+            "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9100/healthz').read().decode())",
+        ).strip()
+        for service in ROUTERS
+    }  # fmt: skip
+    active = [service for service, answer in said.items() if answer == "ok"]
+    assert len(active) == 1 and any(a.startswith("standby") for a in said.values()), said
+    return active[0]
+
+
 async def healthy(stack: Stack, service: str) -> bool | None:
     state = stack.container(service)["State"]
     return True if state["Running"] and state.get("Health", {}).get("Status") == "healthy" else None
@@ -361,7 +378,16 @@ async def test_every_service_healthy_and_only_nats_published_on_localhost(stack:
         json.loads(line) for line in stack.compose("ps", "--all", "--format", "json").splitlines() if line
     ]
     services = {row["Service"]: row for row in rows}
-    expected = {"nats", "namespaces", "router", "weight-server", "kv-server", "checkpointer", "policy"}
+    expected = {
+        "nats",
+        "namespaces",
+        "router",
+        "router-standby",
+        "weight-server",
+        "kv-server",
+        "checkpointer",
+        "policy",
+    }
     assert set(services) == expected | {f"engine-{e}" for e in ENGINES}
     for name, row in services.items():
         assert row["State"] == "running", (name, row["State"], row["Status"])
@@ -561,12 +587,13 @@ async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack
     async with await Client.connect(stack.target, "compose-test") as client:
         await client.wait_for_engines(len(ENGINES), 60)
         request_seed, reference = await long_request(client, rng)
-        for grace in ("10", "0"):  # a drain, then none: the new router resumes from the token log
+        for grace in ("10", "0"):  # a drain, then none: the standby takes over from the token log
             restart_at = rng.randint(8, LONG_ENOUGH // 3)
-            before = stack.container("router")["State"]["StartedAt"]
+            router = active_router(stack)
+            before = stack.container(router)["State"]["StartedAt"]
             generation, _ = await caught_in_flight(stack, client, request_seed, reference, restart_at)
             restart = await asyncio.create_subprocess_exec(
-                *stack.compose_argv("restart", "--timeout", grace, "router"),
+                *stack.compose_argv("restart", "--timeout", grace, router),
                 env=stack.env,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
@@ -574,10 +601,13 @@ async def test_compose_restart_router_mid_generation_is_token_exact(stack: Stack
             result = await finish(generation)
             _, err = await restart.communicate()
             assert restart.returncode == 0, err.decode()
-            print(f"restart --timeout {grace} at token {restart_at}: {result['resumes']} resumes")
-            assert stack.container("router")["State"]["StartedAt"] != before, "the router did not restart"
+            print(f"restart --timeout {grace} of {router} at token {restart_at}: {result['resumes']} resumes")
+            assert stack.container(router)["State"]["StartedAt"] != before, f"{router} did not restart"
             assert result["tokens"] == reference, f"restart --timeout {grace}: the tokens differ"
-            await poll(lambda: healthy(stack, "router"), timeout_s=120, every_s=0.5)
+            await poll(
+                lambda router=router: healthy(stack, router), timeout_s=120, every_s=0.5
+            )  # now the standby
+            assert active_router(stack) != router, "the standby did not take over"
         after = json.loads(stack.belayer(*generate_args(request_seed)))
         assert after["tokens"] == reference, "a generation after the restarts differs"
 

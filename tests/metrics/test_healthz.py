@@ -58,7 +58,7 @@ async def test_a_real_router_is_starting_until_nats_comes_up_then_ok(tmp_path: P
         starting = await poll(lambda: healthz(port), timeout_s=60, every_s=0.1)
         not_ready = await scrape(port)  # /metrics answers before the service is ready, too
         nats = await start_nats_server(tmp_path / "jetstream", nats_port, tmp_path / "nats.log")
-        ok = await poll(lambda: healthz(port, 200), timeout_s=60, every_s=0.1)
+        ok = await poll(lambda: ok_now(port), timeout_s=60, every_s=0.1)  # past a moment's standby
         ready = await scrape(port)
         missing = await http_get(port, "/nope")
         nc = await bus.connect(f"nats://127.0.0.1:{nats_port}", "test-client")
@@ -82,6 +82,39 @@ async def test_a_real_router_is_starting_until_nats_comes_up_then_ok(tmp_path: P
     assert missing[0] == 404
     assert stats.metrics_port == port
     assert code == 0 and gone
+
+
+async def test_a_standby_router_is_healthy_not_ready_until_it_takes_over(nats_server, tmp_path: Path) -> None:
+    """A warm standby does its job by waiting: a container orchestrator must see it healthy (200,
+    "standby: ...") or it would restart it, yet its readiness gauge stays 0 until it holds the lease.
+    Mutation check, run by hand: without `standing_by`, the standby answers 503 "starting"."""
+    ports = free_port(), free_port()
+    routers = []
+    for i, port in enumerate(ports):
+        argv = [
+            sys.executable, "-m", "belayer_rl.services.router", "--nats", nats_server.url,
+            "--metrics-port", str(port), "--lease-ttl", "3",
+        ]  # fmt: skip
+        with (tmp_path / f"router-{i}.log").open("ab") as log:
+            routers.append(await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=log))
+        await poll(lambda port=port: ok_now(port) if port == ports[0] else healthz(port, 200), timeout_s=60)
+    try:
+        standby = await healthz(ports[1])
+        standby_ready = (await scrape(ports[1])).get("belayer_service_ready")
+        routers[0].send_signal(signal.SIGKILL)
+        taken_over = await poll(lambda: ok_now(ports[1]), timeout_s=30, every_s=0.1)
+        ready = (await scrape(ports[1])).get("belayer_service_ready")
+    finally:
+        for router in routers:
+            await stop_process(router)
+    assert standby == (200, "standby: the router lease\n")
+    assert standby_ready == 0
+    assert taken_over == (200, "ok\n") and ready == 1
+
+
+async def ok_now(port: int) -> tuple[int, str] | None:
+    answer = await healthz(port, 200)
+    return answer if answer is not None and answer[1] == "ok\n" else None
 
 
 async def test_healthz_is_503_while_draining(nats_server) -> None:
