@@ -126,6 +126,10 @@ class LogWriter:
         self.queue: asyncio.Queue[tuple[LogRecord, asyncio.Future[bus.ServiceError | None]]] = asyncio.Queue()
         self.appended = 0
         self.last: dict[str, int] = {}  # request id -> sequence of its subject's last record
+        # request id -> its chunks from the first one dropped on. A reader places a chunk only where
+        # it continues the log, so these are written again, in order, before anything else of the
+        # request: above all before its end, which must not stand in the log without its tokens.
+        self.unlogged: dict[str, list[LogChunk]] = {}
 
     def put(self, record: LogRecord) -> asyncio.Future[bus.ServiceError | None]:
         """Queue the record; the future says when it is durable (None) or why it was dropped."""
@@ -146,6 +150,7 @@ class LogWriter:
         while True:
             record, appended = await self.queue.get()
             try:
+                await self.fill_gap(record.request_id)
                 await self.append_now(record)
                 self.appended += 1
                 if isinstance(record, LogEnd):
@@ -157,8 +162,20 @@ class LogWriter:
                     log.error("the token log refused %s: %s", type(record).__name__, exc.message)
                     raise
                 log.error("dropped %s of %s: %s", type(record).__name__, record.request_id, exc)
+                if isinstance(record, LogChunk):
+                    self.unlogged.setdefault(record.request_id, []).append(record)
             finally:
                 self.queue.task_done()
+
+    async def fill_gap(self, request_id: str) -> None:
+        """Write the request's dropped chunks and those after them, in order; raises as `append`
+        does at the first that fails again (it and the rest stay)."""
+        pending = self.unlogged.get(request_id, [])
+        while pending:
+            await self.append_now(pending[0])
+            self.appended += 1
+            pending.pop(0)
+        self.unlogged.pop(request_id, None)
 
     async def drain(self) -> None:
         """Until every queued record is appended (the caller bounds the wait)."""

@@ -235,3 +235,48 @@ async def rebuilt(cluster, old_pid: int) -> protocol.RouterStatus | None:  # typ
         if holder is not None and holder.pid != old_pid:
             return status
     return None
+
+
+async def test_an_end_is_never_logged_without_the_chunks_dropped_before_it(nats_server, monkeypatch) -> None:
+    """The log stops taking appends while two chunks of a request are written: both are dropped.
+    The log comes back before the request's end. A reader places a chunk only where it continues
+    the log, so an end written alone would stand for a request whose tokens the log lacks: a
+    successor would answer an attach with fewer tokens than were generated. The writer writes the
+    dropped chunks again, in order, before anything else of the request. Mutation check, run by
+    hand: without `fill_gap` the log ends the request with no tokens."""
+    monkeypatch.setattr(token_log, "MAX_PUBLISH_TRIES", 2)  # drop within a second, not two minutes
+    monkeypatch.setattr(token_log, "PUBLISH_TIMEOUT_S", 0.2)
+    nc = await bus.connect(nats_server.url, "test-writer")
+    writer_task = None
+    try:
+        js = nc.jetstream()
+        await bus.declare_jetstream(js, NAMES)
+        writer = token_log.LogWriter(js, NAMES)
+        writer.incarnation = 1
+        start = LogStart(request_id="r1", prompt_tokens=[1, 2], max_tokens=8, chunk_tokens=4)
+        await writer.append_now(start)
+        writer_task = asyncio.create_task(writer.run())
+        chunks = [
+            LogChunk(request_id="r1", index=i, position=4 * i, tokens=[10 + 4 * i + j for j in range(4)],
+                     attempt=1, incarnation=1)
+            for i in range(2)
+        ]  # fmt: skip
+        config = (await js.stream_info(NAMES.token_log_stream)).config
+        subjects = list(config.subjects or [])
+        await js.update_stream(dataclasses.replace(config, subjects=["belayer-test.nowhere.>"]))
+        try:
+            dropped = [await writer.put(chunk) for chunk in chunks]
+        finally:
+            await js.update_stream(dataclasses.replace(config, subjects=subjects))
+        assert [error.code if error else None for error in dropped] == ["log-unavailable"] * 2
+        end = protocol.LogEnd(request_id="r1", finish_reason="length", num_tokens=8, incarnation=1)
+        assert await writer.put(end) is None
+        logged, _ = await token_log.read_all(js, NAMES)
+        assert logged["r1"].end is not None
+        assert logged["r1"].tokens == [t for chunk in chunks for t in chunk.tokens]
+    finally:
+        if writer_task is not None:
+            writer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer_task
+        await nc.close()
