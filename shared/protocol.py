@@ -778,6 +778,14 @@ class EnvFailure(Message, tag="env_failure", kw_only=True):
     step: Step = 0
 
 
+class TrajectoryEnded(Message, tag="trajectory_ended", kw_only=True):
+    """Event `belayer.<cluster>.evt.trajectory_ended.<trajectory>`: `host_id` ended the
+    trajectory and deleted its pointer and shared copies; every other host deletes its own."""
+
+    trajectory: TrajectoryId
+    host_id: HostId
+
+
 class SandboxRestored(Message, tag="sandbox_restored", kw_only=True):
     trajectory: TrajectoryId
     sandbox: SandboxId
@@ -1054,6 +1062,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "engine_quarantined": EngineQuarantined,
     "engine_unstable": EngineUnstable,
     "record_skipped": RecordSkipped,
+    "trajectory_ended": TrajectoryEnded,
     "weights_published": WeightsPublished,
     "checkpoint_ready": CheckpointReady,
     "env_failure": EnvFailure,

@@ -216,13 +216,14 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("checkpoint_ready", "*"),
                 s.event("sandbox_restored", "*"),
                 s.event("record_skipped", "*"),
+                s.event("trajectory_ended", "*"),
                 f"$KV.{pointers}.>",
                 f"$O.{objects}.>",
                 # nats-py's object store looks its stream up by subject when it reads a checkpoint
                 # back (get, list): the stream names, nothing more.
                 "$JS.API.STREAM.NAMES",
             ),
-            subscribe=(f"{r}.sandbox.*.*",),
+            subscribe=(f"{r}.sandbox.*.*", s.event("trajectory_ended", "*")),
             replies=True,
             streams=(kv_stream(pointers), object_stream(objects)),
             # One per Docker host, named checkpointer-<host>: a token NATS wildcards cannot split.

@@ -64,6 +64,7 @@ from belayer_rl.shared.protocol import (
     SandboxRestore,
     SandboxRestored,
     TrajectoryEnd,
+    TrajectoryEnded,
 )
 from belayer_rl.shared.runtime import Skipped
 
@@ -392,12 +393,21 @@ class Checkpointer:
         )
 
     async def on_end(self, req: TrajectoryEnd) -> Ack:
-        """GC: the trajectory is over, its checkpoints and pointer go."""
+        """GC: the trajectory is over, its checkpoints and pointer go, here and (through the
+        event) on every host that holds copies of its own, from before the trajectory moved."""
         await asyncio.to_thread(self.store.remove_trajectory, req.trajectory)
         if self.objects is not None:
             await objects.delete_trajectory(self.objects, req.trajectory)
         await pointer.delete(self.kv, req.trajectory)
+        ended = TrajectoryEnded(trajectory=req.trajectory, host_id=self.config.host_id)
+        await self.publish(self.subjects.event("trajectory_ended", req.trajectory), ended)
         return Ack(detail=f"trajectory {req.trajectory} ended")
+
+    async def on_trajectory_ended(self, event: TrajectoryEnded) -> None:
+        """Another host ended a trajectory: this host's own copies go too. A host that was down
+        then keeps them until its disk budget evicts them."""
+        if event.host_id != self.config.host_id:
+            await asyncio.to_thread(self.store.remove_trajectory, event.trajectory)
 
     # ------------------------------------------------------------ full_checkpoint
 

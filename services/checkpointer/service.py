@@ -77,7 +77,9 @@ async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
         concurrent=True,
         with_subject=True,
     )
-    await rt.serve(rpc)
+    await rt.serve(
+        rpc, Endpoint.event(rt.subjects, "trajectory_ended", checkpointer.on_trajectory_ended, "*")
+    )
     rt.spawn(checkpointer.watch(), "watch-engine")
     rt.ready(
         f"host {config.host_id}: {len(checkpointer.sandboxes)} sandboxes, docker root {engine.data_root},"

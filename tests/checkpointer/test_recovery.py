@@ -15,6 +15,7 @@ from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CHECKPOINT_PHASES
 from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
+from tests.support import poll
 
 from .conftest import Service
 from .helpers import checkpoint_dir, events, kill_container, replace_layer
@@ -340,7 +341,14 @@ async def test_checkpoint_travels_through_the_object_store(
             [4, 2],
         )
         await assert_restored_at_one(there, "far")
-        await there.end("traj-far")
+        first_host_copies = service.state_dir / "checkpoints" / "traj-far"
+        assert first_host_copies.is_dir()
+        await there.end("traj-far")  # the second host ends it: the first host's copies go too
+
+        async def gone() -> bool | None:
+            return True if not first_host_copies.exists() else None
+
+        await poll(gone, timeout_s=10, every_s=0.1)
     finally:
         await nc.close()
         other.stop()
