@@ -36,8 +36,8 @@ ALLOWED_TOKENS_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
 MAX_BEAT_ATTEMPTS = 4096  # attempt ids one heartbeat lists
 
-RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-EngineId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
+EngineId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 16)]
 MAX_PROMPT_BYTES = 1 << 16  # = the most tokens a Tokens list holds
 Tokens = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_BYTES)]
@@ -47,8 +47,8 @@ Incarnation = Annotated[int, Meta(ge=0, lt=1 << 31)]  # a router lease's; attemp
 Seed = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=10.0)]
 StopStrings = Annotated[list[Annotated[str, Meta(min_length=1, max_length=64)]], Meta(max_length=8)]
-Subject = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\s*>]+$")]
-WeightVersion = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_:-]+$")]
+Subject = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\s*>]+\Z")]
+WeightVersion = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_:-]+\Z")]
 
 FinishReason = Literal["eos", "stop", "length", "cancelled", "error"]
 
@@ -593,16 +593,16 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
 # `belayer.<cluster>.evt.`, prefix pointers in a JetStream KV bucket. Outputs of actions are text (UTF-8,
 # undecodable bytes replaced) and capped; a cap that was hit is flagged, never silent.
 
-SandboxId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-TrajectoryId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-HostId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+SandboxId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
+TrajectoryId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
+HostId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
 # A checkpoint's id becomes a folder name (and an object's): letters, digits, "_" and "-" only, so
 # no stored pointer or manifest can name a path outside the store. Empty: the base image.
-CheckpointId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,96}$")]
+CheckpointId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,96}\Z")]
 Step = Annotated[int, Meta(ge=0)]  # k: the number of actions completed in the sandbox
-ImageRef = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]*$")]
-Capability = Annotated[str, Meta(pattern=r"^[A-Z_]{2,32}$")]
-Digest = Annotated[str, Meta(pattern=r"^(sha256:[0-9a-f]{64})?$")]
+ImageRef = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]*\Z")]
+Capability = Annotated[str, Meta(pattern=r"^[A-Z_]{2,32}\Z")]
+Digest = Annotated[str, Meta(pattern=r"^(sha256:[0-9a-f]{64})?\Z")]
 RestoreSource = Literal["latest", "previous", "base"]
 # interrupted: the checkpointer stopped during an action, whose effect on the sandbox is unknown
 EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing", "interrupted"]
@@ -612,7 +612,9 @@ EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", 
 # empty: the image's own (its USER, root when it names none).
 SandboxUser = Annotated[
     str,
-    Meta(max_length=65, pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?)?$"),
+    Meta(
+        max_length=65, pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?)?\Z"
+    ),
 ]
 
 
@@ -625,9 +627,9 @@ class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
     image: ImageRef
     cmd: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=64)] = []
     env: Annotated[
-        dict[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str], Meta(max_length=64)
+        dict[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*\Z")], str], Meta(max_length=64)
     ] = {}
-    workdir: Annotated[str, Meta(max_length=256, pattern=r"^(/.*)?$")] = ""
+    workdir: Annotated[str, Meta(max_length=256, pattern=r"^(/.*)?\Z")] = ""
     memory_mb: Annotated[int, Meta(ge=16, le=1 << 20)] = 1024
     pids_limit: Annotated[int, Meta(ge=8, le=1 << 16)] = 512
     cpus: Annotated[float, Meta(gt=0.0, le=256.0)] = 1.0
@@ -638,7 +640,7 @@ class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
 
 class SandboxCreate(Message, tag="sandbox_create", kw_only=True):
     spec: SandboxSpec
-    sandbox: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}$")] = ""  # empty: the checkpointer names it
+    sandbox: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}\Z")] = ""  # empty: the checkpointer names it
 
 
 class SandboxExec(Message, tag="sandbox_exec", kw_only=True):
@@ -823,7 +825,7 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
 
 # A named checkpoint policy: the one spelling the wire, the service's flag and the parser accept.
 POLICY_PATTERN = r"adaptive|never|always|every-[1-9][0-9]{0,5}"
-PolicyName = Annotated[str, Meta(max_length=32, pattern=rf"^({POLICY_PATTERN})?$")]
+PolicyName = Annotated[str, Meta(max_length=32, pattern=rf"^({POLICY_PATTERN})?\Z")]
 
 
 class PolicyDecide(Message, tag="policy_decide", kw_only=True):
@@ -931,7 +933,7 @@ class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
 class TrainerStep(Message, tag="trainer_step", kw_only=True):
     """Event `belayer.<cluster>.evt.trainer_step.<run>`: one GRPO step done and its weights published."""
 
-    run: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    run: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
     step: Annotated[int, Meta(ge=0)]
     weight_version: WeightVersion  # published after this step
     generated_with: list[WeightVersion]  # the versions that generated this step's samples
@@ -952,7 +954,7 @@ class TrainerStep(Message, tag="trainer_step", kw_only=True):
 # The trainer drives each worker of a group by request on
 # `belayer.<cluster>.trainer.<run>.<group>.<rank>.<verb>`; workers publish `group_heartbeat`.
 
-RunId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,40}$")]
+RunId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,40}\Z")]
 # "rollout": the rollout engines, as the trainer's fault manager rebuilds them (engine restarts).
 GroupName = Literal["actor", "reference", "reward", "rollout"]
 
@@ -1126,9 +1128,9 @@ AnyEvent = (
 # handle when the data lives on a GPU. `instance` changes whenever a server restarts, so a handle
 # from a dead instance is recognisable (its segments were removed by the restarted server).
 
-HolderId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_:-]{1,128}$")]
-SegmentName = Annotated[str, Meta(max_length=200, pattern=r"^[A-Za-z0-9_.-]*$")]
-InstanceId = Annotated[str, Meta(pattern=r"^[0-9a-f]{1,32}$")]
+HolderId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_:-]{1,128}\Z")]
+SegmentName = Annotated[str, Meta(max_length=200, pattern=r"^[A-Za-z0-9_.-]*\Z")]
+InstanceId = Annotated[str, Meta(pattern=r"^[0-9a-f]{1,32}\Z")]
 TensorDType = Literal["float32", "float16", "bfloat16", "uint8", "int64"]
 ByteCount = Annotated[int, Meta(ge=0, le=1 << 46)]
 
@@ -1211,7 +1213,7 @@ class WeightsPublish(Message, tag="weights_publish", kw_only=True):
     another host puts it there first). Exactly one of the two."""
 
     path: Annotated[str, Meta(max_length=4096)] = ""
-    object_name: Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
+    object_name: Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9_.-]*\Z")] = ""
 
     def __post_init__(self) -> None:
         if bool(self.path) == bool(self.object_name):
