@@ -268,6 +268,8 @@ class Checkpointer:
         if sb.record.state != "running" or sb.fifo.locked() or not sb.record.container_id:
             return
         failure, sb.record.oom_seen = await self.engine.health(sb.record.container_id, sb.record.oom_seen)
+        if failure is not None and host_trouble(failure) is not None:
+            return  # the daemon's trouble says nothing of the sandbox: its next action will tell
         if failure is not None and not sb.fifo.locked() and sb.record.state == "running":
             await self.env_failure(sb, failure)
 

@@ -75,6 +75,7 @@ CAP_SYS_RESOURCE = 24  # prlimit() on another user's process needs it; CRIU read
 CRIU_NO_LIMITS = "Can't get rlimit"  # CRIU's log when prlimit() was refused
 CRIU_CALL_S = 600.0  # the bound of a call that dumps or restores processes (their memory may be large)
 UNREACHABLE_TEXT = "Cannot connect to Docker Engine"  # aiodocker's message for that status
+SILENT_TEXT = "the Docker daemon did not answer"  # ours, for DOCKER_SILENT
 NO_SPACE_TEXT = "No space left on device"  # strerror(ENOSPC), as it appears in gathered errors
 
 
@@ -86,7 +87,7 @@ def host_trouble(exc: BaseException) -> ServiceError | None:
     if (
         isinstance(exc, EnvironmentFailure)
         and exc.reason == "daemon-error"
-        and UNREACHABLE_TEXT in exc.detail
+        and (UNREACHABLE_TEXT in exc.detail or SILENT_TEXT in exc.detail)
     ):
         return ServiceError("daemon-unavailable", exc.detail)
     full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
@@ -292,9 +293,7 @@ def daemon_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         try:
             return await method(*args, **kwargs)
         except TimeoutError:
-            raise aiodocker.DockerError(
-                DOCKER_SILENT, f"the Docker daemon did not answer {method.__name__} in time"
-            ) from None
+            raise aiodocker.DockerError(DOCKER_SILENT, f"{SILENT_TEXT} {method.__name__} in time") from None
 
     return bounded
 
@@ -569,7 +568,8 @@ class Engine:
                 buf += message.data[: max(room, 0)]
 
         try:
-            async with execution.start(detach=False) as stream:
+            async with contextlib.AsyncExitStack() as started:
+                stream = await self.exec_start(started, execution)
                 reader = asyncio.create_task(read(stream))
                 try:
                     info = await self._wait_exec(
@@ -616,6 +616,14 @@ class Engine:
     async def exec_create(self, container_id: str, argv: list[str]) -> Any:
         """The exec (aiodocker's Exec), created and not started."""
         return await self.docker.containers.container(container_id).exec(argv, stdout=True, stderr=True)
+
+    @daemon_call
+    async def exec_start(self, stack: contextlib.AsyncExitStack, execution: Any) -> Any:
+        """Start the exec, its output stream (aiodocker's Stream) entered on `stack`. Only the
+        start is bounded: the daemon answers it under the container's lock, which a frozen exec
+        may hold for good. The stream itself lasts as long as the action."""
+        async with asyncio.timeout(self.call_timeout_s):  # aiodocker leaves a stream unbounded
+            return await stack.enter_async_context(execution.start(detach=False))
 
     @daemon_call
     async def exec_inspect(self, execution: Any) -> ExecInspect:

@@ -807,6 +807,7 @@ class Router:
                 if request.end is not None:
                     if now - request.ended_at > FINISHED_TTL_S:
                         del self.requests[request.request_id]
+                        self.writer.forget(request.request_id)
                     continue
                 if now - request.followed_at > self.config.client_timeout_s:
                     # Its client is gone (a live one sends keepalives): stop spending an engine on it.

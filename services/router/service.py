@@ -62,6 +62,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     )
     rt.standing_by("the router lease")  # a warm standby until the lease is free
     await lease.acquire()
+    rt.standing_by("")  # taking over: starting, until the rebuild is done
     rt.spawn(lease.renew(), "lease", essential=True)  # lost to another router: this one stops
     started = await router.rebuild()
     await rt.serve(

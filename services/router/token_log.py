@@ -126,10 +126,11 @@ class LogWriter:
         self.queue: asyncio.Queue[tuple[LogRecord, asyncio.Future[bus.ServiceError | None]]] = asyncio.Queue()
         self.appended = 0
         self.last: dict[str, int] = {}  # request id -> sequence of its subject's last record
-        # request id -> its chunks from the first one dropped on. A reader places a chunk only where
-        # it continues the log, so these are written again, in order, before anything else of the
-        # request: above all before its end, which must not stand in the log without its tokens.
-        self.unlogged: dict[str, list[LogChunk]] = {}
+        # request id -> its records from the first chunk dropped on. A reader places a chunk only
+        # where it continues the log, so these are written again, in order, before anything else
+        # of the request: above all before its end, which must not stand in the log without its
+        # tokens. (Written twice, a record is deduplicated by its id.)
+        self.unlogged: dict[str, list[LogRecord]] = {}
 
     def put(self, record: LogRecord) -> asyncio.Future[bus.ServiceError | None]:
         """Queue the record; the future says when it is durable (None) or why it was dropped."""
@@ -162,14 +163,19 @@ class LogWriter:
                     log.error("the token log refused %s: %s", type(record).__name__, exc.message)
                     raise
                 log.error("dropped %s of %s: %s", type(record).__name__, record.request_id, exc)
-                if isinstance(record, LogChunk):
+                if isinstance(record, LogChunk) or record.request_id in self.unlogged:
                     self.unlogged.setdefault(record.request_id, []).append(record)
             finally:
                 self.queue.task_done()
 
+    def forget(self, request_id: str) -> None:
+        """The router forgot the request: nothing more of it will be written."""
+        self.last.pop(request_id, None)
+        self.unlogged.pop(request_id, None)
+
     async def fill_gap(self, request_id: str) -> None:
-        """Write the request's dropped chunks and those after them, in order; raises as `append`
-        does at the first that fails again (it and the rest stay)."""
+        """Write the request's records from its first dropped chunk on, in order; raises as
+        `append` does at the first that fails again (it and the rest stay)."""
         pending = self.unlogged.get(request_id, [])
         while pending:
             await self.append_now(pending[0])
