@@ -485,6 +485,7 @@ class CheckpointerConfig(ServiceConfig):
     object_store: bool = setting(False, "upload checkpoints to JetStream for restores on other hosts")
     replicas: int = same_as(RouterConfig, "replicas")
     allow_network: bool = setting(False, "let a sandbox ask for a network (`network: true`)")
+    allow_root_user: bool = setting(False, "let a sandbox ask to run as root (`user: root` or uid 0)")
     max_sandboxes: int = setting(64, "sandboxes this host runs at once, at most")
     sandbox_memory_mb: int = setting(0, "the most memory one sandbox may ask for (0: the host's memory)")
     sandbox_cpus: float = setting(0.0, "the most CPUs one sandbox may ask for (0: the host's CPUs)")

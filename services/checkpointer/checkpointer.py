@@ -117,6 +117,7 @@ class Checkpointer:
             max_layer_bytes=int(config.max_layer_gb * (1 << 30)), crash_at=config.crash_at,
             policy=SandboxPolicy(
                 allow_network=config.allow_network,
+                allow_root_user=config.allow_root_user,
                 max_memory_mb=config.sandbox_memory_mb or host_memory_mb(),
                 max_cpus=config.sandbox_cpus or float(os.cpu_count() or 1),
             ),

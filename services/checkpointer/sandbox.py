@@ -152,6 +152,7 @@ class SandboxPolicy:
     allow_network: bool
     max_memory_mb: int
     max_cpus: float
+    allow_root_user: bool = False
 
     def refusal(self, spec: SandboxSpec) -> str:
         """Why `spec` may not run here; "" when it may."""
@@ -160,6 +161,9 @@ class SandboxPolicy:
             return f"capabilities {beyond} are not allowed (allowed: {sorted(ALLOWED_CAPABILITIES)})"
         if spec.network and not self.allow_network:
             return "network is not allowed on this host (the checkpointer's --allow-network)"
+        # An image that names an unprivileged user chose it; only the host may let a spec undo that.
+        if spec.user.partition(":")[0] in ("root", "0") and not self.allow_root_user:
+            return f"user {spec.user!r} is not allowed on this host (the checkpointer's --allow-root-user)"
         if spec.memory_mb > self.max_memory_mb:
             return f"memory_mb {spec.memory_mb} is over this host's {self.max_memory_mb} per sandbox"
         if spec.cpus > self.max_cpus:

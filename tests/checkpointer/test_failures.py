@@ -228,6 +228,8 @@ REACHING_INTO_THE_HOST: list[tuple[dict[str, object], str]] = [
     ({"network": True}, "network"),
     ({"memory_mb": 1024}, "memory_mb"),
     ({"cpus": 2.0}, "cpus"),
+    ({"user": "root"}, "allow-root-user"),
+    ({"user": "0:0"}, "allow-root-user"),
 ]
 
 
