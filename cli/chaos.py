@@ -550,7 +550,7 @@ class Injector:
     trajectories: Trajectories
     started_at: float = field(default_factory=time.monotonic)
     faults: list[Fault] = field(default_factory=list)
-    seen_pids: set[int] = field(default_factory=set)
+    seen_pids: dict[int, int | None] = field(default_factory=dict)  # pid -> its start_ticks
     resumptions: list[asyncio.Task[None]] = field(default_factory=list)  # the SIGCONTs and unpauses due
 
     async def run(self) -> None:
@@ -605,7 +605,7 @@ class Injector:
         self.resumptions.append(asyncio.create_task(after()))
 
     def signal(self, pid: int, sig: signal.Signals) -> None:
-        self.seen_pids.add(pid)
+        self.seen_pids.setdefault(pid, start_ticks(pid))
         os.kill(pid, sig)
 
     async def strike(self, kind: str, rng: random.Random) -> Fault | None:
@@ -760,14 +760,32 @@ async def check_token_log(js, names: Subjects, finished: dict[str, list[int]]) -
     return violations
 
 
-def leaks(cluster: Supervisor, pids: set[int]) -> list[str]:
+def start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks after boot, field 22 of /proc/<pid>/stat), or None
+    when it is gone. With its pid it names one process, however often pids are handed out again."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def outliving(pids: dict[int, int | None]) -> list[int]:
+    """The processes of `pids` (pid -> start_ticks when seen) that still run. A pid that names a
+    process started at another time now was handed out again: not ours."""
+    found = []
+    for pid, started in sorted(pids.items()):
+        with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+            os.kill(pid, 0)
+            alive = not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+            if alive and (started is None or start_ticks(pid) == started):
+                found.append(pid)
+    return found
+
+
+def leaks(cluster: Supervisor, pids: dict[int, int | None]) -> list[str]:
     """What the stopped cluster left behind: segments, processes, containers, checkpoints."""
     found = [f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if name.startswith(cluster.shm_prefix)]
-    for pid in sorted(pids):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, 0)
-            if not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"):
-                found.append(f"process {pid}")
+    found += [f"process {pid}" for pid in outliving(pids)]
     checkpoints = cluster.config.state_dir / "checkpointer"
     if checkpoints.exists():
         found += [str(p) for p in checkpoints.rglob("chaos-*") if p.is_dir() and any(p.iterdir())]
@@ -798,7 +816,8 @@ class Summary(msgspec.Struct, kw_only=True):
     incomplete: dict[str, str]  # request or trajectory -> the bound or error that stopped it
     violations: list[str]
     leaks: list[str]
-    pids: set[int] = set()  # every process a fault struck: none may outlive the cluster
+    # Every process a fault struck, with its start_ticks: none may outlive the cluster.
+    pids: dict[int, int | None] = {}
     phases: dict[str, float] = {}  # seconds each step took, in order: a slow run says where
 
     @property
@@ -882,7 +901,7 @@ async def run_campaign(config: ChaosConfig, report=print) -> Summary:  # type: i
                 summary = await campaign(config, cluster, lab, Client(nc), phases)
             finally:
                 await nc.close()
-            pids = {child.pid for child in cluster.children.values() if child.pid > 0}
+            pids = {child.pid: start_ticks(child.pid) for child in cluster.children.values() if child.pid > 0}
             phases.next("cluster stop")
         phases.next("leak check")
         summary.leaks += leaks(cluster, pids | summary.pids)
