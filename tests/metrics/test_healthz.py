@@ -90,15 +90,17 @@ async def test_a_standby_router_is_healthy_not_ready_until_it_takes_over(nats_se
     Mutation check, run by hand: without `standing_by`, the standby answers 503 "starting"."""
     ports = free_port(), free_port()
     routers = []
-    for i, port in enumerate(ports):
-        argv = [
-            sys.executable, "-m", "belayer_rl.services.router", "--nats", nats_server.url,
-            "--metrics-port", str(port), "--lease-ttl", "3",
-        ]  # fmt: skip
-        with (tmp_path / f"router-{i}.log").open("ab") as log:
-            routers.append(await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=log))
-        await poll(lambda port=port: ok_now(port) if port == ports[0] else healthz(port, 200), timeout_s=60)
     try:
+        for i, port in enumerate(ports):
+            argv = [
+                sys.executable, "-m", "belayer_rl.services.router", "--nats", nats_server.url,
+                "--metrics-port", str(port), "--lease-ttl", "3",
+            ]  # fmt: skip
+            with (tmp_path / f"router-{i}.log").open("ab") as log:
+                routers.append(await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=log))
+            await poll(
+                lambda port=port: ok_now(port) if port == ports[0] else healthz(port, 200), timeout_s=60
+            )
         standby = await healthz(ports[1])
         standby_ready = (await scrape(ports[1])).get("belayer_service_ready")
         routers[0].send_signal(signal.SIGKILL)
