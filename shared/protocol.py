@@ -1106,6 +1106,7 @@ AnyEvent = (
     | CheckpointReady
     | EnvFailure
     | SandboxRestored
+    | TrajectoryEnded
     | PolicyDecision
     | EnvStep
     | LlmResponse

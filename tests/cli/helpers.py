@@ -166,6 +166,7 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
             restore_s=0.3,
         ),
     ),
+    "trajectory_ended": ("t3", protocol.TrajectoryEnded(trajectory="t3", host_id="h2")),
     "policy_decision": (
         "t2",
         protocol.PolicyDecision(
