@@ -268,7 +268,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         print(logs.stdout[-20000:])
         subprocess.run(
-            stack.compose_argv("down", "-v", "--timeout", "20"), env=stack.env, capture_output=True
+            stack.compose_argv("--profile", "train", "down", "-v", "--timeout", "20"),
+            env=stack.env,
+            capture_output=True,
         )
         leftovers = subprocess.run(
             ["docker", "ps", "-aq", "--filter", f"label={LABEL_HOST}={stack.host_id}"],
