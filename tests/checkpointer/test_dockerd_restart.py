@@ -41,17 +41,33 @@ async def own_dockerd(docker_env: str, tmp_path: Path) -> AsyncIterator[OwnDocke
         daemon.remove(keep_log=tmp_path / "dockerd.log")
 
 
+@contextlib.asynccontextmanager
+async def checkpointer_on(
+    own_dockerd: OwnDockerd, nats_url: str, tmp_path: Path, host_id: str, *flags: str
+) -> AsyncIterator[SandboxClient]:
+    """A checkpointer on the test's own dockerd, ready, and a client of it; all gone after."""
+    svc = Service(
+        nats_url, host_id, tmp_path / "state", tmp_path / "checkpointer.log", docker_url=own_dockerd.url
+    )
+    svc.start(*flags)
+    try:
+        nc = await bus.connect(nats_url, "test-client")
+        try:
+            client = SandboxClient(nc, svc.host_id)
+            await svc.ready(client)
+            yield client
+        finally:
+            await nc.close()
+    finally:
+        svc.stop()
+        with contextlib.suppress(Exception):
+            await remove_host_containers(svc.host_id, own_dockerd.url)
+
+
 async def test_dockerd_restart_between_checkpoint_and_restore(
     own_dockerd: OwnDockerd, nats_url: str, tmp_path: Path
 ) -> None:
-    svc = Service(
-        nats_url, "tdockerd", tmp_path / "state", tmp_path / "checkpointer.log", docker_url=own_dockerd.url
-    )
-    svc.start()
-    nc = await bus.connect(nats_url, "test-client")
-    client = SandboxClient(nc, svc.host_id)
-    try:
-        await svc.ready(client)
+    async with checkpointer_on(own_dockerd, nats_url, tmp_path, "tdockerd") as client:
         await client.create(SandboxSpec(image=DEFAULT_IMAGE), sandbox="r")
         counter = (
             "(i=0; while :; do i=$((i+1)); echo $i > /tmp/seen; sleep 0.1; done) >/dev/null 2>&1 </dev/null &"
@@ -76,11 +92,6 @@ async def test_dockerd_restart_between_checkpoint_and_restore(
         assert lines[0] == "one" and "No such file" in lines[1]
         before, after = map(int, lines[2].split())
         assert after > before > 0
-    finally:
-        await nc.close()
-        svc.stop()
-        with contextlib.suppress(Exception):
-            await remove_host_containers(svc.host_id, own_dockerd.url)
 
 
 async def test_a_restore_while_dockerd_is_down_keeps_the_checkpoint(
@@ -90,14 +101,7 @@ async def test_a_restore_while_dockerd_is_down_keeps_the_checkpoint(
     Docker is back, the same checkpoint restores. Mutation check, run by hand: treating the
     daemon's error as the checkpoint's fault (the earlier code) deletes it, and the second restore
     starts from the base image."""
-    svc = Service(
-        nats_url, "tdockerdown", tmp_path / "state", tmp_path / "checkpointer.log", docker_url=own_dockerd.url
-    )
-    svc.start()
-    nc = await bus.connect(nats_url, "test-client")
-    client = SandboxClient(nc, svc.host_id)
-    try:
-        await svc.ready(client)
+    async with checkpointer_on(own_dockerd, nats_url, tmp_path, "tdockerdown") as client:
         await client.create(SandboxSpec(image=DEFAULT_IMAGE), sandbox="d")
         await client.exec("d", "echo kept > /tmp/mark")
         first = await client.checkpoint("d", "traj-d", k=1, context_tokens=[2, 7])
@@ -112,11 +116,6 @@ async def test_a_restore_while_dockerd_is_down_keeps_the_checkpoint(
             "latest", first.checkpoint_id, 1, [2, 7],
         )  # fmt: skip
         assert (await client.exec("d", "cat /tmp/mark")).stdout.strip() == "kept"
-    finally:
-        await nc.close()
-        svc.stop()
-        with contextlib.suppress(Exception):
-            await remove_host_containers(svc.host_id, own_dockerd.url)
 
 
 async def test_a_silent_dockerd_fails_each_call_and_not_the_service(
@@ -126,15 +125,8 @@ async def test_a_silent_dockerd_fails_each_call_and_not_the_service(
     fails after --docker-timeout, the service keeps answering, and nothing acknowledged is lost.
     Mutation check, run by hand: without the bound, the exec waits until the client gives up
     ("timeout"), and the restore behind it with it."""
-    svc = Service(
-        nats_url, "tsilent", tmp_path / "state", tmp_path / "checkpointer.log", docker_url=own_dockerd.url
-    )
-    svc.start("--docker-timeout", "2")
-    nc = await bus.connect(nats_url, "test-client")
-    client = SandboxClient(nc, svc.host_id)
     assert own_dockerd.process is not None
-    try:
-        await svc.ready(client)
+    async with checkpointer_on(own_dockerd, nats_url, tmp_path, "tsilent", "--docker-timeout", "2") as client:
         await client.create(SandboxSpec(image=DEFAULT_IMAGE), sandbox="s")
         await client.exec("s", "echo kept > /tmp/mark")
         first = await client.checkpoint("s", "traj-s", k=1, context_tokens=[5, 8])
@@ -159,8 +151,3 @@ async def test_a_silent_dockerd_fails_each_call_and_not_the_service(
             [5, 8],
         )
         assert (await client.exec("s", "cat /tmp/mark")).stdout.strip() == "kept"
-    finally:
-        await nc.close()
-        svc.stop()
-        with contextlib.suppress(Exception):
-            await remove_host_containers(svc.host_id, own_dockerd.url)
