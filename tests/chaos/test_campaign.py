@@ -19,6 +19,7 @@ import pytest
 
 from belayer_rl.cli.chaos import FAULT_KINDS, ChaosConfig, check_token_log, render, run_campaign
 from belayer_rl.shared import bus
+from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import RequestResumed, WorkerChunk
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import NAMES, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
@@ -111,15 +112,17 @@ async def test_the_oracle_catches_a_router_that_accepts_a_stale_attempt(
         assert isinstance(moved, RequestResumed)
         b = await cluster.engine_pid(moved.engine_id)
         kill(b, signal.SIGSTOP)
-        have = next(
-            r.num_tokens for r in (await cluster.client.status()).requests if r.request_id == first.request_id
-        )
+        have = await settled_count(cluster.client, first.request_id)
         late = WorkerChunk(
             request_id=first.request_id, attempt=first.attempt, epoch=a.epoch, engine_id=a.engine_id,
             position=have, tokens=expected[first.request_id][have : have + 40],
         )  # fmt: skip
+        assert len(late.tokens) >= 2 * options["chunk_tokens"], "the late chunk must complete a whole chunk"
         await bus.publish(cluster.client.nc, NAMES.worker_stream(a.engine_id), late)
         await asyncio.sleep(0.2)
+        took = next(
+            r.num_tokens for r in (await cluster.client.status()).requests if r.request_id == first.request_id
+        )
         kill(a.pid, signal.SIGCONT)
         kill(b, signal.SIGCONT)
         results = await asyncio.gather(*running)
@@ -128,6 +131,19 @@ async def test_the_oracle_catches_a_router_that_accepts_a_stale_attempt(
 
     assert finished == expected  # the tokens alone cannot tell
     if accept_stale:
-        assert any(f"{first.request_id} chunk" in v and "dispatched to" in v for v in violations), violations
+        caught = [v for v in violations if f"{first.request_id} chunk" in v and "dispatched to" in v]
+        assert caught, (f"late chunk at {have}, router then at {took}", violations)
     else:
         assert violations == []
+
+
+async def settled_count(client: Client, request_id: str) -> int:
+    """The router's token count for the request once it stops moving: chunks its stopped workers
+    sent before they stopped may still be on their way, and they must land first."""
+    counts: list[int] = []
+    while len(counts) < 2 or counts[-1] != counts[-2]:
+        if counts:
+            await asyncio.sleep(0.15)
+        status = await client.status()
+        counts.append(next(r.num_tokens for r in status.requests if r.request_id == request_id))
+    return counts[-1]
