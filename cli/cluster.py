@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -375,6 +376,7 @@ class Supervisor:
 
     async def announce(self, event: ProcessEvent) -> None:
         log.info("%s pid %d %s", event.name, event.pid, event.state)
+        event = msgspec.structs.replace(event, host=socket.gethostname())
         await self.publish(self.subjects.event("process", event.name), event)
         self.write_state()
 

@@ -351,10 +351,12 @@ class RequestFailed(Message, tag="request_failed", kw_only=True):
 
 
 class ProcessEvent(Message, tag="process", kw_only=True):
-    """A process supervised by `belayer up` started, exited or was restarted."""
+    """A process supervised by `belayer up` started, exited or was restarted. "exited" is sent
+    once the supervisor has reaped it: its death is confirmed."""
 
     name: str
     pid: int
+    host: str = ""  # the supervisor's host name: a pid names a process only there
     state: Literal["started", "exited", "restarting", "gave-up", "stopped"]
     exit_code: int | None = None
     backoff_s: float = 0.0

@@ -119,6 +119,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("worker_registered", "*"),
                 s.event("worker_failed", "*"),
                 s.event("engine_quarantined", "*"),
+                s.event("process", "*"),  # a standby takes a lease whose holder exited at once
             ),
             replies=True,
             streams=(tokens, kv_stream(engines), kv_stream(lease)),

@@ -8,6 +8,12 @@ that finds no lease (none yet, or one deleted or purged) takes the bucket's last
 incarnations only grow while the bucket lives. No two routers read each other's clocks, so only
 clock *rates* must agree, not their times.
 
+A lease whose holder has exited is taken over at once, without waiting out the TTL, when the
+holder's supervisor (`belayer up`) reports the exit: it sends that report only once it has reaped
+the process, and a dead router renews nothing and acts no more. What it sent before dying is
+fenced as at any takeover (below); so is a live router named by a forged report, which loses its
+next renewal and steps down.
+
 The holder may act only until `sent + ttl`, where `sent` is when it sent its last renewal that the
 store acknowledged: a successor waits a full TTL after it *saw* that revision, so the two windows
 never overlap. A router stopped past its lease (SIGSTOP, a long pause) therefore finds on waking
@@ -36,7 +42,7 @@ from nats.js.kv import KeyValue
 
 from belayer_rl.shared import protocol
 from belayer_rl.shared.bus import ServiceError
-from belayer_rl.shared.protocol import RouterLease
+from belayer_rl.shared.protocol import ProcessEvent, RouterLease
 from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.router.lease")
@@ -84,6 +90,8 @@ class Lease:
         self.valid_until = 0.0  # monotonic: the end of the window in which this router may act
         self.lost = asyncio.Event()
         self.released = False  # handed back at a drain: never renewed again
+        self.exited: dict[tuple[str, int], float] = {}  # (host, pid) -> monotonic time its exit was reported
+        self.exit_reported = asyncio.Event()  # wakes a standby
 
     def held(self) -> bool:
         """Whether this router may act now: it holds the lease and its window has not run out."""
@@ -136,22 +144,46 @@ class Lease:
             if seen is None or seen[0] != entry.revision:
                 seen = (entry.revision, now)
             holder = self._decode(entry.value, entry.revision)
-            if holder is not None and not holder.released and now - seen[1] < self.ttl_s:
+            exited = holder is not None and self._has_exited(holder)
+            if holder is not None and not holder.released and not exited and now - seen[1] < self.ttl_s:
                 if not waiting_logged:
                     log.info(
                         "router %d on %s holds the lease (incarnation %d): standing by",
                         holder.pid, holder.host, holder.incarnation,
                     )  # fmt: skip
                     waiting_logged = True
-                await asyncio.sleep(self.ttl_s / 8)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.exit_reported.wait(), self.ttl_s / 8)
+                self.exit_reported.clear()
                 continue
-            # Expired, released, or unreadable (which nobody could be renewing): take it over.
+            # Expired, released, exited or unreadable (which nobody could be renewing): take it over.
             if holder is None:
                 log.warning("taking over a lease that does not decode (revision %d)", entry.revision)
+            elif exited:
+                log.info("router %d on %s has exited (its supervisor says): taking its lease at once",
+                         holder.pid, holder.host)  # fmt: skip
             incarnation = (holder.incarnation if holder is not None else entry.revision) + 1
             if await self._take(incarnation, entry.revision, now):
                 return
             seen = None
+
+    async def on_process(self, event: ProcessEvent) -> None:
+        """A supervisor's report on one of its processes; an exit may free the lease."""
+        if event.state == "exited" and event.host:
+            self._forget_old_exits()
+            self.exited[(event.host, event.pid)] = time.monotonic()
+            self.exit_reported.set()
+
+    def _has_exited(self, holder: RouterLease) -> bool:
+        """Whether the holder's exit was reported lately."""
+        self._forget_old_exits()
+        return (holder.host, holder.pid) in self.exited
+
+    def _forget_old_exits(self) -> None:
+        """Reports are kept two TTLs: long enough to meet the lease they are about, too short for
+        their pid to name a new router by then."""
+        now = time.monotonic()
+        self.exited = {key: at for key, at in self.exited.items() if now - at < 2 * self.ttl_s}
 
     def _decode(self, value: bytes, revision: int) -> RouterLease | None:
         try:

@@ -59,6 +59,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
         Endpoint.event(rt.subjects, "worker_registered", router.on_registration, "*"),
         Endpoint.event(rt.subjects, "worker_failed", router.on_worker_failed, "*"),
         Endpoint.event(rt.subjects, "engine_quarantined", router.on_quarantined, "*"),
+        Endpoint.event(rt.subjects, "process", lease.on_process, "*"),
     )
     rt.standing_by("the router lease")  # a warm standby until the lease is free
     await lease.acquire()

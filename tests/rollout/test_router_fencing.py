@@ -28,6 +28,7 @@ from belayer_rl.shared.protocol import (
     LogChunk,
     LogEnd,
     LogTakeover,
+    ProcessEvent,
     RouterStarted,
     SamplingParams,
 )
@@ -124,6 +125,44 @@ async def test_a_router_stopped_past_its_lease_is_fenced_and_requests_stay_exact
             continue
         after = [r for s, r in entries if s > claims[0] and isinstance(r, LogChunk | LogEnd)]
         assert all(r.incarnation > old for r in after), (request_id, after)
+
+
+async def test_a_killed_router_whose_supervisor_reports_its_exit_is_replaced_at_once(
+    nats_server, tmp_path, seed
+) -> None:
+    """With a lease TTL of 60 s, SIGKILL the lease holder mid-stream: its supervisor reaps it and
+    reports the exit, the standby takes the lease at once instead of after the TTL, and every
+    request completes token-exact. A report of another process's exit frees nothing. Mutation,
+    run by hand: with the report ignored (`Lease.on_process` doing nothing), no successor starts
+    within the 20 s waited."""
+    rng = random.Random(seed)
+    options = {"engines": 2, "chunk_tokens": K, "standby_routers": 1, "lease_ttl_s": 60.0}
+    async with running_cluster(nats_server, tmp_path, **options) as cluster:
+        subjects = cluster.client.subjects
+        started = await EventLog.start(cluster.client, "router_started")
+        js = cluster.client.nc.jetstream()
+        holder = await lease_holder(js, subjects)
+        assert holder is not None
+        bystander = next(c.pid for c in cluster.supervisor.children.values() if c.pid != holder.pid)
+        report = ProcessEvent(name="bystander", pid=bystander, host=holder.host, state="exited")
+        await bus.publish(cluster.client.nc, subjects.event("process", "bystander"), report)
+
+        jobs: list[Job] = [make_job(rng, f"exit-{i}", max_tokens=400) for i in range(6)]
+        running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
+        await poll(lambda: mid_stream(cluster.client), timeout_s=60)
+        still = await lease_holder(js, subjects)
+        assert still is not None and still.incarnation == holder.incarnation  # the bystander freed nothing
+        await asyncio.sleep(rng.uniform(0, 0.1))
+        kill(holder.pid, signal.SIGKILL)
+        successor = await started.wait_for(
+            lambda e: isinstance(e, RouterStarted) and e.incarnation > holder.incarnation, timeout_s=20
+        )
+        assert isinstance(successor, RouterStarted) and successor.router_pid != holder.pid
+        results = await asyncio.gather(*running)
+
+    expected = reference_tokens(jobs)
+    for job, result in zip(jobs, results, strict=True):
+        assert result.tokens == expected[job.request_id], job.request_id
 
 
 async def mid_stream(client) -> bool | None:  # type: ignore[no-untyped-def]
