@@ -43,7 +43,7 @@ async def test_learning_is_real_and_learning_rate_zero_is_not(train_cluster: Clu
     """Three seeds learn to reverse held-out digit strings; the same runs at lr 0 do not."""
     runs = {
         (seed, lr): TrainSettings(
-            run=f"learn-{seed}-{int(lr > 0)}", steps=80, seed=seed, actor=ActorSettings(lr=lr)
+            run=f"learn-{seed}-{int(lr > 0)}", steps=45, seed=seed, actor=ActorSettings(lr=lr)
         )
         for seed in (0, 1, 2)
         for lr in (3e-3, 0.0)
