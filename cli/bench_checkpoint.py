@@ -55,7 +55,7 @@ def hold_memory(mib: int) -> Scenario:
 
 
 def write_layer(mib: int) -> Scenario:
-    return Scenario(f"layer {mib} MiB", [f"head -c {mib * MIB} /dev/urandom > /data.bin && sync"])
+    return Scenario(f"layer {mib} MiB", [f"head -c {mib * MIB} /dev/urandom > /tmp/data.bin && sync"])
 
 
 def small_files(count: int) -> Scenario:
@@ -90,7 +90,9 @@ class Row:
 async def measure(
     client: SandboxClient, image: str, scenario: Scenario, kill: Callable[[str], Awaitable[None]]
 ) -> Row:
-    spec = SandboxSpec(image=image, memory_mb=scenario.memory_mb)
+    # root: memhold outlives its action, and CRIU may not dump another user's process on a host
+    # whose root lacks CAP_SYS_RESOURCE (the checkpointer's README)
+    spec = SandboxSpec(image=image, memory_mb=scenario.memory_mb, user="0")
     name = f"b{secrets.token_hex(3)}"
     trajectory = f"bench-{name}"
     info = await client.create(spec, sandbox=name)
@@ -140,7 +142,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     nats = await start_nats_server(state / "jetstream", port, state / "nats-server.log")
     url = f"nats://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "belayer_rl.services.checkpointer", "--nats", url, "--host-id", host_id,
-            "--state-dir", str(state / "checkpointer"), "--disk-budget-gb", "0"]  # fmt: skip
+            "--state-dir", str(state / "checkpointer"), "--disk-budget-gb", "0", "--allow-root-user"]  # fmt: skip
     with (state / "checkpointer.log").open("ab") as log:
         service = await asyncio.create_subprocess_exec(
             *argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL

@@ -54,7 +54,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     create.add_argument("--pids-limit", type=int, default=512)
     create.add_argument("--network", action="store_true", help="attach to the default bridge network")
     create.add_argument("--cap-add", action="append", default=[], help="a capability to keep (repeatable)")
-    create.add_argument("--user", default="", help="name, uid or uid:gid to run as (default: the image's)")
+    create.add_argument(
+        "--user", default="", help="name, uid or uid:gid that runs the actions (default: the image's USER)"
+    )
 
     exec_ = verbs.add_parser("exec", help="run one action: /bin/sh -c COMMAND", parents=verb_options)
     exec_.add_argument("sandbox")

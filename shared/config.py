@@ -131,15 +131,22 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ..
         help_text = field.metadata["help"]
         name = flag_name(field)
         if kind is bool:
+            # With an environment variable, an absent flag parses to None (see from_args).
+            absent = None if field.metadata.get("env") else field.default
+            if field.metadata.get("env"):
+                help_text = f"{help_text}; ${field.metadata['env']} (true or false) when absent"
             if field.default is True:
                 parser.add_argument(
                     "--no-" + name.removeprefix("--"),
                     dest=_dest(field),
                     action="store_false",
+                    default=absent,
                     help=f"turn off (on by default): {help_text}",
                 )
             else:
-                parser.add_argument(name, dest=_dest(field), action="store_true", help=help_text)
+                parser.add_argument(
+                    name, dest=_dest(field), action="store_true", default=absent, help=help_text
+                )
             continue
         options: dict[str, Any] = {"dest": _dest(field), "help": help_text, "required": required}
         if typing.get_origin(kind) is Literal:
@@ -170,13 +177,33 @@ def from_args(cls: type[C], args: argparse.Namespace, *, skip: tuple[str, ...] =
         if value is None and field.metadata.get("env"):  # the flag was absent: the variable, or the default
             from_env = os.environ.get(field.metadata["env"], "")
             kind = _base_type(annotation)
-            value = (
-                (kind(from_env) if kind in (int, float, Path) else from_env) if from_env else field.default
-            )
+            if not from_env:
+                value = field.default
+            elif kind is bool:
+                value = env_flag(field.metadata["env"], from_env)
+            else:
+                value = kind(from_env) if kind in (int, float, Path) else from_env
         values.setdefault(field.name, value)
     if values.get("nats_url") == "":  # a service config: the bus is found as every command finds it
         values["nats_url"] = resolve_nats_url(None)
     return cls(**values)
+
+
+def env_flag(variable: str, text: str) -> bool:
+    """A yes-or-no environment variable; anything but true/false (1/0, yes/no, on/off) is an error."""
+    answer = {
+        "true": True,
+        "1": True,
+        "yes": True,
+        "on": True,
+        "false": False,
+        "0": False,
+        "no": False,
+        "off": False,
+    }
+    if text.lower() not in answer:
+        raise ConfigError(f"${variable} must be true or false, not {text!r}")
+    return answer[text.lower()]
 
 
 def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
@@ -485,7 +512,9 @@ class CheckpointerConfig(ServiceConfig):
     object_store: bool = setting(False, "upload checkpoints to JetStream for restores on other hosts")
     replicas: int = same_as(RouterConfig, "replicas")
     allow_network: bool = setting(False, "let a sandbox ask for a network (`network: true`)")
-    allow_root_user: bool = setting(False, "let a sandbox ask to run as root (`user: root` or uid 0)")
+    allow_root_user: bool = setting(
+        False, "let a sandbox ask to run as root (`user: root` or uid 0)", env="BELAYER_ALLOW_ROOT_USER"
+    )
     max_sandboxes: int = setting(64, "sandboxes this host runs at once, at most")
     sandbox_memory_mb: int = setting(0, "the most memory one sandbox may ask for (0: the host's memory)")
     sandbox_cpus: float = setting(0.0, "the most CPUs one sandbox may ask for (0: the host's CPUs)")

@@ -610,8 +610,9 @@ RestoreSource = Literal["latest", "previous", "base"]
 EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing", "interrupted"]
 
 
-# Who a sandbox's init and every action run as: `name`, `uid` or `uid:gid`, as Docker's `User`;
-# empty: the image's own (its USER, root when it names none).
+# Who every action of a sandbox runs as, and its init when the spec names its own `cmd`: `name`,
+# `uid` or `uid:gid`, as Docker's `User`; empty: the image's USER (root when it names none), which
+# the checkpointer then writes into the spec. The checkpointer's own idle init runs as root.
 SandboxUser = Annotated[
     str,
     Meta(

@@ -39,6 +39,8 @@ from belayer_rl.services.checkpointer.sandbox import (
     dump_in_flight,
     host_memory_mb,
     host_trouble,
+    is_root,
+    with_user,
 )
 from belayer_rl.services.checkpointer.store import TRAJECTORY, CorruptCheckpoint, Store, checkpoint_key
 from belayer_rl.shared import bus
@@ -311,7 +313,12 @@ class Checkpointer:
         self.sandboxes[name] = sb  # the name is taken before the first wait
         async with sb.fifo:
             try:
-                sb.record.image_id = await self.engine.image_id(req.spec.image)
+                image = await self.engine.inspect_image(req.spec.image)
+                sb.record.image_id = image.id
+                if not req.spec.user and image.user and not is_root(image.user):
+                    # The image's unprivileged USER runs the actions; named in the spec, so that
+                    # every checkpoint's restore runs them as the same user.
+                    sb.record.spec = with_user(req.spec, image.user)
                 await phases.fresh_container(self.host, sb.record, sb.record.image_id)
                 await self.engine.start(sb.record.container_id)
             except (aiodocker.DockerError, msgspec.ValidationError) as exc:
@@ -349,7 +356,7 @@ class Checkpointer:
                 raise
             failure: EnvironmentFailure | None = None
             try:
-                out = await self.engine.run_action(r.container_id, req.command, req.timeout_s)
+                out = await self.engine.run_action(r.container_id, req.command, req.timeout_s, r.spec.user)
             except EnvironmentFailure as exc:
                 failure = exc
             health, r.oom_seen = await self.engine.health(r.container_id, r.oom_seen)

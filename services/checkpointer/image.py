@@ -1,7 +1,7 @@
 """Builds the test sandbox image without a registry: `docker import` of a tiny rootfs holding a
 static busybox (Debian's busybox-static) and `memhold`, a static helper that keeps a given number
-of MiB resident (the benchmarks' "process memory"). Idempotent: an image with the same content
-label is reused.
+of MiB resident (the benchmarks' "process memory"). Its USER is 65534 (nobody), its WORKDIR /tmp.
+Idempotent: an image with the same content label is reused.
 
     python -m belayer_rl.services.checkpointer.image [--name belayer-sandbox:test] [--docker URL]
 """
@@ -112,7 +112,8 @@ def rootfs_tar(busybox: Path, memhold: Path | None) -> bytes:
             link = tarfile.TarInfo(f"bin/{applet}")
             link.type, link.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(link)
-        for name, text in (("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"), ("etc/group", "root:x:0:\n")):
+        passwd = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/tmp:/bin/sh\n"
+        for name, text in (("etc/passwd", passwd), ("etc/group", "root:x:0:\nnogroup:x:65534:\n")):
             data = text.encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -132,7 +133,14 @@ async def ensure_image(docker: aiodocker.Docker, name: str = DEFAULT_IMAGE) -> s
     except aiodocker.DockerError:
         pass
     repo, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
-    changes = ["CMD /bin/sh", "ENV PATH=/bin", f"LABEL {LABEL_CONTENT}={content}"]
+    # Actions run as nobody (the checkpointer's idle init stays root: see its README), in /tmp.
+    changes = [
+        "CMD /bin/sh",
+        "ENV PATH=/bin",
+        "USER 65534",
+        "WORKDIR /tmp",
+        f"LABEL {LABEL_CONTENT}={content}",
+    ]
     query = [("fromSrc", "-"), ("repo", repo), ("tag", tag), *(("changes", c) for c in changes)]
     async with docker._query(
         URL("images/create").with_query(query),

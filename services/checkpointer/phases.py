@@ -359,7 +359,7 @@ async def restore_from(host: Host, r: SandboxRecord, path: Path) -> tuple[Manife
     context = host.store.context(path)
     entries = await asyncio.to_thread(layer.check, path / LAYER, host.max_layer_bytes)
     try:
-        await host.engine.image_id(manifest.image_id)
+        await host.engine.inspect_image(manifest.image_id)
     except aiodocker.DockerError as exc:  # not the artifact's fault: stop, keep it, say what is missing
         if (trouble := host_trouble(exc)) is not None:
             raise trouble from None

@@ -162,13 +162,23 @@ class SandboxPolicy:
         if spec.network and not self.allow_network:
             return "network is not allowed on this host (the checkpointer's --allow-network)"
         # An image that names an unprivileged user chose it; only the host may let a spec undo that.
-        if spec.user.partition(":")[0] in ("root", "0") and not self.allow_root_user:
+        if is_root(spec.user) and not self.allow_root_user:
             return f"user {spec.user!r} is not allowed on this host (the checkpointer's --allow-root-user)"
         if spec.memory_mb > self.max_memory_mb:
             return f"memory_mb {spec.memory_mb} is over this host's {self.max_memory_mb} per sandbox"
         if spec.cpus > self.max_cpus:
             return f"cpus {spec.cpus:g} is over this host's {self.max_cpus:g} per sandbox"
         return ""
+
+
+def is_root(user: str) -> bool:
+    """Whether a Docker `User` names root explicitly ("" names the image's own user)."""
+    return user.partition(":")[0] in ("root", "0")
+
+
+def with_user(spec: SandboxSpec, user: str) -> SandboxSpec:
+    """`spec` naming `user`; msgspec.ValidationError when `user` is no name a spec may hold."""
+    return msgspec.convert({**msgspec.to_builtins(spec), "user": user}, type=SandboxSpec)
 
 
 def host_memory_mb() -> int:
@@ -183,7 +193,11 @@ def create_config(spec: SandboxSpec, host_id: str, sandbox: str) -> dict[str, An
         "Cmd": list(spec.cmd) or IDLE_CMD,
         "Env": [f"{k}={v}" for k, v in sorted(spec.env.items())],
         "WorkingDir": spec.workdir,
-        "User": spec.user,
+        # The checkpointer's idle init runs as root, the actions as `spec.user` (run_action). CRIU
+        # reads the limits of every process it dumps, and prlimit() on another user's process needs
+        # CAP_SYS_RESOURCE, which root lacks on some hosts: a root init can be dumped everywhere. A
+        # spec's own `cmd` is the image's program and runs as `spec.user` too.
+        "User": spec.user if spec.cmd else "0",
         "Labels": labels(host_id, sandbox, spec),
         "AttachStdin": False,
         "OpenStdin": False,
@@ -263,10 +277,19 @@ class ExecInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
     pid: int = 0  # 0: its process was never started (the daemon wrote why into the output)
 
 
+class ImageRunConfig(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
+    user: str = ""  # the image's USER; "" when it names none
+
+
 class ImageInspect(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
     """GET /images/{name}/json."""
 
     id: str
+    config: ImageRunConfig | None = None  # the engine answers null for an image without one
+
+    @property
+    def user(self) -> str:
+        return self.config.user if self.config is not None else ""
 
 
 class EventActor(msgspec.Struct, frozen=True, kw_only=True):
@@ -360,9 +383,9 @@ class Engine:
         return Path(msgspec.convert(reply, type=ContainerStorage).graph_driver.data.upper_dir)
 
     @daemon_call
-    async def image_id(self, name: str) -> str:
+    async def inspect_image(self, name: str) -> ImageInspect:
         """Raise aiodocker.DockerError (404: no such image), or msgspec.ValidationError."""
-        return msgspec.convert(await self.docker.images.inspect(name), type=ImageInspect).id
+        return msgspec.convert(await self.docker.images.inspect(name), type=ImageInspect)
 
     @daemon_call
     async def start(self, container_id: str, checkpoint: str | None = None) -> None:
@@ -527,9 +550,10 @@ class Engine:
 
     # ------------------------------------------------------------ actions
 
-    async def run_action(self, container_id: str, command: str, timeout_s: float) -> ActionOutput:
-        """Run one action; raise EnvironmentFailure("exec-stream"/"daemon-error") when the exec
-        itself breaks. The caller still judges the container's health afterwards."""
+    async def run_action(self, container_id: str, command: str, timeout_s: float, user: str) -> ActionOutput:
+        """Run one action as `user` ("": the container's); raise EnvironmentFailure("exec-stream"/
+        "daemon-error") when the exec itself breaks. The caller still judges the container's health
+        afterwards."""
         marker = f"belayer: action killed after {timeout_s:g}s"
         start = time.monotonic()
         try:
@@ -556,6 +580,7 @@ class Engine:
             execution = await self.exec_create(
                 container_id,
                 ["/bin/sh", "-c", EXEC_WRAPPER, "belayer-action", command, f"{timeout_s:.3f}", marker],
+                user,
             )
         except aiodocker.DockerError as exc:
             raise EnvironmentFailure("daemon-error", f"exec create failed: {exc.message}") from None
@@ -617,9 +642,10 @@ class Engine:
         )
 
     @daemon_call
-    async def exec_create(self, container_id: str, argv: list[str]) -> Any:
+    async def exec_create(self, container_id: str, argv: list[str], user: str) -> Any:
         """The exec (aiodocker's Exec), created and not started."""
-        return await self.docker.containers.container(container_id).exec(argv, stdout=True, stderr=True)
+        container = self.docker.containers.container(container_id)
+        return await container.exec(argv, stdout=True, stderr=True, user=user)
 
     @daemon_call
     async def exec_start(self, stack: contextlib.AsyncExitStack, execution: Any) -> Any:

@@ -108,14 +108,14 @@ def math_tasks(count: int) -> list[Task]:
 
 
 SHELL_MENU = (
-    "ls /task",
-    "cat /task/notes.txt",
-    "wc -l /task/notes.txt",
-    "sort /task/notes.txt > /task/sorted.txt; head -3 /task/sorted.txt",
-    "echo step >> /task/log; wc -l /task/log",
-    "sed -i 's/todo/done/' /task/notes.txt; grep -c done /task/notes.txt",
-    "cat /task/log 2>/dev/null | tail -2",
-    "sh /task/check.sh; echo check=$?",
+    "ls /tmp/task",
+    "cat /tmp/task/notes.txt",
+    "wc -l /tmp/task/notes.txt",
+    "sort /tmp/task/notes.txt > /tmp/task/sorted.txt; head -3 /tmp/task/sorted.txt",
+    "echo step >> /tmp/task/log; wc -l /tmp/task/log",
+    "sed -i 's/todo/done/' /tmp/task/notes.txt; grep -c done /tmp/task/notes.txt",
+    "cat /tmp/task/log 2>/dev/null | tail -2",
+    "sh /tmp/task/check.sh; echo check=$?",
 )
 
 
@@ -131,15 +131,15 @@ def shell_tasks(count: int, turns: int = 8, action_s: float = 0.3) -> list[Task]
             Task(
                 task_id=f"shell-{i}",
                 prompt=(
-                    "You are in a shell. Replace every 'todo' in /task/notes.txt with 'done', then run"
+                    "You are in a shell. Replace every 'todo' in /tmp/task/notes.txt with 'done', then run"
                     " the check. Answer with one command per turn, on a line starting with '$ '.\n"
                 ),
                 max_turns=turns,
                 setup=(
-                    f"mkdir -p /task && printf '{notes}\\n' > /task/notes.txt && "
-                    "printf '! grep -q todo /task/notes.txt\\n' > /task/check.sh && ls /task"
+                    f"mkdir -p /tmp/task && printf '{notes}\\n' > /tmp/task/notes.txt && "
+                    "printf '! grep -q todo /tmp/task/notes.txt\\n' > /tmp/task/check.sh && ls /tmp/task"
                 ),
-                check="sh /task/check.sh",
+                check="sh /tmp/task/check.sh",
                 menu=tuple(wait + action for action in SHELL_MENU),
             )
         )

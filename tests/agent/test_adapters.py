@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(600)]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # One short shell task; its check passes, so a propagated reward reads 1.0, not a default.
-TASK = dataclasses.replace(shell_tasks(1, turns=2, action_s=0.0)[0], check="test -f /task/notes.txt")
+TASK = dataclasses.replace(shell_tasks(1, turns=2, action_s=0.0)[0], check="test -f /tmp/task/notes.txt")
 SEED = 31337
 TEMPERATURE = 0.8
 SPEC = {

@@ -88,6 +88,9 @@ async def nats_url(tmp_path: Path) -> AsyncIterator[str]:
         await stop_process(process)
 
 
+ROOT = "0"  # the user of a spec whose actions leave a process running across a checkpoint
+
+
 @dataclass
 class Service:
     """The checkpointer as a subprocess; kill() and start() again at will."""
@@ -99,12 +102,16 @@ class Service:
     docker_url: str | None = None
     process: subprocess.Popen | None = None
     extra: list[str] = field(default_factory=list)
+    # The test image runs actions as nobody. A test whose actions leave a process running across a
+    # checkpoint asks for root (ROOT): CRIU cannot dump another user's process on a host whose root
+    # lacks CAP_SYS_RESOURCE (the checkpointer's README).
+    allow_root_user: bool = True
 
     def start(self, *extra: str) -> None:
         argv = [
             sys.executable, "-m", "belayer_rl.services.checkpointer",
             "--nats", self.nats_url, "--host-id", self.host_id, "--state-dir", str(self.state_dir),
-            *self.extra, *extra,
+            *self.extra, *(["--allow-root-user"] if self.allow_root_user else []), *extra,
         ]  # fmt: skip
         if self.docker_url:
             argv += ["--docker", self.docker_url]

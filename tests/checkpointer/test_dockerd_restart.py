@@ -20,7 +20,7 @@ from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import SandboxSpec
 
-from .conftest import Service, remove_host_containers
+from .conftest import ROOT, Service, remove_host_containers
 from .test_recovery import SEEN
 
 
@@ -68,13 +68,13 @@ async def test_dockerd_restart_between_checkpoint_and_restore(
     own_dockerd: OwnDockerd, nats_url: str, tmp_path: Path
 ) -> None:
     async with checkpointer_on(own_dockerd, nats_url, tmp_path, "tdockerd") as client:
-        await client.create(SandboxSpec(image=DEFAULT_IMAGE), sandbox="r")
+        await client.create(SandboxSpec(image=DEFAULT_IMAGE, user=ROOT), sandbox="r")
         counter = (
             "(i=0; while :; do i=$((i+1)); echo $i > /tmp/seen; sleep 0.1; done) >/dev/null 2>&1 </dev/null &"
         )
-        await client.exec("r", f"echo one > /one; {counter}")
+        await client.exec("r", f"echo one > /tmp/one; {counter}")
         first = await client.checkpoint("r", "traj-r", k=1, context_tokens=[3, 1, 4])
-        await client.exec("r", "echo two > /two")
+        await client.exec("r", "echo two > /tmp/two")
 
         await own_dockerd.restart()
 
@@ -87,7 +87,9 @@ async def test_dockerd_restart_between_checkpoint_and_restore(
             first.checkpoint_id,
             [3, 1, 4],
         )
-        state = await client.exec("r", f"cat /one; ls /two 2>&1; a=$({SEEN}); sleep 0.5; echo $a $({SEEN})")
+        state = await client.exec(
+            "r", f"cat /tmp/one; ls /tmp/two 2>&1; a=$({SEEN}); sleep 0.5; echo $a $({SEEN})"
+        )
         lines = state.stdout.splitlines()
         assert lines[0] == "one" and "No such file" in lines[1]
         before, after = map(int, lines[2].split())

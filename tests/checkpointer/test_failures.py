@@ -14,7 +14,7 @@ from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
 from belayer_rl.shared.subjects import Subjects
 
-from .conftest import Service
+from .conftest import ROOT, Service
 from .helpers import events, kill_container
 
 NAMES = Subjects()  # the default cluster's names
@@ -94,7 +94,7 @@ async def test_an_action_that_never_started_is_an_environment_failure(
     """Docker reports an exec it could not start (a frozen container, a missing shell) as exit code
     126, with its own error as the output. That is not an observation. Mutation check, run by hand:
     without the check on the exec's pid, the second exec answers 126 and "OCI runtime exec failed"."""
-    await client.create(SandboxSpec(image=image), sandbox="gone")
+    await client.create(SandboxSpec(image=image, user=ROOT), sandbox="gone")  # root may remove the shell
     await client.exec("gone", "rm /bin/sh")  # the wrapper runs every action under /bin/sh
     async with events(service.nats_url) as seen:
         with pytest.raises(ServiceError) as failed:
@@ -121,13 +121,13 @@ async def test_fifo_on_one_sandbox(client: SandboxClient, image: str) -> None:
     await client.create(SandboxSpec(image=image), sandbox="fifo")
     calls = []
     for i in range(1, 13):
-        calls.append(client.exec("fifo", f"echo {i} >> /order; sleep 0.0{i % 3}", expect_step=i - 1))
+        calls.append(client.exec("fifo", f"echo {i} >> /tmp/order; sleep 0.0{i % 3}", expect_step=i - 1))
         if i % 4 == 0:
             calls.append(client.checkpoint("fifo", "traj-fifo", k=i))
     results = await asyncio.gather(*calls)
     steps = [r.step if hasattr(r, "step") else ("ckpt", r.k) for r in results]
     assert steps == [1, 2, 3, 4, ("ckpt", 4), 5, 6, 7, 8, ("ckpt", 8), 9, 10, 11, 12, ("ckpt", 12)]
-    order = await client.exec("fifo", "cat /order")
+    order = await client.exec("fifo", "cat /tmp/order")
     assert order.stdout.split() == [str(i) for i in range(1, 13)]
 
 
@@ -136,9 +136,9 @@ async def test_sixteen_sandboxes_at_once(client: SandboxClient, image: str) -> N
     await asyncio.gather(*(client.create(SandboxSpec(image=image, memory_mb=64), sandbox=n) for n in names))
 
     async def drive(name: str) -> tuple[int, int, str]:
-        await client.exec(name, f"echo {name} > /who")
+        await client.exec(name, f"echo {name} > /tmp/who")
         checkpoint = client.checkpoint(name, f"traj-{name}", k=1, context_tokens=[len(name)])
-        second = client.exec(name, "cat /who", expect_step=1)
+        second = client.exec(name, "cat /tmp/who", expect_step=1)
         done, result = await asyncio.gather(checkpoint, second)
         return done.k, result.step, result.stdout.strip()
 
@@ -148,7 +148,7 @@ async def test_sixteen_sandboxes_at_once(client: SandboxClient, image: str) -> N
     assert sorted(s.sandbox for s in listing.sandboxes) == sorted(names)
     restored = await client.restore("traj-m3")
     assert (restored.source, restored.k) == ("latest", 1)
-    assert (await client.exec("m3", "cat /who", expect_step=1)).stdout == "m3\n"
+    assert (await client.exec("m3", "cat /tmp/who", expect_step=1)).stdout == "m3\n"
 
 
 async def test_gc_budget_keeps_latest_and_end_deletes_all(service: Service, image: str) -> None:
@@ -163,7 +163,7 @@ async def test_gc_budget_keeps_latest_and_end_deletes_all(service: Service, imag
         await client.create(SandboxSpec(image=image), sandbox="gc")
         ids = []
         for k in (1, 2, 3):
-            await client.exec("gc", f"echo {k} > /k")
+            await client.exec("gc", f"echo {k} > /tmp/k")
             ids.append((await client.checkpoint("gc", "traj-gc", k=k)).checkpoint_id)
         folder = service.state_dir / "checkpoints" / "traj-gc"
         assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [ids[-1]]
@@ -240,6 +240,7 @@ async def test_a_sandbox_cannot_be_configured_into_the_host(
     past that is refused before any container exists, with the reason; an allowed capability and
     the host's own bounds run (so the check is no blanket refusal), and a third sandbox is refused."""
     service.stop()
+    service.allow_root_user = False
     service.start("--sandbox-memory-mb", "512", "--sandbox-cpus", "1", "--max-sandboxes", "2")
     await service.ready(client)
     for changes, named in REACHING_INTO_THE_HOST:
@@ -255,25 +256,34 @@ async def test_a_sandbox_cannot_be_configured_into_the_host(
     assert full.value.code == "host-full"
 
 
-async def test_a_spec_names_the_user_and_a_dump_it_cannot_make_says_why(
+async def test_actions_run_as_the_images_user_and_a_dump_it_cannot_make_says_why(
     client: SandboxClient, image: str
 ) -> None:
-    """`user` runs the init and every action as that user. CRIU reads the limits of every process it
-    dumps, which for another user's process needs CAP_SYS_RESOURCE: where the host's root lacks it
-    (this project's CI machines) the checkpoint fails saying so and the sandbox runs on; where root
-    has it, the checkpoint is made. A user that is no name is refused at the edge. Mutation check,
-    run by hand: without `User` in the create config, `id -u` answers 0."""
-    await client.create(SandboxSpec(image=image, user="65534:65534"), sandbox="nobody")
-    who = await client.exec("nobody", "id -u; id -g; stat -c %u /proc/1; touch /etc/x 2>&1")
+    """The test image's USER is nobody: every action runs as it, before and after a restore, while
+    the checkpointer's idle init runs as root, so a sandbox whose actions have ended is
+    checkpointed on any host. A process an action leaves running as nobody can be dumped only where
+    the host's root has CAP_SYS_RESOURCE (CRIU reads every dumped process's limits); elsewhere (this
+    project's CI machines) the checkpoint fails saying so, and the sandbox runs on. A user that is
+    no name is refused at the edge. Mutations, run by hand: without the exec's `User`, or without the
+    image's USER written into the spec, `id -u` answers 0; with the init run as the spec's user,
+    /proc/1 belongs to nobody."""
+    await client.create(SandboxSpec(image=image), sandbox="nobody")
+    who = await client.exec(
+        "nobody", "id -u; id -g; stat -c %u /proc/1; touch /etc/x 2>&1; echo mine > /tmp/f"
+    )
     lines = who.stdout.splitlines()
-    assert lines[:3] == ["65534", "65534", "65534"] and "Permission denied" in lines[3], who
+    assert lines[:3] == ["65534", "65534", "0"] and "Permission denied" in lines[3], who
+    assert (await client.checkpoint("nobody", "traj-nobody", k=1)).k == 1
+    await client.exec("nobody", "sleep 1000 </dev/null >/dev/null 2>&1 &", expect_step=1)
     if has_capability(CAP_SYS_RESOURCE):
-        assert (await client.checkpoint("nobody", "traj-nobody", k=1)).k == 1
+        assert (await client.checkpoint("nobody", "traj-nobody", k=2)).k == 2
     else:
         with pytest.raises(ServiceError) as refused:
-            await client.checkpoint("nobody", "traj-nobody", k=1)
+            await client.checkpoint("nobody", "traj-nobody", k=2)
         assert refused.value.code == "checkpoint-failed" and "CAP_SYS_RESOURCE" in refused.value.message
-    assert (await client.exec("nobody", "id -u", expect_step=1)).stdout == "65534\n"
+    restored = await client.restore("traj-nobody")  # its latest checkpoint: k=2 or k=1
+    after = await client.exec("nobody", "id -u; cat /tmp/f", expect_step=restored.k)
+    assert after.stdout == "65534\nmine\n"
     with pytest.raises(msgspec.ValidationError, match="user"):
         msgspec.convert({"image": image, "user": "0;rm -rf /"}, type=SandboxSpec)
 

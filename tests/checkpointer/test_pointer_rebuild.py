@@ -20,7 +20,7 @@ from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import CheckpointResult, SandboxSpec
 
-from .conftest import Service, remove_host_containers
+from .conftest import ROOT, Service, remove_host_containers
 from .helpers import NAMES, checkpoint_dir, kill_container
 
 
@@ -45,9 +45,9 @@ async def purge_pointer(nats_url: str, trajectory: str) -> None:
 
 async def two_checkpoints(client: SandboxClient, image: str) -> tuple[CheckpointResult, CheckpointResult]:
     await client.create(SandboxSpec(image=image), sandbox="lp")
-    await client.exec("lp", "echo one > /one")
+    await client.exec("lp", "echo one > /tmp/one")
     first = await client.checkpoint("lp", "traj-lp", k=1, context_tokens=[1])
-    await client.exec("lp", "echo two > /two")
+    await client.exec("lp", "echo two > /tmp/two")
     second = await client.checkpoint("lp", "traj-lp", k=2, context_tokens=[1, 2])
     return first, second
 
@@ -89,7 +89,7 @@ async def test_a_purged_pointer_is_rebuilt_at_start_and_nothing_is_deleted(
     restored = await client.restore("traj-lp")
     assert (restored.source, restored.checkpoint_id, restored.k) == ("latest", second.checkpoint_id, 2)
     assert restored.context_tokens == [1, 2]
-    assert (await client.exec("lp", "cat /one /two", expect_step=2)).stdout == "one\ntwo\n"
+    assert (await client.exec("lp", "cat /tmp/one /tmp/two", expect_step=2)).stdout == "one\ntwo\n"
 
 
 async def test_a_pointer_lost_while_running_is_rebuilt_by_the_restore(
@@ -133,8 +133,8 @@ async def test_two_checkpointers_race_one_checkpoint_and_exactly_one_wins(
     other, there = second_host
     for sandboxes in ((client, "ra"), (there, "rb")):
         c, name = sandboxes
-        await c.create(SandboxSpec(image=image, memory_mb=512), sandbox=name)
-        await c.exec(name, f"echo {name} > /who")
+        await c.create(SandboxSpec(image=image, user=ROOT, memory_mb=512), sandbox=name)
+        await c.exec(name, f"echo {name} > /tmp/who")
         await c.exec(name, "(exec memhold 200) >/dev/null 2>&1 </dev/null & sleep 2")
     results = await asyncio.gather(
         client.checkpoint("ra", "traj-race", k=2), there.checkpoint("rb", "traj-race", k=2),
@@ -157,7 +157,7 @@ async def test_a_folder_signed_with_another_key_is_not_restored(
     """Neither the checkpoint nor the trajectory's base settings authenticate on a host with another
     key: the restore is refused whole, nothing is created, and nothing is deleted."""
     info = await client.create(SandboxSpec(image=image), sandbox="fk")
-    await client.exec("fk", "echo one > /one")
+    await client.exec("fk", "echo one > /tmp/one")
     first = await client.checkpoint("fk", "traj-fk", k=1, context_tokens=[3])
     await kill_container(info.container_id)
     stranger = Service(service.nats_url, f"{service.host_id}x", tmp_path / "x-state", tmp_path / "x.log")

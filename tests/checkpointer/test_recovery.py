@@ -17,7 +17,7 @@ from belayer_rl.shared.config import CHECKPOINT_PHASES
 from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
 from tests.support import poll
 
-from .conftest import Service
+from .conftest import ROOT, Service
 from .helpers import checkpoint_dir, events, kill_container, replace_layer
 from .test_layer import entry, hostile_members
 
@@ -29,18 +29,20 @@ async def two_checkpoints(
     client: SandboxClient, sandbox: str, trajectory: str, image: str
 ) -> tuple[str, str]:
     """Sandbox with a file per step: checkpoints at k=1 (file one) and k=2 (files one, two)."""
-    await client.create(SandboxSpec(image=image), sandbox=sandbox)
-    await client.exec(sandbox, f"echo one > /one; {COUNTER}")
+    await client.create(SandboxSpec(image=image, user=ROOT), sandbox=sandbox)
+    await client.exec(sandbox, f"echo one > /tmp/one; {COUNTER}")
     first = await client.checkpoint(sandbox, trajectory, k=1, context_tokens=[1])
-    await client.exec(sandbox, "echo two > /two")
+    await client.exec(sandbox, "echo two > /tmp/two")
     second = await client.checkpoint(sandbox, trajectory, k=2, context_tokens=[1, 2])
     return first.checkpoint_id, second.checkpoint_id
 
 
 async def assert_restored_at_one(client: SandboxClient, sandbox: str) -> None:
-    files = await client.exec(sandbox, f"cat /one; ls /two 2>/dev/null; sleep 0.3; {SEEN}", expect_step=1)
+    files = await client.exec(
+        sandbox, f"cat /tmp/one; ls /tmp/two 2>/dev/null; sleep 0.3; {SEEN}", expect_step=1
+    )
     lines = files.stdout.split()
-    assert lines[0] == "one" and "/two" not in lines and int(lines[-1]) > 0
+    assert lines[0] == "one" and "/tmp/two" not in lines and int(lines[-1]) > 0
     # the counter process came back from the checkpoint: it keeps writing
     later = await client.exec(sandbox, f"sleep 0.5; {SEEN}")
     assert int(later.stdout) > int(lines[-1])
@@ -81,7 +83,7 @@ async def test_corrupt_newest_falls_back_to_previous(
     assert any(isinstance(e, SandboxRestored) and e.source == "previous" for e in seen)
     await assert_restored_at_one(client, "c")
     # the new incarnation checkpoints on from its own k
-    three = await client.exec("c", "echo three > /three")
+    three = await client.exec("c", "echo three > /tmp/three")
     again = await client.checkpoint("c", "traj-c", k=three.step)
     assert (again.incarnation, again.k) == (1, 4)
 
@@ -95,7 +97,7 @@ async def test_everything_corrupt_falls_back_to_base(
     restored = await client.restore("traj-b")
     assert (restored.source, restored.k, restored.incarnation, restored.checkpoint_id) == ("base", 0, 1, "")
     assert len(restored.rejected) == 2
-    fresh = await client.exec("b", "ls /one /two 2>&1; echo done", expect_step=0)
+    fresh = await client.exec("b", "ls /tmp/one /tmp/two 2>&1; echo done", expect_step=0)
     assert "No such file" in fresh.stdout
 
 
@@ -122,10 +124,10 @@ async def test_hostile_layer_rejected_and_clean_one_restores(
 async def test_checkpointer_killed_at_each_phase(
     client: SandboxClient, service: Service, image: str, phase: str
 ) -> None:
-    info = await client.create(SandboxSpec(image=image), sandbox="p")
-    await client.exec("p", f"echo one > /one; {COUNTER}")
+    info = await client.create(SandboxSpec(image=image, user=ROOT), sandbox="p")
+    await client.exec("p", f"echo one > /tmp/one; {COUNTER}")
     first = await client.checkpoint("p", "traj-p", k=1)
-    await client.exec("p", "echo two > /two")
+    await client.exec("p", "echo two > /tmp/two")
     service.stop()
     service.start("--crash-at", phase)
     await service.ready(client)
@@ -142,7 +144,7 @@ async def test_checkpointer_killed_at_each_phase(
     service.start()
     await service.ready(client)
     # reconcile unfroze the container; nothing half-written is left
-    alive = await client.exec("p", "cat /two")
+    alive = await client.exec("p", "cat /tmp/two")
     assert alive.stdout == "two\n"
     leftovers = sorted(p.name for p in (service.state_dir / "checkpoints" / "traj-p").iterdir())
     await kill_container(info.container_id)
@@ -157,15 +159,15 @@ async def test_checkpointer_killed_at_each_phase(
     (adopted,) = set(leftovers) - {first.checkpoint_id, "trajectory.json", "trajectory.mac"}
     assert len(leftovers) == 4
     assert (restored.source, restored.checkpoint_id, restored.k) == ("latest", adopted, 2)
-    files = await client.exec("p", "cat /one /two", expect_step=2)
+    files = await client.exec("p", "cat /tmp/one /tmp/two", expect_step=2)
     assert files.stdout == "one\ntwo\n"
 
 
 async def test_checkpointer_killed_mid_dump(client: SandboxClient, service: Service, image: str) -> None:
-    info = await client.create(SandboxSpec(image=image, memory_mb=2048), sandbox="d")
-    await client.exec("d", f"echo one > /one; {COUNTER}")
+    info = await client.create(SandboxSpec(image=image, user=ROOT, memory_mb=2048), sandbox="d")
+    await client.exec("d", f"echo one > /tmp/one; {COUNTER}")
     first = await client.checkpoint("d", "traj-d", k=1)
-    await client.exec("d", "echo two > /two; (exec memhold 1500) >/dev/null 2>&1 </dev/null & sleep 3")
+    await client.exec("d", "echo two > /tmp/two; (exec memhold 1500) >/dev/null 2>&1 </dev/null & sleep 3")
     attempt = asyncio.create_task(client.checkpoint("d", "traj-d", k=2, timeout_s=30))
     await asyncio.sleep(0.6)  # inside the freeze: CRIU is writing 1.5 GiB
     service.kill()
@@ -175,7 +177,7 @@ async def test_checkpointer_killed_mid_dump(client: SandboxClient, service: Serv
     service.start()
     await service.ready(client)
     await asyncio.sleep(3)  # let the orphaned dump in dockerd end
-    assert (await client.exec("d", "cat /two")).stdout == "two\n"
+    assert (await client.exec("d", "cat /tmp/two")).stdout == "two\n"
     await kill_container(info.container_id)
     restored = await client.restore("traj-d")
     assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)
@@ -183,11 +185,11 @@ async def test_checkpointer_killed_mid_dump(client: SandboxClient, service: Serv
 
 
 async def test_criu_failure_keeps_previous(client: SandboxClient, image: str) -> None:
-    await client.create(SandboxSpec(image=image), sandbox="g")
-    await client.exec("g", f"echo one > /one; {COUNTER}")
+    await client.create(SandboxSpec(image=image, user=ROOT), sandbox="g")
+    await client.exec("g", f"echo one > /tmp/one; {COUNTER}")
     first = await client.checkpoint("g", "traj-g", k=1)
     # an open, deleted file larger than CRIU's ghost limit: CRIU refuses to dump it
-    await client.exec("g", "echo two > /two; head -c 3000000 /dev/zero > /ghost; "
+    await client.exec("g", "echo two > /tmp/two; head -c 3000000 /dev/zero > /ghost; "
                            "(exec 3</ghost; exec sleep 100000) >/dev/null 2>&1 </dev/null & sleep 0.2; rm /ghost")  # fmt: skip
     with pytest.raises(ServiceError) as failed:
         await client.checkpoint("g", "traj-g", k=2)
@@ -222,10 +224,10 @@ async def test_disk_full_keeps_previous(
     client = SandboxClient(nc, svc.host_id)
     try:
         await svc.ready(client)
-        await client.create(SandboxSpec(image=docker_env), sandbox="f")
-        await client.exec("f", f"echo one > /one; {COUNTER}")
+        await client.create(SandboxSpec(image=docker_env, user=ROOT), sandbox="f")
+        await client.exec("f", f"echo one > /tmp/one; {COUNTER}")
         first = await client.checkpoint("f", "traj-f", k=1)
-        await client.exec("f", "echo two > /two; head -c 8000000 /dev/urandom > /big")
+        await client.exec("f", "echo two > /tmp/two; head -c 8000000 /dev/urandom > /big")
         with pytest.raises(ServiceError) as failed:
             await client.checkpoint("f", "traj-f", k=2)
         assert failed.value.code == "checkpoint-failed"
@@ -243,8 +245,8 @@ async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_en
 ) -> None:
     from belayer_rl.services.checkpointer.sandbox import dump_in_flight
 
-    info = await client.create(SandboxSpec(image=image, memory_mb=3072), sandbox="slow")
-    await client.exec("slow", f"echo one > /one; {COUNTER}")
+    info = await client.create(SandboxSpec(image=image, user=ROOT, memory_mb=3072), sandbox="slow")
+    await client.exec("slow", f"echo one > /tmp/one; {COUNTER}")
     first = await client.checkpoint("slow", "traj-slow", k=1)
     await client.exec("slow", "(exec memhold 2500) >/dev/null 2>&1 </dev/null & sleep 4")
     with pytest.raises(ServiceError) as late:
@@ -272,8 +274,8 @@ async def test_artifact_moves_to_another_host(
 
     from .conftest import remove_host_containers
 
-    info = await client.create(SandboxSpec(image=image), sandbox="mv")
-    await client.exec("mv", f"echo one > /one; {COUNTER}")
+    info = await client.create(SandboxSpec(image=image, user=ROOT), sandbox="mv")
+    await client.exec("mv", f"echo one > /tmp/one; {COUNTER}")
     first = await client.checkpoint("mv", "traj-mv", k=1, context_tokens=[7])
     await kill_container(info.container_id)  # the first host's sandbox is lost
     key = ["--checkpoint-key", str(service.state_dir / "checkpoint.key")]  # the hosts share one
@@ -324,8 +326,8 @@ async def test_checkpoint_travels_through_the_object_store(
         await service.ready(here)  # it has made the key the other host is given
         other.start()
         await other.ready(there)
-        info = await here.create(SandboxSpec(image=image), sandbox="far")
-        await here.exec("far", f"echo one > /one; {COUNTER}")
+        info = await here.create(SandboxSpec(image=image, user=ROOT), sandbox="far")
+        await here.exec("far", f"echo one > /tmp/one; {COUNTER}")
         first = await here.checkpoint("far", "traj-far", k=1, context_tokens=[4, 2])
         await kill_container(info.container_id)  # the first host's sandbox is lost
         for _ in range(100):  # the upload runs in the background

@@ -45,14 +45,14 @@ async def test_a_process_started_after_a_restore_is_named_not_checkpointed(
     assert await crash_and_restore(client, "traj-r") == 1
     await client.exec(
         "r",
-        "echo two >> /tmp/trail; setsid sleep 100 </dev/null >/dev/null 2>&1 & echo $! > /stray",
+        "echo two >> /tmp/trail; setsid sleep 100 </dev/null >/dev/null 2>&1 & echo $! > /tmp/stray",
         expect_step=1,
     )
     with pytest.raises(ServiceError) as refused:
         await client.checkpoint("r", "traj-r", k=2, context_tokens=[1, 2])
     assert refused.value.code == "checkpoint-failed" and "(sleep)" in refused.value.message
     # Once an action has ended the process, the next step checkpoints and restores.
-    await client.exec("r", "kill -KILL $(cat /stray)", expect_step=2)
+    await client.exec("r", "kill -KILL $(cat /tmp/stray)", expect_step=2)
     await client.checkpoint("r", "traj-r", k=3, context_tokens=[1, 2, 3])
     assert await crash_and_restore(client, "traj-r") == 3
     out = await client.exec("r", "cat /tmp/trail", expect_step=3)

@@ -11,6 +11,8 @@ from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import SandboxSpec
 
+from .conftest import ROOT
+
 # Files of every kind in the writable layer; a counter that lives only in a shell's memory and
 # answers SIGUSR1 by writing its value to /tmp/probe; a process holding a file open; a background job.
 SETUP = r"""
@@ -50,7 +52,7 @@ async def kill_container(container_id: str) -> None:
 
 
 async def test_round_trip_restores_processes_files_and_context(client: SandboxClient, image: str) -> None:
-    info = await client.create(SandboxSpec(image=image, memory_mb=256), sandbox="rt")
+    info = await client.create(SandboxSpec(image=image, user=ROOT, memory_mb=256), sandbox="rt")
     assert (await client.exec("rt", SETUP)).exit_code == 0
     assert (await client.exec("rt", CHANGE)).exit_code == 0
     await asyncio.sleep(0.5)

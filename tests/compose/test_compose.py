@@ -249,6 +249,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "BELAYER_UID": str(SERVICE_UID),
         "BELAYER_GID": str(SERVICE_UID),
         "BELAYER_HOST_ID": stack.host_id,
+        "BELAYER_ALLOW_ROOT_USER": "true",  # the sandbox test leaves a process running across a checkpoint
         # Only the test's own SIGKILLs should hand over: a 2-core host busy with seven containers
         # can delay a main's heartbeat file past the default 2 s.
         "BELAYER_HANG_TIMEOUT": "10",
@@ -547,7 +548,9 @@ async def test_checkpointer_in_its_container_checkpoints_and_restores(stack: Sta
         return json.loads(stack.belayer("sandbox", "--host", stack.host_id, "--json", *args))
 
     name, trajectory = "s1", f"traj-{secrets.token_hex(3)}"
-    created = sandbox("create", DEFAULT_IMAGE, "--name", name)
+    # root: its sleeper outlives the action, and CRIU may not dump another user's process on a host
+    # whose root lacks CAP_SYS_RESOURCE (the checkpointer's README)
+    created = sandbox("create", DEFAULT_IMAGE, "--name", name, "--user", "0")
     assert created["state"] == "running"
     try:
         sandbox("exec", name, "echo before > /f; sleep 1000 & echo $! > /sleeper")

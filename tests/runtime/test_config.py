@@ -77,6 +77,24 @@ def test_a_default_is_written_once() -> None:
 
 
 @pytest.mark.parametrize(
+    ("variable", "argv", "allowed"),
+    [("", [], False), ("true", [], True), ("0", [], False), ("no", ["--allow-root-user"], True)],
+)
+def test_a_yes_or_no_setting_reads_its_variable_when_its_flag_is_absent(
+    monkeypatch, variable: str, argv: list[str], allowed: bool
+) -> None:
+    monkeypatch.setenv("BELAYER_ALLOW_ROOT_USER", variable)
+    config = parse(CheckpointerConfig, ["--nats", NATS, "--host-id", "h1", *argv])
+    assert isinstance(config, CheckpointerConfig) and config.allow_root_user is allowed
+
+
+def test_a_yes_or_no_variable_that_says_neither_is_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("BELAYER_ALLOW_ROOT_USER", "maybe")
+    with pytest.raises(ConfigError, match="BELAYER_ALLOW_ROOT_USER"):
+        parse(CheckpointerConfig, ["--nats", NATS, "--host-id", "h1"])
+
+
+@pytest.mark.parametrize(
     ("cls", "argv", "flag"),
     [
         (RouterConfig, ["--nats", NATS, "--chunk-tokens", "0"], "--chunk-tokens"),
