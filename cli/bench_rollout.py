@@ -117,6 +117,9 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     return report
 
 
+ROUTER_SILENCE_S = 60.0  # how long a round waits for an answering router before it gives up
+
+
 @contextlib.asynccontextmanager
 async def bench_cluster(
     args: argparse.Namespace, preset: str, *, standby_routers: int
@@ -288,6 +291,7 @@ async def failover(
     progress = asyncio.Event()
     running = [asyncio.create_task(follow(client, s, max_tokens, streams, progress)) for s in seeds]
     # Fail over once requests are well into their decode (random weights may end some early).
+    patience = time.monotonic() + ROUTER_SILENCE_S
     while True:
         progress.clear()
         with contextlib.suppress(TimeoutError):
@@ -297,6 +301,8 @@ async def failover(
         try:
             status = await client.status()
         except bus.ServiceError as exc:  # a stalled host can cost a router its lease: ask the next one
+            if exc.code not in ("timeout", "not-leader", "no-responders") or time.monotonic() > patience:
+                raise
             print(f"bench: the router did not answer ({exc}); asking again", file=sys.stderr)
             continue
         busy = [r for r in status.requests if r.engine_id and r.num_tokens >= args.max_tokens]

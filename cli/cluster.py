@@ -16,8 +16,8 @@ import dataclasses
 import hashlib
 import logging
 import os
+import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +34,7 @@ from belayer_rl.shared import config as flags
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.bus import Target
 from belayer_rl.shared.config import (
+    INSTANCE_ENV,
     CheckpointerConfig,
     ConfigError,
     KvServerConfig,
@@ -145,6 +146,7 @@ class Child:
     backoff_s: float = 0.0
     started_at: float = 0.0
     state: str = "starting"
+    instance: str = ""  # a token for this start of the process: $BELAYER_INSTANCE in its environment
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     stop_grace_s: float = STOP_GRACE_S  # SIGTERM to SIGKILL
 
@@ -302,6 +304,7 @@ class Supervisor:
 
     async def spawn(self, child: Child) -> None:
         log_path = self.config.state_dir / "logs" / f"{child.name}.log"
+        child.instance = secrets.token_hex(16)
         with log_path.open("ab") as out:
             child.process = await asyncio.create_subprocess_exec(
                 *child.argv,
@@ -309,6 +312,7 @@ class Supervisor:
                 stderr=out,
                 stdin=asyncio.subprocess.DEVNULL,
                 preexec_fn=dies_with_parent(),
+                env={**os.environ, INSTANCE_ENV: child.instance},
             )
         child.started_at = time.monotonic()
         child.state = "running"
@@ -376,7 +380,9 @@ class Supervisor:
 
     async def announce(self, event: ProcessEvent) -> None:
         log.info("%s pid %d %s", event.name, event.pid, event.state)
-        event = msgspec.structs.replace(event, host=socket.gethostname())
+        child = self.children.get(event.name)
+        if child is not None:
+            event = msgspec.structs.replace(event, instance=child.instance)
         await self.publish(self.subjects.event("process", event.name), event)
         self.write_state()
 

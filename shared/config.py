@@ -35,6 +35,7 @@ NATS_CREDS_ENV = "BELAYER_NATS_CREDS"
 CLUSTER_ID_ENV = "BELAYER_CLUSTER_ID"
 STATE_DIR_ENV = "BELAYER_STATE_DIR"
 CHECKPOINT_KEY_ENV = "BELAYER_CHECKPOINT_KEY"
+INSTANCE_ENV = "BELAYER_INSTANCE"  # set by `belayer up` for each start of each process it supervises
 DEFAULT_STATE_DIR = Path(".belayer")
 
 C = TypeVar("C")
@@ -323,7 +324,12 @@ class RouterConfig(ServiceConfig):
         30.0, "seconds an attempt may go without a new token before it is resumed (a lost end, say)"
     )
     lease_ttl_s: float = setting(
-        2.0, "seconds a router's lease outlives its last renewal; a standby router takes over after it"
+        2.0,
+        "seconds a router's lease outlives its last renewal; a standby router takes over after it"
+        " (at once when the holder's supervisor reports its exit)",
+    )
+    instance: str = setting(
+        "", "the token its supervisor gave this start of the router (belayer up sets it)", env=INSTANCE_ENV
     )
     debug_accept_stale: bool = setting(
         False,

@@ -356,7 +356,9 @@ class ProcessEvent(Message, tag="process", kw_only=True):
 
     name: str
     pid: int
-    host: str = ""  # the supervisor's host name: a pid names a process only there
+    # The token the supervisor gave this start of the process ($BELAYER_INSTANCE): unlike a pid, it
+    # names one process on one host, once.
+    instance: Annotated[str, Meta(max_length=64)] = ""
     state: Literal["started", "exited", "restarting", "gave-up", "stopped"]
     exit_code: int | None = None
     backoff_s: float = 0.0
@@ -378,6 +380,7 @@ class RouterLease(Message, tag="router_lease", kw_only=True):
     host: Annotated[str, Meta(max_length=256)]
     ttl_s: Annotated[float, Meta(gt=0)]
     released: bool = False  # its holder stopped (a drain): a standby takes it at once
+    instance: Annotated[str, Meta(max_length=64)] = ""  # its supervisor's token for it; "" if none
 
 
 class Handover(Message, tag="handover", kw_only=True):

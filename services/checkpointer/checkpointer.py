@@ -39,8 +39,6 @@ from belayer_rl.services.checkpointer.sandbox import (
     dump_in_flight,
     host_memory_mb,
     host_trouble,
-    is_root,
-    with_user,
 )
 from belayer_rl.services.checkpointer.store import TRAJECTORY, CorruptCheckpoint, Store, checkpoint_key
 from belayer_rl.shared import bus
@@ -315,18 +313,17 @@ class Checkpointer:
             try:
                 image = await self.engine.inspect_image(req.spec.image)
                 sb.record.image_id = image.id
-                if not req.spec.user and image.user and not is_root(image.user):
-                    # The image's unprivileged USER runs the actions; named in the spec, so that
-                    # every checkpoint's restore runs them as the same user.
-                    sb.record.spec = with_user(req.spec, image.user)
-                await phases.fresh_container(self.host, sb.record, sb.record.image_id)
+                await phases.fresh_container(self.host, sb.record, image)
                 await self.engine.start(sb.record.container_id)
-            except (aiodocker.DockerError, msgspec.ValidationError) as exc:
-                # ValidationError: the engine's reply does not fit; a daemon error like the others
+            except (aiodocker.DockerError, msgspec.ValidationError, ServiceError) as exc:
+                # ValidationError: the engine's reply does not fit; a daemon error like the others.
+                # ServiceError: the image's USER is no user a spec may name.
                 self.sandboxes.pop(name, None)
                 if sb.record.container_id:
                     with contextlib.suppress(aiodocker.DockerError):
                         await self.engine.remove(sb.record.container_id)
+                if isinstance(exc, ServiceError):
+                    raise
                 if (trouble := host_trouble(exc)) is not None:
                     raise trouble from None
                 code = "no-image" if not sb.record.image_id else "create-failed"

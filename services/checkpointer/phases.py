@@ -35,7 +35,15 @@ from nats.js.kv import KeyValue
 
 from belayer_rl.services.checkpointer import layer, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
-from belayer_rl.services.checkpointer.sandbox import Engine, EnvironmentFailure, SandboxPolicy, host_trouble
+from belayer_rl.services.checkpointer.sandbox import (
+    Engine,
+    EnvironmentFailure,
+    ImageInspect,
+    SandboxPolicy,
+    host_trouble,
+    is_root,
+    with_user,
+)
 from belayer_rl.services.checkpointer.store import (
     CONTEXT,
     CRIU,
@@ -83,12 +91,25 @@ class Host:
 RESTORE_TRIES, RESTORE_REJECT_AFTER_S = 3, 30.0
 
 
-async def fresh_container(host: Host, record: SandboxRecord, image: str) -> str:
+async def fresh_container(host: Host, record: SandboxRecord, image: ImageInspect) -> str:
     """Replace the sandbox's container, if any, with a new one from `image` with the record's
-    settings, unless this host's policy refuses them (ServiceError "not-allowed")."""
+    settings, unless this host's policy refuses them (ServiceError "not-allowed").
+
+    A spec that names no user gets the image's unprivileged USER, written into the record: every
+    later checkpoint names it, and a checkpoint made before specs did (its spec names none) still
+    runs its actions as the image's author chose, not as the root init."""
+    if not record.spec.user and image.user and not is_root(image.user):
+        try:
+            record.spec = with_user(record.spec, image.user)
+        except msgspec.ValidationError:
+            raise ServiceError(
+                "not-allowed",
+                f"sandbox {record.sandbox}: the image's USER {image.user!r} is no user a spec may name;"
+                " name one in the spec's `user`",
+            ) from None
     if why := host.policy.refusal(record.spec):
         raise ServiceError("not-allowed", f"sandbox {record.sandbox}: {why}")
-    spec = msgspec.structs.replace(record.spec, image=image)
+    spec = msgspec.structs.replace(record.spec, image=image.id)
     record.container_id = await host.engine.recreate(record.container_id, spec, host.host_id, record.sandbox)
     record.oom_seen = 0
     return record.container_id
@@ -303,7 +324,7 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
         host.failed_restores.pop(chosen[0].checkpoint_id, None)
     if chosen is None:  # the base image, from the start
         try:
-            await fresh_container(host, r, r.image_id)
+            await fresh_container(host, r, await host.engine.inspect_image(r.image_id))
             await host.engine.start(r.container_id)
         except aiodocker.DockerError as exc:
             raise host_trouble(exc) or ServiceError("create-failed", f"base image: {exc.message}") from None
@@ -359,7 +380,7 @@ async def restore_from(host: Host, r: SandboxRecord, path: Path) -> tuple[Manife
     context = host.store.context(path)
     entries = await asyncio.to_thread(layer.check, path / LAYER, host.max_layer_bytes)
     try:
-        await host.engine.inspect_image(manifest.image_id)
+        image = await host.engine.inspect_image(manifest.image_id)
     except aiodocker.DockerError as exc:  # not the artifact's fault: stop, keep it, say what is missing
         if (trouble := host_trouble(exc)) is not None:
             raise trouble from None
@@ -368,7 +389,7 @@ async def restore_from(host: Host, r: SandboxRecord, path: Path) -> tuple[Manife
             f"image {manifest.spec.image} ({manifest.image_id[:19]}) is not on this host: {exc.message}",
         ) from None
     r.spec = manifest.spec
-    container_id = await fresh_container(host, r, manifest.image_id)
+    container_id = await fresh_container(host, r, image)
     try:
         upper = await host.engine.upper_dir(container_id)
         await asyncio.to_thread(layer.install, path / LAYER, entries, upper)

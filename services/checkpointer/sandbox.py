@@ -172,8 +172,9 @@ class SandboxPolicy:
 
 
 def is_root(user: str) -> bool:
-    """Whether a Docker `User` names root explicitly ("" names the image's own user)."""
-    return user.partition(":")[0] in ("root", "0")
+    """Whether a Docker `User` names root: by name, or as uid 0 however written ("00" too)."""
+    name = user.partition(":")[0]
+    return name == "root" or (name.isdigit() and int(name) == 0)
 
 
 def with_user(spec: SandboxSpec, user: str) -> SandboxSpec:

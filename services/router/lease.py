@@ -10,13 +10,16 @@ clock *rates* must agree, not their times.
 
 A lease whose holder has exited is taken over at once, without waiting out the TTL, when the
 holder's supervisor (`belayer up`) reports the exit: it sends that report only once it has reaped
-the process, and a dead router renews nothing and acts no more. What it sent before dying is
-fenced as at any takeover (below); so is a live router named by a forged report, which loses its
-next renewal and steps down.
+the process, and a dead router renews nothing and acts no more. The report names the process by
+the token the supervisor gave that start of it (`instance`), which the holder wrote into its
+lease: a pid can name another process later, the token cannot. What the dead router sent before
+dying is fenced as at any takeover (below). A forged report (its sender must have read the lease)
+would let two routers act for up to a TTL; the fences below would still refuse the old one's
+dispatches and appends once the new one has claimed, and it steps down at its next renewal.
 
 The holder may act only until `sent + ttl`, where `sent` is when it sent its last renewal that the
-store acknowledged: a successor waits a full TTL after it *saw* that revision, so the two windows
-never overlap. A router stopped past its lease (SIGSTOP, a long pause) therefore finds on waking
+store acknowledged: a successor that waits a full TTL after it *saw* that revision acts in a window
+that does not overlap the holder's. A router stopped past its lease (SIGSTOP, a long pause) therefore finds on waking
 that it may not act; its next renewal fails the compare-and-set and it steps down for good.
 
 That is the router's own discipline. The fence that holds whatever the old router does is
@@ -82,15 +85,16 @@ async def lease_holder(js: JetStreamContext, names: Subjects) -> RouterLease | N
 
 
 class Lease:
-    def __init__(self, kv: KeyValue, ttl_s: float) -> None:
+    def __init__(self, kv: KeyValue, ttl_s: float, instance: str = "") -> None:
         self.kv = kv
         self.ttl_s = ttl_s
+        self.instance = instance  # the supervisor's token for this start of this router; "" if none
         self.incarnation = 0  # 0 until acquired
         self.revision = 0  # of the key's value this router wrote last
         self.valid_until = 0.0  # monotonic: the end of the window in which this router may act
         self.lost = asyncio.Event()
         self.released = False  # handed back at a drain: never renewed again
-        self.exited: dict[tuple[str, int], float] = {}  # (host, pid) -> monotonic time its exit was reported
+        self.exited: dict[str, float] = {}  # instance -> monotonic time its exit was reported
         self.exit_reported = asyncio.Event()  # wakes a standby
 
     def held(self) -> bool:
@@ -110,6 +114,7 @@ class Lease:
             host=socket.gethostname(),
             ttl_s=self.ttl_s,
             released=released,
+            instance=self.instance,
         )
         return protocol.encode(lease)
 
@@ -169,19 +174,19 @@ class Lease:
 
     async def on_process(self, event: ProcessEvent) -> None:
         """A supervisor's report on one of its processes; an exit may free the lease."""
-        if event.state == "exited" and event.host:
+        if event.state == "exited" and event.instance:
             self._forget_old_exits()
-            self.exited[(event.host, event.pid)] = time.monotonic()
+            self.exited[event.instance] = time.monotonic()
             self.exit_reported.set()
 
     def _has_exited(self, holder: RouterLease) -> bool:
         """Whether the holder's exit was reported lately."""
         self._forget_old_exits()
-        return (holder.host, holder.pid) in self.exited
+        return bool(holder.instance) and holder.instance in self.exited
 
     def _forget_old_exits(self) -> None:
-        """Reports are kept two TTLs: long enough to meet the lease they are about, too short for
-        their pid to name a new router by then."""
+        """Reports are kept two TTLs: a report meets the lease it is about well within that, and a
+        report about any other process is of no use."""
         now = time.monotonic()
         self.exited = {key: at for key, at in self.exited.items() if now - at < 2 * self.ttl_s}
 

@@ -42,6 +42,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
             "declare the lease bucket", lambda: lease_bucket(js, rt.subjects, config.replicas)
         ),
         config.lease_ttl_s,
+        config.instance,
     )
     router = Router(config, nc, js, kv, lease, rt.spawn, rt.record_skipped, RouterMetrics(rt.metrics))
     rt.on_reconnect(router.on_reconnect)

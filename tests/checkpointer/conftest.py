@@ -115,8 +115,10 @@ class Service:
         ]  # fmt: skip
         if self.docker_url:
             argv += ["--docker", self.docker_url]
+        # Only `allow_root_user` decides, whatever the variable says where the tests run.
+        env = {k: v for k, v in os.environ.items() if k != "BELAYER_ALLOW_ROOT_USER"}
         with self.log_path.open("ab") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=env)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

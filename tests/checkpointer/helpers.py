@@ -51,6 +51,15 @@ def reseal(folder: Path, key_file: Path) -> None:
     store.write_signed(folder / MANIFEST, msgspec.json.encode(msgspec.structs.replace(manifest, files=files)))
 
 
+def rewrite_spec(folder: Path, key_file: Path, **changes: object) -> None:
+    """Sign the manifest again with its spec changed: a checkpoint as an earlier checkpointer wrote
+    it (one holding the key)."""
+    manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=Manifest)
+    spec = msgspec.structs.replace(manifest.spec, **changes)
+    store = Store(folder.parent.parent, checkpoint_key(key_file, create=False))
+    store.write_signed(folder / MANIFEST, msgspec.json.encode(msgspec.structs.replace(manifest, spec=spec)))
+
+
 def replace_layer(folder: Path, members: list[tuple[tarfile.TarInfo, bytes | None]], key_file: Path) -> None:
     import io
 

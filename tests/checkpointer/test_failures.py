@@ -230,6 +230,7 @@ REACHING_INTO_THE_HOST: list[tuple[dict[str, object], str]] = [
     ({"cpus": 2.0}, "cpus"),
     ({"user": "root"}, "allow-root-user"),
     ({"user": "0:0"}, "allow-root-user"),
+    ({"user": "00"}, "allow-root-user"),  # runc reads "00" as uid 0
 ]
 
 

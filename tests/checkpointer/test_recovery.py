@@ -18,7 +18,7 @@ from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
 from tests.support import poll
 
 from .conftest import ROOT, Service
-from .helpers import checkpoint_dir, events, kill_container, replace_layer
+from .helpers import checkpoint_dir, events, kill_container, replace_layer, rewrite_spec
 from .test_layer import entry, hostile_members
 
 COUNTER = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/seen; sleep 0.1; done) >/dev/null 2>&1 </dev/null &"
@@ -99,6 +99,26 @@ async def test_everything_corrupt_falls_back_to_base(
     assert len(restored.rejected) == 2
     fresh = await client.exec("b", "ls /tmp/one /tmp/two 2>&1; echo done", expect_step=0)
     assert "No such file" in fresh.stdout
+
+
+async def test_a_checkpoint_whose_spec_names_no_user_restores_as_the_images_user(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    """Checkpoints made before specs named the image's user hold `user: ""`; the init now runs as
+    root, so such a restore must still run the actions as the image's USER (nobody here), not as
+    root. Mutation, run by hand: without the USER filled in by `fresh_container`, `id -u` answers 0."""
+    await client.create(SandboxSpec(image=image), sandbox="u")
+    await client.exec("u", "echo kept > /tmp/kept")
+    first = await client.checkpoint("u", "traj-u", k=1)
+    rewrite_spec(
+        checkpoint_dir(service.state_dir, "traj-u", first.checkpoint_id),
+        service.state_dir / "checkpoint.key",
+        user="",
+    )
+    restored = await client.restore("traj-u")
+    assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)
+    after = await client.exec("u", "id -u; cat /tmp/kept", expect_step=1)
+    assert after.stdout == "65534\nkept\n"
 
 
 @pytest.mark.parametrize("variant", sorted(hostile_members(Path("/x"))))

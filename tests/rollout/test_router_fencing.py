@@ -132,9 +132,9 @@ async def test_a_killed_router_whose_supervisor_reports_its_exit_is_replaced_at_
 ) -> None:
     """With a lease TTL of 60 s, SIGKILL the lease holder mid-stream: its supervisor reaps it and
     reports the exit, the standby takes the lease at once instead of after the TTL, and every
-    request completes token-exact. A report of another process's exit frees nothing. Mutation,
-    run by hand: with the report ignored (`Lease.on_process` doing nothing), no successor starts
-    within the 20 s waited."""
+    request completes token-exact. A report of another process's exit, or of an earlier start
+    under the holder's pid, frees nothing. Mutation, run by hand: with the report ignored
+    (`Lease.on_process` doing nothing), no successor starts within the 20 s waited."""
     rng = random.Random(seed)
     options = {"engines": 2, "chunk_tokens": K, "standby_routers": 1, "lease_ttl_s": 60.0}
     async with running_cluster(nats_server, tmp_path, **options) as cluster:
@@ -142,10 +142,13 @@ async def test_a_killed_router_whose_supervisor_reports_its_exit_is_replaced_at_
         started = await EventLog.start(cluster.client, "router_started")
         js = cluster.client.nc.jetstream()
         holder = await lease_holder(js, subjects)
-        assert holder is not None
-        bystander = next(c.pid for c in cluster.supervisor.children.values() if c.pid != holder.pid)
-        report = ProcessEvent(name="bystander", pid=bystander, host=holder.host, state="exited")
-        await bus.publish(cluster.client.nc, subjects.event("process", "bystander"), report)
+        assert holder is not None and holder.instance  # the supervisor's token for this start
+        bystander = next(c for c in cluster.supervisor.children.values() if c.pid != holder.pid)
+        for report in (
+            ProcessEvent(name=bystander.name, pid=bystander.pid, instance=bystander.instance, state="exited"),
+            ProcessEvent(name="router", pid=holder.pid, instance="an-earlier-start", state="exited"),
+        ):
+            await bus.publish(cluster.client.nc, subjects.event("process", report.name), report)
 
         jobs: list[Job] = [make_job(rng, f"exit-{i}", max_tokens=400) for i in range(6)]
         running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
