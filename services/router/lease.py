@@ -19,8 +19,9 @@ dispatches and appends once the new one has claimed, and it steps down at its ne
 
 The holder may act only until `sent + ttl`, where `sent` is when it sent its last renewal that the
 store acknowledged: a successor that waits a full TTL after it *saw* that revision acts in a window
-that does not overlap the holder's. A router stopped past its lease (SIGSTOP, a long pause) therefore finds on waking
-that it may not act; its next renewal fails the compare-and-set and it steps down for good.
+that does not overlap the holder's. A router stopped past its lease (SIGSTOP, a long pause)
+therefore finds on waking that it may not act; its next renewal fails the compare-and-set and it
+steps down for good.
 
 That is the router's own discipline. The fence that holds whatever the old router does is
 elsewhere: its incarnation rides on every dispatch and cancel (workers refuse a lower one) and the
