@@ -25,7 +25,11 @@ from tests.rollout.test_worker_faults import make_job, run
 from tests.support import NAMES, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
 
 MIN_HITS = 3  # in-flight requests or trajectories each fault kind must strike over the campaign
-CI_KINDS = FAULT_KINDS  # `container-pause` included: its two findings are fixed (docs/benchmarks.md)
+# `container-pause` found two bugs (docs/benchmarks.md, the fault campaign), both since fixed, and
+# ran clean in the release run and in one CI-sized run here; but the first CI run that included
+# it hung past its bound with a sandbox frozen behind Docker's back (the same file). CI runs every
+# other kind until that is understood; `belayer chaos` runs all of them.
+CI_KINDS = tuple(kind for kind in FAULT_KINDS if kind != "container-pause")
 # Acknowledged checkpoints that CRIU would not restore were the campaign's most frequent finding:
 # a quick action's timeout watcher outlived it, outside the restored sandbox's time namespace
 # (tests/checkpointer/test_restore_twice.py), fixed. Once, a checkpoint whose restored init died at
