@@ -7,8 +7,9 @@ Every figure is printed next to its baseline from the same run:
   tokens regenerated, vs restarting the request from its prompt (time to regain the same position);
 - recovery after a router SIGKILL, `--router-kills` times (10): the active router, the lease holder,
   is killed mid-decode; the supervisor reaps it and reports its exit, so the warm standby takes its
-  lease at once (without that report, after the TTL) and adopts what the workers hold; p50/p95 of the time from the kill to each interrupted request's next new token and
-  of the tokens generated again, vs restarting from the prompt;
+  lease at once (without that report, after the TTL) and adopts what the workers hold; p50/p95 of
+  the time from the kill to each interrupted request's next new token and of the tokens generated
+  again, vs restarting from the prompt;
 - token-log cost: JetStream append time per token;
 - the metrics' own cost: the router's CPU time per token with its metrics on (the default) and off
   (`--metrics-port -1`): pairs of rounds of one fixed workload on the same cluster, the router
