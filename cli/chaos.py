@@ -153,6 +153,7 @@ class Job:
     max_tokens: int
     seed: int
     temperature: float = 0.8
+    min_tokens: int = 0  # EOS held back until this many are generated
 
 
 def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 0) -> dict[str, list[int]]:
@@ -168,6 +169,7 @@ def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 
             max_new_tokens=job.max_tokens,
             seed=job.seed,
             temperature=job.temperature,
+            min_new_tokens=job.min_tokens,
         )
         engine.submit(spec)
     out: dict[str, list[int]] = {job.request_id: [] for job in jobs}

@@ -20,9 +20,9 @@ from tests.support import EventLog, Job, kill, poll, reference_tokens, running_c
 WORDS = "rope anchor belay carabiner crux ledge pitch summit traverse chalk".split()
 
 
-def make_job(rng: random.Random, request_id: str, max_tokens: int) -> Job:
+def make_job(rng: random.Random, request_id: str, max_tokens: int, min_tokens: int = 0) -> Job:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
-    return Job(request_id, prompt, max_tokens, seed=rng.randrange(1 << 31))
+    return Job(request_id, prompt, max_tokens, seed=rng.randrange(1 << 31), min_tokens=min_tokens)
 
 
 async def restarted(client: Client, engine_id: str, old_pid: int) -> bool | None:
@@ -43,6 +43,7 @@ async def run(
                 max_tokens=job.max_tokens,
                 seed=job.seed,
                 temperature=job.temperature,
+                min_tokens=job.min_tokens,
                 request_id=job.request_id,
                 weight_version=weight_version,
             )
