@@ -178,12 +178,14 @@ class Checkpointer:
                 continue
             if container.state == "paused":  # a crash mid-checkpoint left it frozen
                 for _ in range(int(ORPHAN_DUMP_WAIT_S * 10)):  # a dump we started may still run
-                    if not dump_in_flight(container.id):
+                    if not await dump_in_flight(container.id):
                         break
                     await asyncio.sleep(0.1)
                 log.info("sandbox %s was left frozen: unfreezing", sb.record.sandbox)
                 with contextlib.suppress(aiodocker.DockerError):
                     await self.engine.unpause(container.id)
+            with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
+                await self.engine.thaw_behind_dockers_back(container.id)
             failure, _ = await self.engine.health(container.id, sb.record.oom_seen)
             if failure is None and sb.record.acting:
                 failure = EnvironmentFailure.interrupted(sb.record.step)

@@ -66,6 +66,7 @@ EXEC_GRACE_S = 10.0  # past timeout + grace, the wrapper itself is presumed stuc
 SWEEP_GRACE_S = 1.0  # past timeout + this, the host kills what the action started
 FREEZE_TRIES = 4  # runc's freeze can time out under load; see `pause`
 STRAY_GRACE_S = 2.0  # for the last action's processes to finish dying before a dump; see `strays`
+PROC_SCAN_S = 5.0  # a read of every process's command line that takes longer is stuck
 FREEZE_RETRY_S = 0.2
 
 
@@ -398,6 +399,8 @@ class Engine:
             pass
         with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
             self.oom_files[container_id] = oom_counter_files((await self.state(container_id)).pid)
+        if checkpoint:
+            await self.thaw_behind_dockers_back(container_id)
 
     @daemon_call
     async def remove(self, container_id: str) -> None:
@@ -411,6 +414,21 @@ class Engine:
         except aiodocker.DockerError as exc:
             if exc.status != 404:
                 raise
+
+    @daemon_call
+    async def thaw_behind_dockers_back(self, container_id: str) -> bool:
+        """Thaw the container's cgroup when it is frozen while Docker holds the container running,
+        and say whether it was. A restore once left a sandbox so, and Docker's unpause then answers
+        "not paused": every action waits until its timeout. Raises as `state` does."""
+        state = await self.state(container_id)
+        if not state.running or state.paused:
+            return False
+        control = await asyncio.to_thread(frozen_cgroup, state.pid)
+        if control is None:
+            return False
+        log.warning("container %s is frozen though Docker holds it running: thawing it", container_id[:12])
+        await asyncio.to_thread(thaw_cgroup, control)
+        return True
 
     @daemon_call
     async def pause(self, container_id: str) -> None:
@@ -458,7 +476,7 @@ class Engine:
         for large memory and so keeps the container frozen longer. Otherwise asks the Engine API.
         The images are the same either way, and restore goes through the engine. Returns the path
         taken ("runc" or "engine")."""
-        root = runc_root(container_id)
+        root = await runc_root(container_id)
         runc = shutil.which("runc")
         if root is not None and runc is not None:
             work = images.parent / (images.name + ".work")
@@ -807,20 +825,51 @@ def cgroup_procs_file(pid: int) -> Path | None:
     return None
 
 
-def oom_counter_files(pid: int) -> list[Path]:
-    """Where the kernel counts OOM kills for the memory cgroup holding `pid` (cgroup v1 or v2)."""
+def cgroups_of(pid: int) -> list[tuple[list[str], str]]:
+    """The cgroups holding `pid`: (controllers, path) per hierarchy; controllers [] is v2's."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines() if pid > 0 else []
     except OSError:
         return []
-    files: list[Path] = []
+    found: list[tuple[list[str], str]] = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
+        found.append(([c for c in controllers.split(",") if c], path))
+    return found
+
+
+def oom_counter_files(pid: int) -> list[Path]:
+    """Where the kernel counts OOM kills for the memory cgroup holding `pid` (cgroup v1 or v2)."""
+    files: list[Path] = []
+    for controllers, path in cgroups_of(pid):
+        if "memory" in controllers:
             files.append(Path("/sys/fs/cgroup/memory" + path) / "memory.oom_control")
-        elif controllers == "":
+        elif not controllers:
             files.append(Path("/sys/fs/cgroup" + path) / "memory.events")
     return files
+
+
+def frozen_cgroup(pid: int) -> Path | None:
+    """The freezer control of the cgroup holding `pid` when that cgroup is frozen or freezing, else
+    None: v1's freezer.state (THAWED, FREEZING, FROZEN), or else v2's cgroup.freeze (0 or 1)."""
+    groups = cgroups_of(pid)
+    for controllers, path in groups:
+        if "freezer" in controllers:
+            control = Path("/sys/fs/cgroup/freezer" + path) / "freezer.state"
+            with contextlib.suppress(OSError):
+                return control if control.read_text().strip() != "THAWED" else None
+            return None
+    for controllers, path in groups:
+        if not controllers:
+            control = Path("/sys/fs/cgroup" + path) / "cgroup.freeze"
+            with contextlib.suppress(OSError):
+                return control if control.read_text().strip() == "1" else None
+    return None
+
+
+def thaw_cgroup(control: Path) -> None:
+    """Thaw the cgroup whose freezer control `frozen_cgroup` returned."""
+    control.write_text("THAWED" if control.name == "freezer.state" else "0")
 
 
 def read_oom_kills(files: list[Path]) -> int:
@@ -857,26 +906,41 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def dump_in_flight(container_id: str) -> bool:
-    """Whether a `runc checkpoint` of the container runs (say, orphaned by a checkpointer crash)."""
+def command_lines() -> list[list[bytes]]:
+    """Every process's argv. A read can block on a process stuck in the kernel: call it through
+    `scan_command_lines`."""
+    found: list[list[bytes]] = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
+        with contextlib.suppress(OSError):
+            found.append(cmdline.read_bytes().split(b"\0"))
+    return found
+
+
+async def scan_command_lines() -> list[list[bytes]] | None:
+    """`command_lines` off the event loop, or None when it took longer than PROC_SCAN_S (its thread
+    is left to finish: the loop must not wait on a stuck process)."""
+    try:
+        async with asyncio.timeout(PROC_SCAN_S):
+            return await asyncio.to_thread(command_lines)
+    except TimeoutError:
+        log.warning("reading /proc took over %.0f s; a process may be stuck in the kernel", PROC_SCAN_S)
+        return None
+
+
+async def dump_in_flight(container_id: str) -> bool:
+    """Whether a `runc checkpoint` of the container runs (say, orphaned by a checkpointer crash);
+    False when /proc cannot be read in time."""
+    for argv in await scan_command_lines() or []:
         if argv and argv[0].endswith(b"runc") and b"checkpoint" in argv and container_id.encode() in argv:
             return True
     return False
 
 
-def runc_root(container_id: str) -> Path | None:
+async def runc_root(container_id: str) -> Path | None:
     """The runc state root holding the container, read from its containerd shim's command line
-    (`-namespace NS -address <exec-root>/containerd/containerd.sock` -> <exec-root>/runtime-runc/NS)."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
+    (`-namespace NS -address <exec-root>/containerd/containerd.sock` -> <exec-root>/runtime-runc/NS);
+    None when not found, or /proc cannot be read in time."""
+    for argv in await scan_command_lines() or []:
         if not argv or b"containerd-shim" not in argv[0] or container_id.encode() not in argv:
             continue
         args = dict(zip(argv[1::2], argv[2::2], strict=False))

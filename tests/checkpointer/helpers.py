@@ -11,6 +11,7 @@ from pathlib import Path
 import aiodocker
 import msgspec
 
+from belayer_rl.services.checkpointer.sandbox import cgroups_of
 from belayer_rl.services.checkpointer.store import (
     MANIFEST,
     FileSum,
@@ -32,6 +33,27 @@ async def kill_container(container_id: str, docker_url: str | None = None) -> No
         await docker.containers.container(container_id).kill()
     finally:
         await docker.close()
+
+
+async def init_pid(container_id: str) -> int:
+    docker = aiodocker.Docker()
+    try:
+        return int((await docker.containers.container(container_id).show())["State"]["Pid"])
+    finally:
+        await docker.close()
+
+
+def freeze_behind_dockers_back(pid: int) -> None:
+    """Freeze the cgroup holding `pid` through its freezer control, as Docker would, but without it."""
+    for controllers, path in cgroups_of(pid):
+        if "freezer" in controllers:
+            (Path("/sys/fs/cgroup/freezer" + path) / "freezer.state").write_text("FROZEN")
+            return
+    for controllers, path in cgroups_of(pid):
+        if not controllers:
+            (Path("/sys/fs/cgroup" + path) / "cgroup.freeze").write_text("1")
+            return
+    raise AssertionError(f"no freezer cgroup holds {pid}")
 
 
 def checkpoint_dir(state_dir: Path, trajectory: str, checkpoint_id: str) -> Path:

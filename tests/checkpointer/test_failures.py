@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, has_capability
+from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, frozen_cgroup, has_capability
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
 from belayer_rl.shared.subjects import Subjects
 
 from .conftest import ROOT, Service
-from .helpers import events, kill_container
+from .helpers import events, freeze_behind_dockers_back, init_pid, kill_container
 
 NAMES = Subjects()  # the default cluster's names
 
@@ -115,6 +116,31 @@ async def test_external_kill_is_an_environment_failure(
             await action
     assert failed.value.code == "env-failure"
     assert any(isinstance(e, EnvFailure) and e.reason == "dead" for e in seen)
+
+
+async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    """A restore once left a sandbox's cgroup frozen while Docker held it running, and Docker's
+    unpause then answers "not paused". That restore cannot be made on demand, so the test freezes
+    the cgroup itself. A checkpointer (re)start thaws such a sandbox (mutation checked: without the
+    thaw its cgroup stays frozen), and a frozen sandbox can still be destroyed."""
+    info = await client.create(SandboxSpec(image=image), sandbox="iced")
+    await client.exec("iced", "echo kept > /tmp/kept")
+    pid = await init_pid(info.container_id)
+    freeze_behind_dockers_back(pid)
+    assert frozen_cgroup(pid) is not None
+    service.kill()
+    service.start()
+    await service.ready(client)
+    assert frozen_cgroup(pid) is None
+    kept = await client.exec("iced", "cat /tmp/kept", timeout_s=10, expect_step=1)
+    assert kept.stdout == "kept\n"
+
+    freeze_behind_dockers_back(pid)
+    await client.destroy("iced", timeout_s=30)
+    assert (await client.list()).sandboxes == []
+    assert not Path(f"/proc/{pid}").exists()  # its init died: the kill reached it
 
 
 async def test_fifo_on_one_sandbox(client: SandboxClient, image: str) -> None:

@@ -274,11 +274,11 @@ async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_en
     assert late.value.code == "timeout"
     dumping = False
     for _ in range(40):  # the dump of 2.5 GiB runs on after the caller's timeout
-        if dumping := dump_in_flight(info.container_id):
+        if dumping := await dump_in_flight(info.container_id):
             break
         await asyncio.sleep(0.05)
     after = await client.exec("slow", "echo after")  # queued behind the dump
-    assert after.stdout == "after\n" and not dump_in_flight(info.container_id)
+    assert after.stdout == "after\n" and not await dump_in_flight(info.container_id)
     assert dumping  # the caller got its error while CRIU was still writing
     await kill_container(info.container_id)
     restored = await client.restore("traj-slow")
