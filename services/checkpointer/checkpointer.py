@@ -184,8 +184,6 @@ class Checkpointer:
                 log.info("sandbox %s was left frozen: unfreezing", sb.record.sandbox)
                 with contextlib.suppress(aiodocker.DockerError):
                     await self.engine.unpause(container.id)
-            with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
-                await self.engine.thaw_behind_dockers_back(container.id)
             failure, _ = await self.engine.health(container.id, sb.record.oom_seen)
             if failure is None and sb.record.acting:
                 failure = EnvironmentFailure.interrupted(sb.record.step)

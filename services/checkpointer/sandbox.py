@@ -399,8 +399,6 @@ class Engine:
             pass
         with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
             self.oom_files[container_id] = oom_counter_files((await self.state(container_id)).pid)
-        if checkpoint:
-            await self.thaw_behind_dockers_back(container_id)
 
     @daemon_call
     async def remove(self, container_id: str) -> None:
@@ -415,19 +413,23 @@ class Engine:
             if exc.status != 404:
                 raise
 
-    @daemon_call
-    async def thaw_behind_dockers_back(self, container_id: str) -> bool:
-        """Thaw the container's cgroup when it is frozen while Docker holds the container running,
-        and say whether it was. A restore once left a sandbox so, and Docker's unpause then answers
-        "not paused": every action waits until its timeout. Raises as `state` does."""
-        state = await self.state(container_id)
+    @staticmethod
+    async def thaw_behind_dockers_back(container_id: str, state: ContainerState) -> bool:
+        """Thaw the container's cgroup when it is frozen while Docker holds the container running
+        (`state`), and say whether it was. The campaign saw a sandbox so after a dockerd restart:
+        Docker's unpause answered "not paused", its kill never saw an exit (a SIGKILL waits for the
+        thaw), and every action waited until its timeout."""
         if not state.running or state.paused:
             return False
         control = await asyncio.to_thread(frozen_cgroup, state.pid)
         if control is None:
             return False
         log.warning("container %s is frozen though Docker holds it running: thawing it", container_id[:12])
-        await asyncio.to_thread(thaw_cgroup, control)
+        try:
+            await asyncio.to_thread(thaw_cgroup, control)
+        except OSError as exc:
+            log.error("could not thaw container %s (%s): %s", container_id[:12], control, exc)
+            return False
         return True
 
     @daemon_call
@@ -563,6 +565,7 @@ class Engine:
         if not state.running:
             detail = f"container is {state.status}, exit code {state.exit_code}"
             return EnvironmentFailure("dead", detail), kills
+        await self.thaw_behind_dockers_back(container_id, state)  # a kill waiting for it lands then
         if not process_alive(pid):  # the kernel knows before the daemon has processed the exit
             return EnvironmentFailure("dead", f"the container's init process {pid} is gone"), kills
         return None, kills

@@ -1,9 +1,8 @@
 """The fault campaign (`belayer chaos`) and its oracle.
 
-The campaign test runs 200 seeded faults of every kind but one (see CI_KINDS) against a cluster
-like `belayer up`'s while generations and sandbox trajectories run, and requires no violation and
-no leak, but for the one finding still open (OPEN_FINDING), which it reports as an expected
-failure. The mutation test shows the oracle can fail: with the router's debug flag that accepts
+The campaign test runs 200 seeded faults of every kind against a cluster like `belayer up`'s
+while generations and sandbox trajectories run, and requires no violation and no leak, but for the
+one finding still open (OPEN_FINDING), which it reports as an expected failure. The mutation test shows the oracle can fail: with the router's debug flag that accepts
 stale attempts, a late chunk of a superseded attempt gets into the log, and the oracle must say
 so; without the flag, the same chunk is dropped and it has nothing to report.
 """
@@ -25,11 +24,6 @@ from tests.rollout.test_worker_faults import make_job, run
 from tests.support import NAMES, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
 
 MIN_HITS = 3  # in-flight requests or trajectories each fault kind must strike over the campaign
-# `container-pause` found two bugs (docs/benchmarks.md, the fault campaign), both since fixed, and
-# ran clean in the release run and in one CI-sized run here; but the first CI run that included
-# it hung past its bound with a sandbox frozen behind Docker's back (the same file). CI runs every
-# other kind until that is understood; `belayer chaos` runs all of them.
-CI_KINDS = tuple(kind for kind in FAULT_KINDS if kind != "container-pause")
 # Acknowledged checkpoints that CRIU would not restore were the campaign's most frequent finding:
 # a quick action's timeout watcher outlived it, outside the restored sandbox's time namespace
 # (tests/checkpointer/test_restore_twice.py), fixed. Once, a checkpoint whose restored init died at
@@ -52,7 +46,7 @@ async def print_tasks_after(seconds: float) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(TIME_BOUND_S)
 async def test_two_hundred_faults_leave_no_violation_and_nothing_leaked(docker_env, tmp_path, seed) -> None:
-    config = ChaosConfig(state_dir=tmp_path / "campaign", faults=200, seed=seed, kinds=CI_KINDS)
+    config = ChaosConfig(state_dir=tmp_path / "campaign", faults=200, seed=seed, kinds=FAULT_KINDS)
     watchdog = asyncio.create_task(print_tasks_after(TIME_BOUND_S - 120))  # fixtures count too
     try:
         summary = await run_campaign(config)
@@ -78,7 +72,7 @@ async def test_two_hundred_faults_leave_no_violation_and_nothing_leaked(docker_e
     assert summary.leaks == []
     assert sum(summary.faults.values()) == 200
     assert summary.faults.get("nats-restart", 0) <= config.nats_restarts
-    for kind in CI_KINDS:
+    for kind in FAULT_KINDS:
         assert summary.hits.get(kind, 0) >= MIN_HITS, f"{kind} struck {summary.hits.get(kind, 0)} in flight"
     assert summary.recoveries["sandbox-restore"] >= 1
     assert summary.generations_completed >= 0.95 * summary.generations

@@ -121,10 +121,11 @@ async def test_external_kill_is_an_environment_failure(
 async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
     client: SandboxClient, service: Service, image: str
 ) -> None:
-    """A restore once left a sandbox's cgroup frozen while Docker held it running, and Docker's
-    unpause then answers "not paused". That restore cannot be made on demand, so the test freezes
-    the cgroup itself. A checkpointer (re)start thaws such a sandbox (mutation checked: without the
-    thaw its cgroup stays frozen), and a frozen sandbox can still be destroyed."""
+    """The campaign once left a sandbox's cgroup frozen while Docker held it running (a dockerd
+    restart during a pause), and Docker's unpause then answered "not paused". That cannot be made
+    on demand, so the test freezes the cgroup itself. Every health check thaws such a sandbox, the
+    one at a checkpointer's start included (mutation checked: without the thaw its cgroup stays
+    frozen), and a frozen sandbox can still be destroyed."""
     info = await client.create(SandboxSpec(image=image), sandbox="iced")
     await client.exec("iced", "echo kept > /tmp/kept")
     pid = await init_pid(info.container_id)
