@@ -121,9 +121,10 @@ async def test_external_kill_is_an_environment_failure(
 async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
     client: SandboxClient, service: Service, image: str
 ) -> None:
-    """The campaign once left a sandbox's cgroup frozen while Docker held it running (a dockerd
-    restart during a pause), and Docker's unpause then answered "not paused". That cannot be made
-    on demand, so the test freezes the cgroup itself. Every health check thaws such a sandbox, the
+    """The campaign once found a sandbox's cgroup frozen while Docker held it running, after a
+    dockerd restart, and Docker's unpause answered "not paused". How it came about is not known
+    (a paused container across a dockerd restart exits cleanly here), so the test freezes the
+    cgroup itself. Every health check thaws such a sandbox, the
     one at a checkpointer's start included (mutation checked: without the thaw its cgroup stays
     frozen), and a frozen sandbox can still be destroyed."""
     info = await client.create(SandboxSpec(image=image), sandbox="iced")
