@@ -36,7 +36,6 @@ from belayer_rl.services.checkpointer.sandbox import (
     EnvironmentFailure,
     SandboxPolicy,
     container_name,
-    dump_in_flight,
     host_memory_mb,
     host_trouble,
 )
@@ -178,7 +177,7 @@ class Checkpointer:
                 continue
             if container.state == "paused":  # a crash mid-checkpoint left it frozen
                 for _ in range(int(ORPHAN_DUMP_WAIT_S * 10)):  # a dump we started may still run
-                    if not await dump_in_flight(container.id):
+                    if not await self.engine.procs.dump_in_flight(container.id):
                         break
                     await asyncio.sleep(0.1)
                 log.info("sandbox %s was left frozen: unfreezing", sb.record.sandbox)
@@ -268,7 +267,8 @@ class Checkpointer:
         """Judge an idle running sandbox's health; busy ones are judged by what keeps them busy."""
         if sb.record.state != "running" or sb.fifo.locked() or not sb.record.container_id:
             return
-        failure, sb.record.oom_seen = await self.engine.health(sb.record.container_id, sb.record.oom_seen)
+        async with sb.fifo:  # health thaws a frozen cgroup: never one that a checkpoint froze
+            failure, sb.record.oom_seen = await self.engine.health(sb.record.container_id, sb.record.oom_seen)
         if failure is not None and host_trouble(failure) is not None:
             return  # the daemon's trouble says nothing of the sandbox: its next action will tell
         if failure is not None and not sb.fifo.locked() and sb.record.state == "running":

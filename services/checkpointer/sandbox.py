@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -335,6 +336,7 @@ class Engine:
         self.data_root = data_root
         self.call_timeout_s = call_timeout_s
         self.oom_files: dict[str, list[Path]] = {}  # container id -> its memory cgroup's counters
+        self.procs = ProcScanner()
 
     @classmethod
     async def connect(cls, url: str | None, call_timeout_s: float) -> Engine:
@@ -417,8 +419,9 @@ class Engine:
     async def thaw_behind_dockers_back(container_id: str, state: ContainerState) -> bool:
         """Thaw the container's cgroup when it is frozen while Docker holds the container running
         (`state`), and say whether it was. The campaign saw a sandbox so after a dockerd restart:
-        Docker's unpause answered "not paused", its kill never saw an exit (a SIGKILL waits for the
-        thaw), and every action waited until its timeout."""
+        Docker's unpause answered "not paused", its kill "did not receive an exit event", and every
+        action waited until its timeout. The caller holds the sandbox's lock, so this is never a
+        checkpoint's own freeze."""
         if not state.running or state.paused:
             return False
         control = await asyncio.to_thread(frozen_cgroup, state.pid)
@@ -478,7 +481,7 @@ class Engine:
         for large memory and so keeps the container frozen longer. Otherwise asks the Engine API.
         The images are the same either way, and restore goes through the engine. Returns the path
         taken ("runc" or "engine")."""
-        root = await runc_root(container_id)
+        root = await self.procs.runc_root(container_id)
         runc = shutil.which("runc")
         if root is not None and runc is not None:
             work = images.parent / (images.name + ".work")
@@ -910,8 +913,8 @@ def process_alive(pid: int) -> bool:
 
 
 def command_lines() -> list[list[bytes]]:
-    """Every process's argv. A read can block on a process stuck in the kernel: call it through
-    `scan_command_lines`."""
+    """Every process's argv. A read can block for good on a process stuck in the kernel: call it
+    through a ProcScanner."""
     found: list[list[bytes]] = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
@@ -919,38 +922,62 @@ def command_lines() -> list[list[bytes]]:
     return found
 
 
-async def scan_command_lines() -> list[list[bytes]] | None:
-    """`command_lines` off the event loop, or None when it took longer than PROC_SCAN_S (its thread
-    is left to finish: the loop must not wait on a stuck process)."""
-    try:
-        async with asyncio.timeout(PROC_SCAN_S):
-            return await asyncio.to_thread(command_lines)
-    except TimeoutError:
-        log.warning("reading /proc took over %.0f s; a process may be stuck in the kernel", PROC_SCAN_S)
-        return None
+class ProcScanner:
+    """Reads every process's command line in a daemon thread of its own, one read at a time, and
+    waits at most PROC_SCAN_S for it. A read stuck on a process must hold up neither the event loop,
+    nor the default executor (whose few threads the file work needs), nor the service's exit; while
+    one is stuck, a scan answers None at once."""
 
+    def __init__(self) -> None:
+        self.pending: asyncio.Future[list[list[bytes]]] | None = None
 
-async def dump_in_flight(container_id: str) -> bool:
-    """Whether a `runc checkpoint` of the container runs (say, orphaned by a checkpointer crash);
-    False when /proc cannot be read in time."""
-    for argv in await scan_command_lines() or []:
-        if argv and argv[0].endswith(b"runc") and b"checkpoint" in argv and container_id.encode() in argv:
+    async def scan(self) -> list[list[bytes]] | None:
+        """Every process's argv, or None when they cannot be read in time."""
+        if self.pending is None or self.pending.done():
+            loop = asyncio.get_running_loop()
+            pending: asyncio.Future[list[list[bytes]]] = loop.create_future()
+
+            def settle(argvs: list[list[bytes]]) -> None:
+                if not pending.done():
+                    pending.set_result(argvs)
+
+            def read() -> None:
+                argvs = command_lines()
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(settle, argvs)
+
+            threading.Thread(target=read, name="proc-scan", daemon=True).start()
+            self.pending = pending
+        try:
+            async with asyncio.timeout(PROC_SCAN_S):
+                return await asyncio.shield(self.pending)
+        except TimeoutError:
+            log.warning("reading /proc took over %.0f s; a process may be stuck in the kernel", PROC_SCAN_S)
+            return None
+
+    async def dump_in_flight(self, container_id: str) -> bool:
+        """Whether a `runc checkpoint` of the container runs (say, orphaned by a checkpointer
+        crash); True as well when /proc cannot be read in time (the caller waits on, bounded)."""
+        argvs = await self.scan()
+        if argvs is None:
             return True
-    return False
+        for argv in argvs:
+            if argv and argv[0].endswith(b"runc") and b"checkpoint" in argv and container_id.encode() in argv:
+                return True
+        return False
 
-
-async def runc_root(container_id: str) -> Path | None:
-    """The runc state root holding the container, read from its containerd shim's command line
-    (`-namespace NS -address <exec-root>/containerd/containerd.sock` -> <exec-root>/runtime-runc/NS);
-    None when not found, or /proc cannot be read in time."""
-    for argv in await scan_command_lines() or []:
-        if not argv or b"containerd-shim" not in argv[0] or container_id.encode() not in argv:
-            continue
-        args = dict(zip(argv[1::2], argv[2::2], strict=False))
-        namespace, address = args.get(b"-namespace"), args.get(b"-address")
-        if namespace is None or address is None:
-            continue
-        root = Path(address.decode()).parent.parent / "runtime-runc" / namespace.decode()
-        if (root / container_id / "state.json").is_file():
-            return root
-    return None
+    async def runc_root(self, container_id: str) -> Path | None:
+        """The runc state root holding the container, read from its containerd shim's command line
+        (`-namespace NS -address <exec-root>/containerd/containerd.sock` ->
+        <exec-root>/runtime-runc/NS); None when not found, or /proc cannot be read in time."""
+        for argv in await self.scan() or []:
+            if not argv or b"containerd-shim" not in argv[0] or container_id.encode() not in argv:
+                continue
+            args = dict(zip(argv[1::2], argv[2::2], strict=False))
+            namespace, address = args.get(b"-namespace"), args.get(b"-address")
+            if namespace is None or address is None:
+                continue
+            root = Path(address.decode()).parent.parent / "runtime-runc" / namespace.decode()
+            if (root / container_id / "state.json").is_file():
+                return root
+        return None

