@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import math
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -53,6 +55,7 @@ KINDS = {  # kind -> (group, chaos action)
 }
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
+LOG_MAX_MB = 8192  # room for 6 runs of 10 minutes (see `measure`)
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -110,9 +113,12 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
     task = ReverseDigits(length=2)
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
+        # Every sample is a request in the token log, about 1.6 KB: the default 1 GiB filled up
+        # after about 2,300 steps, in the fourth run of a 10-minute bench.
         config = ClusterConfig(
-            state_dir=root / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny"
-        )
+            state_dir=root / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
+            log_max_mb=LOG_MAX_MB,
+        )  # fmt: skip
         async with local_cluster(config) as supervisor:
             async with await Client.connect(supervisor.target("admin"), "bench") as client:
                 await client.wait_for_engines(1, 600)
@@ -171,17 +177,19 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                 print(
                     f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True
                 )
-                clean, _, _ = await one("clean", steps, None)
+                clean, _, clean_marks = await one("clean", steps, None)
                 print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
                 results: dict[str, object] = {}
                 for kind in kinds:
-                    wall, seen, _ = await one(f"fault-{kind}", steps, KINDS[kind])
-                    results[kind] = summarise(wall, clean, seen)
+                    wall, seen, marks = await one(f"fault-{kind}", steps, KINDS[kind])
+                    results[kind] = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
                     print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
                 reschedule = None
                 if not args.no_reschedule:
-                    wall, seen, _ = await one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
-                    reschedule = summarise(wall, clean, seen)
+                    wall, seen, marks = await one(
+                        "reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0
+                    )
+                    reschedule = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
                     print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
@@ -208,13 +216,32 @@ async def stop_rollout_side(trainer: Trainer, step: int, engines_file: Path) -> 
                 os.kill(pid, signal.SIGSTOP)
 
 
-def summarise(wall: float, clean: float, seen: list[dict[str, object]]) -> dict[str, object]:
+def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> float:
+    """Seconds a whole run differs from the failure-free one by pace alone: the median step time of
+    the steps before the fault (step steps // 2; they cannot know of it) against the same steps of
+    the failure-free run, times the steps. A machine busier in one run than in the other shows here;
+    a rebuilt group that stays slower does not, for it comes after the fault."""
+    half = steps // 2
+
+    def median_step(times: list[float]) -> float:
+        # times[i]: when step i + 1 ended; from the second on, short of the fault's step
+        before = [b - a for a, b in itertools.pairwise(times[1 : half - 1])]
+        return statistics.median(before) if before else 0.0
+
+    return (median_step(marks) - median_step(clean_marks)) * steps
+
+
+def summarise(wall: float, clean: float, seen: list[dict[str, object]], drift: float) -> dict[str, object]:
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
         "wall_s": wall,
         "added_s": wall - clean,
         "added_pct": 100 * (wall - clean) / clean,
+        # what the run's own pace before the fault explains, and what is left to the fault
+        "pace_drift_s": drift,
+        "added_beyond_drift_s": wall - clean - drift,
+        "added_beyond_drift_pct": 100 * (wall - clean - drift) / clean,
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
         "rescheduled": sum(e["event"] == "reschedule" for e in seen),
@@ -227,14 +254,20 @@ def print_table(report: dict[str, object]) -> None:
         f"failure-free: {report['failure_free_s']:.1f} s ({report['steps']} steps of {report['step_s']:.2f} s);"
         f" hang timeout {report['hang_timeout_s']} s; rollout timeout {report['rollout_timeout_s']} s; checkpoint every {report['checkpoint_every']} steps"
     )
-    print(f"{'failure':<12} {'added':>10} {'added %':>9} {'detected':>10} {'rebuild':>9}")
+    print(
+        f"{'failure':<12} {'added':>10} {'added %':>9} {'pace drift':>11} {'beyond it':>10} {'%':>8}"
+        f" {'detected':>10} {'rebuild':>9}"
+    )
     rows = dict(report["faults"])  # type: ignore[call-overload]
     if report["reschedule"] is not None:
         rows["reschedule"] = report["reschedule"]
     for kind, r in rows.items():
         detected = "/".join(f"{d:.2f}" for d in r["detected_s"]) or "-"
         rebuild = "/".join(f"{d:.2f}" for d in r["rebuild_s"]) or "-"
-        print(f"{kind:<12} {r['added_s']:>+9.1f}s {r['added_pct']:>+8.2f}% {detected:>9}s {rebuild:>8}s")
+        print(
+            f"{kind:<12} {r['added_s']:>+9.1f}s {r['added_pct']:>+8.2f}% {r['pace_drift_s']:>+10.1f}s"
+            f" {r['added_beyond_drift_s']:>+9.1f}s {r['added_beyond_drift_pct']:>+7.2f}% {detected:>9}s {rebuild:>8}s"
+        )
     if report["reschedule"] is not None and "actor" in report["faults"]:  # type: ignore[operator]
         targeted = report["faults"]["actor"]["added_s"]  # type: ignore[index]
         cold = report["reschedule"]["added_s"]  # type: ignore[index]
@@ -242,3 +275,6 @@ def print_table(report: dict[str, object]) -> None:
             f"actor kill: targeted rebuild +{targeted:.1f} s vs reschedule +{cold:.1f} s ({cold / max(targeted, 1e-9):.1f}x)"
         )
     print("added: each run's wall time minus the failure-free run's, same steps, same cluster")
+    print(
+        "pace drift: the run's median step time before the fault against the failure-free run's, times the steps"
+    )
