@@ -814,15 +814,10 @@ def parent_of(pid: int) -> int:
 
 def cgroup_procs_file(pid: int) -> Path | None:
     """The cgroup.procs of the cgroup holding `pid` (the pids controller on cgroup v1)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines() if pid > 0 else []
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
+    for controllers, path in cgroups_of(pid):
+        if not controllers:
             candidate = Path("/sys/fs/cgroup" + path) / "cgroup.procs"
-        elif "pids" in controllers.split(","):
+        elif "pids" in controllers:
             candidate = Path("/sys/fs/cgroup/pids" + path) / "cgroup.procs"
         else:
             continue
@@ -926,7 +921,7 @@ class ProcScanner:
     """Reads every process's command line in a daemon thread of its own, one read at a time, and
     waits at most PROC_SCAN_S for it. A read stuck on a process must hold up neither the event loop,
     nor the default executor (whose few threads the file work needs), nor the service's exit; while
-    one is stuck, a scan answers None at once."""
+    one is stuck, a later scan waits on that same read, as bounded, and starts no thread."""
 
     def __init__(self) -> None:
         self.pending: asyncio.Future[list[list[bytes]]] | None = None
