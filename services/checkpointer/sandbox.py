@@ -850,22 +850,31 @@ def oom_counter_files(pid: int) -> list[Path]:
     return files
 
 
-def frozen_cgroup(pid: int) -> Path | None:
-    """The freezer control of the cgroup holding `pid` when that cgroup is frozen or freezing, else
-    None: v1's freezer.state (THAWED, FREEZING, FROZEN), or else v2's cgroup.freeze (0 or 1)."""
+def freezer_control(pid: int) -> Path | None:
+    """The freezer control of the cgroup holding `pid`: v1's freezer.state (THAWED, FREEZING,
+    FROZEN), or else v2's cgroup.freeze (0 or 1); None when neither holds it."""
     groups = cgroups_of(pid)
     for controllers, path in groups:
         if "freezer" in controllers:
-            control = Path("/sys/fs/cgroup/freezer" + path) / "freezer.state"
-            with contextlib.suppress(OSError):
-                return control if control.read_text().strip() != "THAWED" else None
-            return None
+            return Path("/sys/fs/cgroup/freezer" + path) / "freezer.state"
     for controllers, path in groups:
         if not controllers:
-            control = Path("/sys/fs/cgroup" + path) / "cgroup.freeze"
-            with contextlib.suppress(OSError):
-                return control if control.read_text().strip() == "1" else None
+            return Path("/sys/fs/cgroup" + path) / "cgroup.freeze"
     return None
+
+
+def frozen_cgroup(pid: int) -> Path | None:
+    """The freezer control of the cgroup holding `pid` when that cgroup is frozen or freezing,
+    else None."""
+    control = freezer_control(pid)
+    if control is None:
+        return None
+    try:
+        value = control.read_text().strip()
+    except OSError:
+        return None
+    frozen = value != "THAWED" if control.name == "freezer.state" else value == "1"
+    return control if frozen else None
 
 
 def thaw_cgroup(control: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiodocker
 import msgspec
 
-from belayer_rl.services.checkpointer.sandbox import cgroups_of
+from belayer_rl.services.checkpointer.sandbox import freezer_control
 from belayer_rl.services.checkpointer.store import (
     MANIFEST,
     FileSum,
@@ -45,15 +45,9 @@ async def init_pid(container_id: str) -> int:
 
 def freeze_behind_dockers_back(pid: int) -> None:
     """Freeze the cgroup holding `pid` through its freezer control, as Docker would, but without it."""
-    for controllers, path in cgroups_of(pid):
-        if "freezer" in controllers:
-            (Path("/sys/fs/cgroup/freezer" + path) / "freezer.state").write_text("FROZEN")
-            return
-    for controllers, path in cgroups_of(pid):
-        if not controllers:
-            (Path("/sys/fs/cgroup" + path) / "cgroup.freeze").write_text("1")
-            return
-    raise AssertionError(f"no freezer cgroup holds {pid}")
+    control = freezer_control(pid)
+    assert control is not None, f"no freezer cgroup holds {pid}"
+    control.write_text("FROZEN" if control.name == "freezer.state" else "1")
 
 
 def checkpoint_dir(state_dir: Path, trajectory: str, checkpoint_id: str) -> Path:

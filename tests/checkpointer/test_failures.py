@@ -124,9 +124,9 @@ async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
     """The campaign once found a sandbox's cgroup frozen while Docker held it running, after a
     dockerd restart, and Docker's unpause answered "not paused". How it came about is not known
     (a paused container across a dockerd restart exits cleanly here), so the test freezes the
-    cgroup itself. Every health check thaws such a sandbox, the
-    one at a checkpointer's start included (mutation checked: without the thaw its cgroup stays
-    frozen). A frozen sandbox can still be destroyed: here Docker's forced removal kills it."""
+    cgroup itself. Every health check thaws such a sandbox, the one at a checkpointer's start
+    included (mutation checked: without the thaw its cgroup stays frozen). A frozen sandbox can
+    still be destroyed: here Docker's forced removal kills it."""
     info = await client.create(SandboxSpec(image=image), sandbox="iced")
     await client.exec("iced", "echo kept > /tmp/kept")
     pid = await init_pid(info.container_id)
