@@ -75,6 +75,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     faults.add_argument("--max-reschedule-times", type=int, default=1)
     faults.add_argument("--call-timeout", type=float, default=120.0, help="seconds one group call may take")
     faults.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="local backend: start every rank as a new Python process, not forked from the warm fork server",
+    )
+    faults.add_argument(
         "--hang-timeout", type=float, default=30.0, help="seconds without progress that make a worker hung"
     )
     faults.add_argument(
@@ -161,6 +166,7 @@ async def train(args: argparse.Namespace) -> int:
                 call_timeout_s=args.call_timeout,
                 hang_timeout_s=args.hang_timeout,
                 rollout_timeout_s=args.rollout_timeout,
+                warm_start=not args.cold_start,
             )
             worker = TrainerGroupConfig(
                 nats_url=target.url,

@@ -1367,3 +1367,42 @@ class EngineWorkers(Message, tag="engine_workers", kw_only=True):
 # tests. A mapping keyed by engine id rather than one Struct, so that readers indexing
 # `[engine]["main"]` (benchmarks, scripts) keep working.
 ShadowState = dict[EngineId, EngineWorkers]
+
+
+# ---------------------------------------------------------------- fork-server pipe
+# The trainer's local backend and its fork server (services/trainer_group/fork_server.py) talk over
+# the server's stdin and stdout, one encoded message per line, as on the shadow pipe. The server
+# answers each ForkRank, in order, with RankForked or ForkRefused; RankExited comes whenever it
+# reaps a rank, always after that rank's RankForked.
+
+
+class ForkServerReady(Message, tag="fork_server_ready", kw_only=True):
+    """The server has imported torch and the rank code, and takes ForkRank commands."""
+
+    pid: int
+
+
+class ForkRank(Message, tag="fork_rank", kw_only=True):
+    """Fork a rank that runs `python -m belayer_rl.services.trainer_group` with `argv`, its
+    stdout and stderr appended to `log_path`."""
+
+    argv: list[str]
+    log_path: str
+
+
+class RankForked(Message, tag="rank_forked", kw_only=True):
+    pid: Annotated[int, Meta(gt=0)]
+
+
+class ForkRefused(Message, tag="fork_refused", kw_only=True):
+    why: str
+
+
+class RankExited(Message, tag="rank_exited", kw_only=True):
+    """A forked rank was reaped; `returncode` as subprocess gives it (-N: killed by signal N)."""
+
+    pid: Annotated[int, Meta(gt=0)]
+    returncode: int
+
+
+ForkServerReport = ForkServerReady | RankForked | ForkRefused | RankExited

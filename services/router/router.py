@@ -175,7 +175,13 @@ class Router:
         self.lease = lease
         self.writer = LogWriter(js, self.subjects)
         self.log_room = token_log.Room(js, self.subjects)
+        # Every request this router knows, by id; the running ones again, and the ended ones by end
+        # time (oldest first). A training run ends hundreds of requests a second and keeps each
+        # for FINISHED_TTL_S: the watchdog walks the running ones and drops the oldest ended
+        # ones, never all of them.
         self.requests: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}
+        self.ended: dict[str, float] = {}  # request id -> when it ended, in that order
         self.engines: dict[str, Engine] = {}
         # Attempt ids grow across router incarnations, so whatever a worker still runs for an
         # earlier router can never match a current attempt. Set once the lease is taken.
@@ -217,14 +223,14 @@ class Router:
             chunk_tokens=self.config.chunk_tokens,
         )
         request = Request(start=start, watchers={message.reply_to})
-        self.requests[message.request_id] = request
+        self.requests[message.request_id] = self.running[message.request_id] = request
         try:
             await self.writer.append_now(start)  # durable before the client hears "accepted"
             # The append may have outlived the lease (a pause): then a successor, which did not
             # read this request, serves it; the client's retry reaches it.
             self.lease.check()
         except ServiceError as exc:
-            del self.requests[message.request_id]
+            del self.requests[message.request_id], self.running[message.request_id]
             self.writer.last.pop(message.request_id, None)
             if exc.code == "fenced":  # a later router claimed the request: the client asks it
                 raise ServiceError("not-leader", exc.message) from None
@@ -327,8 +333,7 @@ class Router:
                 max_tokens=r.start.max_tokens,
                 resumes=r.resumes,
             )
-            for r in self.requests.values()
-            if r.end is None
+            for r in self.running.values()
         ]
         return RouterStatus(engines=engines, requests=requests, incarnation=self.lease.incarnation)
 
@@ -484,6 +489,8 @@ class Router:
         self.detach(request)
         request.end = end
         request.ended_at = time.monotonic()
+        self.running.pop(request.request_id, None)
+        self.ended[request.request_id] = request.ended_at
         request.waiting_since = None
         request.interrupted = None  # ended before its next token: no time to the next token
         self.metrics.ends.labels(record.finish_reason).inc()
@@ -771,8 +778,8 @@ class Router:
         engine.quarantined = True
         engine.alive = False
         interrupted = [self.requests[r] for r in engine.requests]
-        for request in self.requests.values():  # also those waiting out its grace period
-            if request.prefer_engine == alert.engine_id and request.engine_id is None and request.end is None:
+        for request in self.running.values():  # also those waiting out its grace period
+            if request.prefer_engine == alert.engine_id and request.engine_id is None:
                 interrupted.append(request)
         healthy = sorted(
             (e for e in self.engines.values() if e.alive),
@@ -784,8 +791,8 @@ class Router:
             await self.resume(request, "quarantine", f"engine {alert.engine_id}", prefer=target, for_s=60.0)
 
     def dispatch_waiting(self) -> None:
-        for request in self.requests.values():
-            if request.end is None and request.engine_id is None and not request.dispatching:
+        for request in self.running.values():
+            if request.engine_id is None and not request.dispatching:
                 self.enqueue(request)
 
     async def watchdog(self) -> None:
@@ -803,12 +810,15 @@ class Router:
                 if engine.alive and now - engine.last_beat > self.config.heartbeat_timeout_s:
                     silent = now - engine.last_beat
                     await self.engine_failed(engine, "heartbeat-timeout", f"silent for {silent:.2f}s")
-            for request in list(self.requests.values()):
+            while self.ended:
+                request_id, ended_at = next(iter(self.ended.items()))
+                if now - ended_at <= FINISHED_TTL_S:
+                    break
+                del self.ended[request_id], self.requests[request_id]
+                self.writer.forget(request_id)
+            for request in list(self.running.values()):
                 if request.end is not None:
-                    if now - request.ended_at > FINISHED_TTL_S:
-                        del self.requests[request.request_id]
-                        self.writer.forget(request.request_id)
-                    continue
+                    continue  # ended by an earlier request's handling in this pass
                 if now - request.followed_at > self.config.client_timeout_s:
                     # Its client is gone (a live one sends keepalives): stop spending an engine on it.
                     log.warning(
@@ -884,11 +894,12 @@ class Router:
                 request.resumes = entry.end.resumes
                 request.end = _end_message(entry.start, entry.end)
                 request.ended_at = time.monotonic()
+                self.ended[request_id] = request.ended_at
         # Ask the workers before placing the running requests: an engine the answers install
         # would otherwise dispatch them from the log at once.
         adopted = await self.adopt(running)
         for request in running:
-            self.requests[request.request_id] = request
+            self.requests[request.request_id] = self.running[request.request_id] = request
             if request.request_id in adopted:
                 await self.carry_on(request, *adopted[request.request_id])
             else:
@@ -1027,7 +1038,7 @@ class Router:
 
     async def on_reconnect(self) -> None:
         """Messages in flight while the server was away are lost: resume everything running."""
-        for request in list(self.requests.values()):
+        for request in list(self.running.values()):
             if request.end is None and request.engine_id is not None:
                 await self.resume(request, "reconnect")
 

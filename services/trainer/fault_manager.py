@@ -61,6 +61,9 @@ class FaultManagerConfig:
     start_timeout_s: float = 120.0
     joint_window_s: float = 30.0  # a rollout failure this close to an actor failure: both at once
     joint_grace_s: float = 1.0  # how long an actor failure waits for the rollout side's report
+    # Local backend: fork ranks from a process that has torch loaded (a warm start), not start
+    # each one cold. Not an RFC key: the RFC's groups are Ray actors.
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         bounds = (

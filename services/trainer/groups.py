@@ -3,7 +3,9 @@ backend).
 
 Each rank is `python -m belayer_rl.services.trainer_group` in a session of its own, so the group
 can be killed whole (SIGKILL to each process group) and its death confirmed before a new one
-starts. Ranks form a gloo process group through a rendezvous file that is new for every build,
+starts. By default a rank is forked from the trainer's fork server, which has torch loaded
+(services/trainer_group/fork_server.py), so a rebuild does not pay three Python and torch start-ups
+again; with `warm_start` off, or while no fork server can start, it is started cold. Ranks form a gloo process group through a rendezvous file that is new for every build,
 load the group's state file (written by rank 0 after every step) and heartbeat with their progress.
 
 A call goes to every rank at once and is watched while it runs: a rank's exit, a hang (no
@@ -22,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
@@ -32,7 +34,22 @@ from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig, to_argv
 from belayer_rl.shared.processes import dies_with_parent
-from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat, Message
+from belayer_rl.shared.protocol import (
+    ActorUpdate,
+    ActorUpdated,
+    BadMessage,
+    ForkRank,
+    ForkRefused,
+    ForkServerReady,
+    ForkServerReport,
+    GroupHeartbeat,
+    Message,
+    RankExited,
+    RankForked,
+    decode,
+    decoder_for,
+    encode,
+)
 from belayer_rl.shared.subjects import Subjects
 
 log = logging.getLogger("belayer.trainer.groups")
@@ -41,6 +58,137 @@ R = TypeVar("R", bound=Message)
 
 WATCH_EVERY_S = 0.05
 EXIT_GRACE_S = 1.0  # how long a failed reply waits for a rank's exit to explain it
+
+
+class RankProcess(Protocol):
+    """A running rank as the group watches it: an asyncio subprocess, or a ForkedRank."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+@dataclass
+class ForkedRank:
+    """A rank forked by the fork server; its exit status comes from the server, which reaps it."""
+
+    pid: int
+    returncode: int | None = None
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def exit(self, returncode: int) -> None:
+        if self.returncode is None:
+            self.returncode = returncode
+            self.exited.set()
+
+    async def wait(self) -> int:
+        await self.exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+
+FORK_REPORTS = decoder_for(ForkServerReport)
+
+
+@dataclass
+class ForkServer:
+    """The trainer's handle on its fork server: started on the first fork, and again on the next
+    fork after it died. One fork at a time, so each answer pairs with its request."""
+
+    folder: Path  # its log goes to <folder>/logs/fork-server.log
+    start_timeout_s: float
+    process: asyncio.subprocess.Process | None = None
+    ranks: dict[int, ForkedRank] = field(default_factory=dict)  # pid -> a rank not yet reaped
+    answers: asyncio.Queue[ForkServerReport | None] = field(default_factory=asyncio.Queue)
+    reader: asyncio.Task[None] | None = None
+    one_at_a_time: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def fork(self, config: TrainerGroupConfig, log_path: Path) -> ForkedRank:
+        """A rank forked on `config`; ForkUnavailable if the server cannot start or refuses."""
+        async with self.one_at_a_time:
+            if self.process is None or self.process.returncode is not None:
+                await self.start()
+            assert self.process is not None and self.process.stdin is not None
+            command = ForkRank(argv=to_argv(config), log_path=str(log_path))
+            self.process.stdin.write(encode(command) + b"\n")
+            try:
+                await self.process.stdin.drain()
+                async with asyncio.timeout(self.start_timeout_s):
+                    answer = await self.answers.get()
+            except (ConnectionError, TimeoutError) as exc:
+                raise ForkUnavailable(f"the fork server did not answer: {exc!r}") from None
+            if isinstance(answer, RankForked):
+                return self.ranks[answer.pid]
+            if isinstance(answer, ForkRefused):
+                raise ForkUnavailable(f"the fork server refused: {answer.why}")
+            raise ForkUnavailable("the fork server exited")
+
+    async def start(self) -> None:
+        await self.close()
+        self.answers = asyncio.Queue()
+        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
+        with (self.folder / "logs" / "fork-server.log").open("ab") as err:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "belayer_rl.services.trainer_group.fork_server",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
+                start_new_session=True, preexec_fn=dies_with_parent(signal.SIGKILL),
+            )  # fmt: skip
+        self.reader = asyncio.create_task(self.read(self.process), name="fork-server-reader")
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                ready = await self.answers.get()
+        except TimeoutError:
+            ready = None
+        if not isinstance(ready, ForkServerReady):
+            await self.close()
+            raise ForkUnavailable("the fork server did not start; see logs/fork-server.log")
+
+    async def read(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while True:
+            try:
+                line = await process.stdout.readline()
+            except ValueError:  # over the stream's limit: not a report of ours
+                log.warning("fork server: ignored an oversized stdout line")
+                continue
+            if not line:
+                break
+            try:
+                report = decode(FORK_REPORTS, line)
+            except BadMessage as exc:
+                log.warning("fork server: ignored a line that is not a report: %s", exc)
+                continue
+            if isinstance(report, RankForked):
+                self.ranks[report.pid] = ForkedRank(report.pid)
+            if isinstance(report, RankExited):
+                if (rank := self.ranks.pop(report.pid, None)) is not None:
+                    rank.exit(report.returncode)
+                continue
+            self.answers.put_nowait(report)
+        # The server is gone, and the kernel SIGKILLs the ranks it had as it goes.
+        await process.wait()
+        for rank in self.ranks.values():
+            rank.exit(-signal.SIGKILL)
+        self.ranks.clear()
+        self.answers.put_nowait(None)
+
+    async def close(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            await self.process.wait()
+        if self.reader is not None:
+            await self.reader  # ends at the server's EOF, marking its ranks exited
+            self.reader = None
+        self.process = None
+
+
+class ForkUnavailable(Exception):
+    """No warm start now: the rank is started cold instead."""
 
 
 @dataclass
@@ -61,8 +209,9 @@ class LocalGroup:
     worker: TrainerGroupConfig  # every rank's settings but rank, rendezvous and state file; names the group
     folder: Path  # the group's state file, rendezvous files and logs
     faults: FaultManagerConfig
+    forks: ForkServer | None = None  # warm starts; None: every rank starts cold
     rebuilds: int = 0
-    processes: list[asyncio.subprocess.Process] = field(default_factory=list)
+    processes: list[RankProcess] = field(default_factory=list)
     beats: dict[int, Beat] = field(default_factory=dict)
     builds: int = 0
     _listener: Subscription | None = None
@@ -94,13 +243,7 @@ class LocalGroup:
         for rank in range(self.worker.world):
             config = replace(self.worker, rank=rank, rendezvous=rendezvous, state_file=self.state_file)
             log_path = self.folder / "logs" / f"{self.name}-{rank}-build{self.builds}.log"
-            with log_path.open("ab") as out:
-                process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "belayer_rl.services.trainer_group", *to_argv(config),
-                    stdout=out, stderr=out, start_new_session=True,
-                    preexec_fn=dies_with_parent(signal.SIGKILL),  # a SIGKILLed trainer leaves no ranks
-                )  # fmt: skip
-            self.processes.append(process)
+            self.processes.append(await self.launch(config, log_path))
         deadline = time.monotonic() + self.faults.start_timeout_s
         while not all(self.beats.get(r) and self.beats[r].pid == p.pid for r, p in enumerate(self.processes)):
             for rank, process in enumerate(self.processes):
@@ -111,6 +254,19 @@ class LocalGroup:
                     "start", -1, f"not every rank heartbeat within {self.faults.start_timeout_s} s"
                 )
             await asyncio.sleep(WATCH_EVERY_S)
+
+    async def launch(self, config: TrainerGroupConfig, log_path: Path) -> RankProcess:
+        if self.forks is not None:
+            try:
+                return await self.forks.fork(config, log_path)
+            except ForkUnavailable as exc:
+                log.warning("%s rank %d starts cold: %s", self.name, config.rank, exc)
+        with log_path.open("ab") as out:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "belayer_rl.services.trainer_group", *to_argv(config),
+                stdout=out, stderr=out, start_new_session=True,
+                preexec_fn=dies_with_parent(signal.SIGKILL),  # a SIGKILLed trainer leaves no ranks
+            )  # fmt: skip
 
     async def stop(self) -> None:
         """SIGKILL every rank's process group and wait for each death."""

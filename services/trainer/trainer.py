@@ -39,7 +39,7 @@ from belayer_rl.services.trainer.fault_manager import (
     GroupFault,
     RescheduleNeeded,
 )
-from belayer_rl.services.trainer.groups import LocalGroup
+from belayer_rl.services.trainer.groups import ForkServer, LocalGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
 from belayer_rl.services.trainer.ray_groups import RayGroup
 from belayer_rl.services.trainer.rollout_side import RolloutSide
@@ -147,6 +147,7 @@ class GroupBackend:
     faults: FaultManager
     reference: WorkerGroup | None = None  # with a KL term; else no reference is consulted
     reward: WorkerGroup | None = None  # None: rewards computed in the trainer
+    forks: ForkServer | None = None  # the local groups' warm starts, closed with them
 
     @property
     def groups(self) -> list[WorkerGroup]:
@@ -168,6 +169,8 @@ class GroupBackend:
     async def close(self) -> None:
         for group in self.groups:
             await group.close()
+        if self.forks is not None:
+            await self.forks.close()
 
     @classmethod
     def create(
@@ -187,13 +190,17 @@ class GroupBackend:
         async def publish_weights(params: Params) -> str:
             return (await weights.publish_params(params)).version
 
+        forks = (
+            ForkServer(folder, config.start_timeout_s) if backend == "local" and config.warm_start else None
+        )
+
         def make(group: TrainerGroupConfig) -> WorkerGroup:
             if backend == "local":
-                return LocalGroup(client.nc, client.subjects, group, folder, config)
+                return LocalGroup(client.nc, client.subjects, group, folder, config, forks)
             return RayGroup(group, folder, config, publish_weights)
 
         faults = FaultManager(config, worker.run, group_events(client, worker.run, metrics))
-        return cls.of(make, worker, faults)
+        return replace(cls.of(make, worker, faults), forks=forks)
 
     @classmethod
     def of(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 
+from belayer_rl.services.router import router as router_module
 from belayer_rl.services.router.lease import Lease, lease_bucket
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.protocol import CancelRequest, GenerateRequest
 from belayer_rl.shared.runtime import Runtime
 from belayer_rl.shared.subjects import Subjects
 
@@ -35,4 +37,48 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
         assert router.engines["e0"] is installed[0]
         assert router.engines["e0"].epoch == epoch and router.engines["e0"].alive
     finally:
+        await nc.close()
+
+
+async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_server, monkeypatch) -> None:
+    """A training run ends hundreds of requests a second. The router keeps each ended one for
+    FINISHED_TTL_S (a client may still attach), then forgets it, oldest first, while the running
+    ones stay known and watched. Mutations caught: forgetting every ended request at once, never
+    forgetting, and an ended request left among the running ones (which the watchdog walks)."""
+    monkeypatch.setattr(router_module, "FINISHED_TTL_S", 1.5)
+    nc = await bus.connect(nats_server.url, "test-router")
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        js = nc.jetstream()
+        kv = await bus.declare_jetstream(js, Subjects())
+        config = RouterConfig(nats_url=nats_server.url)
+        runtime = Runtime("test-router", config)
+        lease = Lease(await lease_bucket(js, Subjects(), 1), config.lease_ttl_s)
+        await lease.acquire()
+        router = Router(config, nc, js, kv, lease, runtime.spawn, runtime.record_skipped)
+        tasks = [asyncio.create_task(t) for t in (lease.renew(), router.writer.run(), router.watchdog())]
+        inbox = nc.new_inbox()
+        for name in ("early-1", "early-2", "late", "running"):
+            await router.on_generate(
+                GenerateRequest(request_id=name, prompt="ab", max_tokens=4, weight_version="w", reply_to=inbox)
+            )
+
+        def running_are_the_unended() -> bool:
+            return router.running.keys() == {r for r, req in router.requests.items() if req.end is None}
+
+        for name in ("early-1", "early-2"):
+            await router.on_cancel(CancelRequest(request_id=name))
+        await asyncio.sleep(0.8)
+        await router.on_cancel(CancelRequest(request_id="late"))
+        assert running_are_the_unended() and set(router.running) == {"running"}
+
+        await asyncio.sleep(1.2)  # past the TTL of the early ones, not of the late one
+        assert set(router.requests) == {"late", "running"}
+        await asyncio.sleep(0.8)
+        assert set(router.requests) == {"running"}
+        assert running_are_the_unended()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await nc.close()
