@@ -10,7 +10,8 @@ runs the same steps again once per failure kind, with one fault half way: SIGKIL
 of the reference or of the reward worker, SIGSTOP of an actor rank (a hang), or SIGSTOP of the
 engine's shadow and main (the rollout side hung whole, which no one on that side notices). Each is
 recovered by a targeted rebuild (the reward: a restart in place; the rollout side: the engine
-restarted by the cold path). A last run takes the actor kill with no
+restarted by the cold path). Ranks are forked from the trainer's fork server (a warm start);
+`actor-cold` is the actor kill with every rank started as a new process instead. A last run takes the actor kill with no
 rebuilds allowed, so the fault manager reschedules from the last checkpoint: the cold baseline.
 Reported per kind: seconds and percent added to the failure-free run, detection and rebuild seconds
 from the events; and the targeted rebuild against the reschedule.
@@ -52,6 +53,7 @@ KINDS = {  # kind -> (group, chaos action)
     "reward": ("reward", "kill"),
     "hang": ("actor", "stop"),
     "rollout": ("rollout", "stop"),  # the engine's shadow and main, not a trainer group
+    "actor-cold": ("actor", "kill"),  # as "actor", every rank started cold (no fork server)
 }
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
@@ -181,7 +183,8 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
                 print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
                 results: dict[str, object] = {}
                 for kind in kinds:
-                    wall, seen, marks = await one(f"fault-{kind}", steps, KINDS[kind])
+                    changes = {"warm_start": False} if kind.endswith("-cold") else {}
+                    wall, seen, marks = await one(f"fault-{kind}", steps, KINDS[kind], **changes)
                     results[kind] = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
                     print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
                 reschedule = None
@@ -271,9 +274,8 @@ def print_table(report: dict[str, object]) -> None:
     if report["reschedule"] is not None and "actor" in report["faults"]:  # type: ignore[operator]
         targeted = report["faults"]["actor"]["added_s"]  # type: ignore[index]
         cold = report["reschedule"]["added_s"]  # type: ignore[index]
-        print(
-            f"actor kill: targeted rebuild +{targeted:.1f} s vs reschedule +{cold:.1f} s ({cold / max(targeted, 1e-9):.1f}x)"
-        )
+        ratio = f"{cold / targeted:.1f}x" if targeted > 0 else "the rebuild added nothing measurable"
+        print(f"actor kill: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})")
     print("added: each run's wall time minus the failure-free run's, same steps, same cluster")
     print(
         "pace drift: the run's median step time before the fault against the failure-free run's, times the steps"

@@ -23,6 +23,7 @@ attempts order after every earlier router's, and a worker can tell them apart.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -82,6 +83,9 @@ from belayer_rl.shared.runtime import Skipped, Spawn
 log = logging.getLogger("belayer.router")
 
 FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
+# A rebuilt router may read a whole log of ended requests, all ended "now": it forgets them a pass
+# at a time, so the loop never stalls on a million at once.
+MAX_FORGOTTEN_PER_PASS = 10_000
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
 WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
 WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
@@ -175,13 +179,13 @@ class Router:
         self.lease = lease
         self.writer = LogWriter(js, self.subjects)
         self.log_room = token_log.Room(js, self.subjects)
-        # Every request this router knows, by id; the running ones again, and the ended ones by end
-        # time (oldest first). A training run ends hundreds of requests a second and keeps each
+        # Every request this router knows, by id; the running ones again, and the ended ones in the
+        # order they ended. A training run ends hundreds of requests a second and keeps each
         # for FINISHED_TTL_S: the watchdog walks the running ones and drops the oldest ended
         # ones, never all of them.
         self.requests: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
-        self.ended: dict[str, float] = {}  # request id -> when it ended, in that order
+        self.ended: collections.deque[Request] = collections.deque()
         self.engines: dict[str, Engine] = {}
         # Attempt ids grow across router incarnations, so whatever a worker still runs for an
         # earlier router can never match a current attempt. Set once the lease is taken.
@@ -230,7 +234,9 @@ class Router:
             # read this request, serves it; the client's retry reaches it.
             self.lease.check()
         except ServiceError as exc:
-            del self.requests[message.request_id], self.running[message.request_id]
+            # It may have ended meanwhile (a cancel, a dispatch that failed it): forget it either way.
+            self.requests.pop(message.request_id, None)
+            self.running.pop(message.request_id, None)
             self.writer.last.pop(message.request_id, None)
             if exc.code == "fenced":  # a later router claimed the request: the client asks it
                 raise ServiceError("not-leader", exc.message) from None
@@ -490,7 +496,7 @@ class Router:
         request.end = end
         request.ended_at = time.monotonic()
         self.running.pop(request.request_id, None)
-        self.ended[request.request_id] = request.ended_at
+        self.ended.append(request)
         request.waiting_since = None
         request.interrupted = None  # ended before its next token: no time to the next token
         self.metrics.ends.labels(record.finish_reason).inc()
@@ -810,12 +816,13 @@ class Router:
                 if engine.alive and now - engine.last_beat > self.config.heartbeat_timeout_s:
                     silent = now - engine.last_beat
                     await self.engine_failed(engine, "heartbeat-timeout", f"silent for {silent:.2f}s")
-            while self.ended:
-                request_id, ended_at = next(iter(self.ended.items()))
-                if now - ended_at <= FINISHED_TTL_S:
+            for _ in range(MAX_FORGOTTEN_PER_PASS):
+                if not self.ended or now - self.ended[0].ended_at <= FINISHED_TTL_S:
                     break
-                del self.ended[request_id], self.requests[request_id]
-                self.writer.forget(request_id)
+                request = self.ended.popleft()
+                if self.requests.get(request.request_id) is request:  # not one forgotten already
+                    del self.requests[request.request_id]
+                    self.writer.forget(request.request_id)
             for request in list(self.running.values()):
                 if request.end is not None:
                     continue  # ended by an earlier request's handling in this pass
@@ -894,7 +901,7 @@ class Router:
                 request.resumes = entry.end.resumes
                 request.end = _end_message(entry.start, entry.end)
                 request.ended_at = time.monotonic()
-                self.ended[request_id] = request.ended_at
+                self.ended.append(request)
         # Ask the workers before placing the running requests: an engine the answers install
         # would otherwise dispatch them from the log at once.
         adopted = await self.adopt(running)

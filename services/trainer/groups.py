@@ -74,9 +74,11 @@ class RankProcess(Protocol):
 
 @dataclass
 class ForkedRank:
-    """A rank forked by the fork server; its exit status comes from the server, which reaps it."""
+    """A rank forked by the fork server. The server reaps it and reports its exit status; should
+    the server die first, its pidfd says when the kernel's SIGKILL has ended it."""
 
     pid: int
+    pidfd: int | None  # None: it was gone before we could open one (its RankExited follows)
     returncode: int | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -84,11 +86,25 @@ class ForkedRank:
         if self.returncode is None:
             self.returncode = returncode
             self.exited.set()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     async def wait(self) -> int:
         await self.exited.wait()
         assert self.returncode is not None
         return self.returncode
+
+    async def dead(self) -> None:
+        """Until the process has ended, without its parent's word (a readable pidfd)."""
+        if self.pidfd is None:
+            return
+        ended = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(self.pidfd, ended.set_result, None)
+        try:
+            await ended
+        finally:
+            asyncio.get_running_loop().remove_reader(self.pidfd)
 
 
 FORK_REPORTS = decoder_for(ForkServerReport)
@@ -97,46 +113,58 @@ FORK_REPORTS = decoder_for(ForkServerReport)
 @dataclass
 class ForkServer:
     """The trainer's handle on its fork server: started on the first fork, and again on the next
-    fork after it died. One fork at a time, so each answer pairs with its request."""
+    fork after it died. One fork at a time, so each answer pairs with its request; a fork that
+    got no answer closes the server, so a late answer can never pair with the next request."""
 
     folder: Path  # its log goes to <folder>/logs/fork-server.log
     start_timeout_s: float
     process: asyncio.subprocess.Process | None = None
     ranks: dict[int, ForkedRank] = field(default_factory=dict)  # pid -> a rank not yet reaped
-    answers: asyncio.Queue[ForkServerReport | None] = field(default_factory=asyncio.Queue)
+    answers: asyncio.Queue[ForkedRank | ForkServerReady | ForkRefused | None] = field(
+        default_factory=asyncio.Queue
+    )
     reader: asyncio.Task[None] | None = None
     one_at_a_time: asyncio.Lock = field(default_factory=asyncio.Lock)
+    closed: bool = False  # by the backend: no more forks, no restarts
 
     async def fork(self, config: TrainerGroupConfig, log_path: Path) -> ForkedRank:
         """A rank forked on `config`; ForkUnavailable if the server cannot start or refuses."""
         async with self.one_at_a_time:
+            if self.closed:
+                raise ForkUnavailable("the fork server is closed")
             if self.process is None or self.process.returncode is not None:
                 await self.start()
             assert self.process is not None and self.process.stdin is not None
             command = ForkRank(argv=to_argv(config), log_path=str(log_path))
-            self.process.stdin.write(encode(command) + b"\n")
             try:
+                self.process.stdin.write(encode(command) + b"\n")
                 await self.process.stdin.drain()
                 async with asyncio.timeout(self.start_timeout_s):
                     answer = await self.answers.get()
-            except (ConnectionError, TimeoutError) as exc:
-                raise ForkUnavailable(f"the fork server did not answer: {exc!r}") from None
-            if isinstance(answer, RankForked):
-                return self.ranks[answer.pid]
+            except BaseException as exc:  # a timeout, a broken pipe, a cancel: the pairing is lost
+                await asyncio.shield(self.stop())
+                if isinstance(exc, (ConnectionError, TimeoutError)):
+                    raise ForkUnavailable(f"the fork server did not answer: {exc!r}") from None
+                raise
+            if isinstance(answer, ForkedRank):
+                return answer
             if isinstance(answer, ForkRefused):
                 raise ForkUnavailable(f"the fork server refused: {answer.why}")
             raise ForkUnavailable("the fork server exited")
 
     async def start(self) -> None:
-        await self.close()
+        await self.stop()
         self.answers = asyncio.Queue()
-        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
-        with (self.folder / "logs" / "fork-server.log").open("ab") as err:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "belayer_rl.services.trainer_group.fork_server",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
-                start_new_session=True, preexec_fn=dies_with_parent(signal.SIGKILL),
-            )  # fmt: skip
+        try:
+            (self.folder / "logs").mkdir(parents=True, exist_ok=True)
+            with (self.folder / "logs" / "fork-server.log").open("ab") as err:
+                self.process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "belayer_rl.services.trainer_group.fork_server",
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
+                    start_new_session=True, preexec_fn=dies_with_parent(signal.SIGKILL),
+                )  # fmt: skip
+        except OSError as exc:
+            raise ForkUnavailable(f"the fork server cannot start: {exc}") from None
         self.reader = asyncio.create_task(self.read(self.process), name="fork-server-reader")
         try:
             async with asyncio.timeout(self.start_timeout_s):
@@ -144,7 +172,7 @@ class ForkServer:
         except TimeoutError:
             ready = None
         if not isinstance(ready, ForkServerReady):
-            await self.close()
+            await self.stop()
             raise ForkUnavailable("the fork server did not start; see logs/fork-server.log")
 
     async def read(self, process: asyncio.subprocess.Process) -> None:
@@ -163,28 +191,40 @@ class ForkServer:
                 log.warning("fork server: ignored a line that is not a report: %s", exc)
                 continue
             if isinstance(report, RankForked):
-                self.ranks[report.pid] = ForkedRank(report.pid)
-            if isinstance(report, RankExited):
+                try:
+                    pidfd: int | None = os.pidfd_open(report.pid)
+                except ProcessLookupError:
+                    pidfd = None
+                rank = self.ranks[report.pid] = ForkedRank(report.pid, pidfd)
+                self.answers.put_nowait(rank)
+            elif isinstance(report, RankExited):
                 if (rank := self.ranks.pop(report.pid, None)) is not None:
                     rank.exit(report.returncode)
-                continue
-            self.answers.put_nowait(report)
-        # The server is gone, and the kernel SIGKILLs the ranks it had as it goes.
+            else:
+                self.answers.put_nowait(report)
+        # The server is gone, and the kernel SIGKILLs the ranks it had as it goes: confirm each
+        # death before saying so, or a rebuild could overlap ranks still holding their memory.
         await process.wait()
-        for rank in self.ranks.values():
+        orphans, self.ranks = list(self.ranks.values()), {}
+        await asyncio.gather(*(rank.dead() for rank in orphans))
+        for rank in orphans:
             rank.exit(-signal.SIGKILL)
-        self.ranks.clear()
         self.answers.put_nowait(None)
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
+        """Kill the server (its ranks die with it) and wait until they are all dead."""
         if self.process is not None and self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             await self.process.wait()
         if self.reader is not None:
-            await self.reader  # ends at the server's EOF, marking its ranks exited
+            await self.reader  # ends at the server's EOF, once its ranks are dead
             self.reader = None
         self.process = None
+
+    async def close(self) -> None:
+        self.closed = True
+        await self.stop()
 
 
 class ForkUnavailable(Exception):

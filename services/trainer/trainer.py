@@ -167,10 +167,12 @@ class GroupBackend:
             await group.stop()
 
     async def close(self) -> None:
-        for group in self.groups:
-            await group.close()
-        if self.forks is not None:
-            await self.forks.close()
+        try:
+            for group in self.groups:
+                await group.close()
+        finally:
+            if self.forks is not None:
+                await self.forks.close()
 
     @classmethod
     def create(

@@ -91,19 +91,29 @@ def fork_one(line: bytes, own_fds: tuple[int, int]) -> None:
         report(ForkRefused(why=f"not a ForkRank: {exc}"))
         return
     child_setup = dies_with_parent(signal.SIGKILL)  # the parent it names is this server
+    set_up_read, set_up_write = os.pipe()
     try:
         pid = os.fork()
     except OSError as exc:
+        os.close(set_up_read)
+        os.close(set_up_write)
         report(ForkRefused(why=f"fork failed: {exc}"))
         return
     if pid == 0:
-        become_rank(command, child_setup, own_fds)
+        os.close(set_up_read)
+        become_rank(command, child_setup, (*own_fds, set_up_write))
+    os.close(set_up_write)
+    # EOF once the child has its own session and dies with this server (or has died): only then
+    # may the trainer kill it by its process group, and count on its death with the server.
+    os.read(set_up_read, 1)
+    os.close(set_up_read)
     report(RankForked(pid=pid))
 
 
-def become_rank(command: ForkRank, child_setup: Callable[[], None], own_fds: tuple[int, int]) -> NoReturn:
+def become_rank(command: ForkRank, child_setup: Callable[[], None], own_fds: tuple[int, ...]) -> NoReturn:
     """In the child: a session of its own, death with the server, the log as stdout and stderr,
-    then the rank's `main`. Never returns into the server's loop."""
+    then the rank's `main`. Never returns into the server's loop. Closing `own_fds` (the last is
+    the set-up pipe) tells the server the first two are done."""
     code = 1
     try:
         os.setsid()
@@ -131,9 +141,11 @@ def become_rank(command: ForkRank, child_setup: Callable[[], None], own_fds: tup
     except BaseException:
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def reap() -> None:

@@ -60,7 +60,9 @@ async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_se
         inbox = nc.new_inbox()
         for name in ("early-1", "early-2", "late", "running"):
             await router.on_generate(
-                GenerateRequest(request_id=name, prompt="ab", max_tokens=4, weight_version="w", reply_to=inbox)
+                GenerateRequest(
+                    request_id=name, prompt="ab", max_tokens=4, weight_version="w", reply_to=inbox
+                )
             )
 
         def running_are_the_unended() -> bool:

@@ -160,16 +160,20 @@ async def fault_during(
     return f"{sig.name} to rank {rank} (pid {pid}) {delay_s:.3f} s into step {step}"
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("seed", "warm_start"), [(1, True), (2, False)])
 async def test_a_rank_killed_mid_step_is_rebuilt_and_the_run_matches_its_twin(
-    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor], seed: int
+    train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor], seed: int, warm_start: bool
 ) -> None:
+    """Ranks forked by the fork server (warm) or started as new processes (cold), against a twin
+    whose ranks were forked."""
     rng = random.Random(seed)
     delay, rank = rng.uniform(0.0, 1.2), rng.randrange(2)
     print(f"seed {seed}: kill rank {rank} {delay:.3f} s into step {FAULTY_STEP}")
     failed = await EventLog.start(train_cluster.client, "group_failed")
     rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
-    trainer = group_trainer(train_cluster, tmp_path / "faulty", settings("faulty"), FAST, step_delay_s=0.3)
+    faults = dataclasses.replace(FAST, warm_start=warm_start)
+    trainer = group_trainer(train_cluster, tmp_path / "faulty", settings("faulty"), faults, step_delay_s=0.3)
+    assert trainer.group is not None and (trainer.group.forks is not None) == warm_start
     chaos = asyncio.create_task(fault_during(trainer, FAULTY_STEP, delay, signal.SIGKILL, rank))
     await trainer.run()
     print(await chaos)
