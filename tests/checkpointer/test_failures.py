@@ -320,10 +320,13 @@ async def test_actions_run_as_the_images_user_and_a_dump_it_cannot_make_says_why
 async def test_oom_killed_init_is_an_oom_environment_failure(
     client: SandboxClient, service: Service, image: str
 ) -> None:
+    """The init's OOM kill may leave no trace but the engine's "oom" event: Docker's inspect can
+    still say OOMKilled false once the init is gone, and a dead init leaves no cgroup to count
+    kills in (CI saw "dead" so)."""
     spec = SandboxSpec(image=image, memory_mb=48, cmd=["/bin/sh", "-c", "sleep 1; exec memhold 200"])
     async with events(service.nats_url) as seen:
         await client.create(spec, sandbox="oominit")
-        for _ in range(60):
+        for _ in range(300):
             if any(isinstance(e, EnvFailure) and e.sandbox == "oominit" for e in seen):
                 break
             await asyncio.sleep(0.1)
