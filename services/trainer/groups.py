@@ -4,9 +4,10 @@ backend).
 Each rank is `python -m belayer_rl.services.trainer_group` in a session of its own, so the group
 can be killed whole (SIGKILL to each process group) and its death confirmed before a new one
 starts. By default a rank is forked from the trainer's fork server, which has torch loaded
-(services/trainer_group/fork_server.py), so a rebuild does not pay three Python and torch start-ups
-again; with `warm_start` off, or while no fork server can start, it is started cold. Ranks form a gloo process group through a rendezvous file that is new for every build,
-load the group's state file (written by rank 0 after every step) and heartbeat with their progress.
+(services/trainer_group/fork_server.py), so a rebuild does not pay three Python and torch
+start-ups again; with `warm_start` off, or while no fork server can start, it starts cold. Ranks
+form a gloo process group through a rendezvous file that is new for every build, load the group's
+state file (written by rank 0 after every step) and heartbeat with their progress.
 
 A call goes to every rank at once and is watched while it runs: a rank's exit, a hang (no
 heartbeat, or neither progress nor CPU time moving, for the hang timeout), the call's own timeout
