@@ -78,10 +78,6 @@ ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash 
 class Sandbox:
     record: SandboxRecord
     fifo: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # The container the engine last sent an "oom" event for. Docker's inspect may not say
-    # OOMKilled yet when the init it killed is already gone, and a dead init leaves no cgroup to
-    # count kills in: the event is then the only witness.
-    oom_reported_for: str = ""
 
 
 class Checkpointer:
@@ -259,8 +255,6 @@ class Checkpointer:
                     for sb in list(self.sandboxes.values()):
                         if sb.record.container_id == container_id:
                             log.info("sandbox %s: engine reports %s", sb.record.sandbox, action)
-                            if action == "oom":
-                                sb.oom_reported_for = container_id
                             await self.check_idle(sb)
             except asyncio.CancelledError:
                 raise
@@ -275,8 +269,6 @@ class Checkpointer:
             return
         async with sb.fifo:  # health thaws a frozen cgroup: never one that a checkpoint froze
             failure, sb.record.oom_seen = await self.engine.health(sb.record.container_id, sb.record.oom_seen)
-        if failure is not None and failure.reason == "dead" and sb.oom_reported_for == sb.record.container_id:
-            failure = EnvironmentFailure("oom-killed", f"the engine reported an OOM kill; {failure.detail}")
         if failure is not None and host_trouble(failure) is not None:
             return  # the daemon's trouble says nothing of the sandbox: its next action will tell
         if failure is not None and not sb.fifo.locked() and sb.record.state == "running":

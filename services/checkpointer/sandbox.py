@@ -69,6 +69,8 @@ FREEZE_TRIES = 4  # runc's freeze can time out under load; see `pause`
 STRAY_GRACE_S = 2.0  # for the last action's processes to finish dying before a dump; see `strays`
 PROC_SCAN_S = 5.0  # a read of every process's command line that takes longer is stuck
 FREEZE_RETRY_S = 0.2
+SIGKILLED = 137  # a container's exit code when its init was SIGKILLed (128 + 9)
+OOM_REPORT_S = 0.5  # how long after a SIGKILLed init Docker may still report its OOM kill
 
 
 DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect to
@@ -557,6 +559,12 @@ class Engine:
             return EnvironmentFailure("daemon-error", f"inspect failed: {exc}"), oom_seen
         except msgspec.ValidationError as exc:
             return EnvironmentFailure("daemon-error", f"inspect reply: {exc}"), oom_seen
+        if not state.running and state.exit_code == SIGKILLED and not state.oom_killed:
+            # The OOM killer's SIGKILL of the init: Docker reports the exit ("die") before the OOM
+            # ("oom"), and the init's cgroup is gone with it, so ask once more a moment later.
+            await asyncio.sleep(OOM_REPORT_S)
+            with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
+                state = await self.state(container_id)
         if state.oom_killed:
             return EnvironmentFailure("oom-killed", "the container was OOM-killed"), oom_seen
         pid = state.pid
