@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 from belayer_rl.services.router import router as router_module
 from belayer_rl.services.router.lease import Lease, lease_bucket
@@ -15,10 +17,9 @@ from belayer_rl.shared.runtime import Runtime
 from belayer_rl.shared.subjects import Subjects
 
 
-async def test_heartbeat_and_registration_together_install_the_engine_once(nats_server) -> None:
-    """A new worker's heartbeat and registration arrive together; both look the engine up, both
-    wait for the registry. The second must not replace the engine the first installed: requests
-    already placed on it would be forgotten and never resumed when it fails."""
+@contextlib.asynccontextmanager
+async def in_process_router(nats_server) -> AsyncIterator[Router]:  # type: ignore[no-untyped-def]
+    """A router on the test's nats-server, in this process; its lease not yet taken."""
     nc = await bus.connect(nats_server.url, "test-router")
     try:
         js = nc.jetstream()
@@ -26,8 +27,17 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
         config = RouterConfig(nats_url=nats_server.url)
         runtime = Runtime("test-router", config)
         lease = Lease(await lease_bucket(js, Subjects(), 1), config.lease_ttl_s)
-        router = Router(config, nc, js, kv, lease, runtime.spawn, runtime.record_skipped)
-        epoch, _ = await registry.install_worker(kv, "e0", os.getpid())
+        yield Router(config, nc, js, kv, lease, runtime.spawn, runtime.record_skipped)
+    finally:
+        await nc.close()
+
+
+async def test_heartbeat_and_registration_together_install_the_engine_once(nats_server) -> None:
+    """A new worker's heartbeat and registration arrive together; both look the engine up, both
+    wait for the registry. The second must not replace the engine the first installed: requests
+    already placed on it would be forgotten and never resumed when it fails."""
+    async with in_process_router(nats_server) as router:
+        epoch, _ = await registry.install_worker(router.kv, "e0", os.getpid())
         installed = []
         router.dispatch_waiting = lambda: installed.append(router.engines["e0"])  # type: ignore[method-assign]
 
@@ -36,8 +46,6 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
         assert len(installed) == 1
         assert router.engines["e0"] is installed[0]
         assert router.engines["e0"].epoch == epoch and router.engines["e0"].alive
-    finally:
-        await nc.close()
 
 
 async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_server, monkeypatch) -> None:
@@ -46,41 +54,36 @@ async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_se
     ones stay known and watched. Mutations caught: forgetting every ended request at once, never
     forgetting, and an ended request left among the running ones (which the watchdog walks)."""
     monkeypatch.setattr(router_module, "FINISHED_TTL_S", 1.5)
-    nc = await bus.connect(nats_server.url, "test-router")
     tasks: list[asyncio.Task[None]] = []
-    try:
-        js = nc.jetstream()
-        kv = await bus.declare_jetstream(js, Subjects())
-        config = RouterConfig(nats_url=nats_server.url)
-        runtime = Runtime("test-router", config)
-        lease = Lease(await lease_bucket(js, Subjects(), 1), config.lease_ttl_s)
-        await lease.acquire()
-        router = Router(config, nc, js, kv, lease, runtime.spawn, runtime.record_skipped)
-        tasks = [asyncio.create_task(t) for t in (lease.renew(), router.writer.run(), router.watchdog())]
-        inbox = nc.new_inbox()
-        for name in ("early-1", "early-2", "late", "running"):
-            await router.on_generate(
-                GenerateRequest(
-                    request_id=name, prompt="ab", max_tokens=4, weight_version="w", reply_to=inbox
+    async with in_process_router(nats_server) as router:
+        await router.lease.acquire()
+        tasks = [
+            asyncio.create_task(t) for t in (router.lease.renew(), router.writer.run(), router.watchdog())
+        ]
+        try:
+            inbox = router.nc.new_inbox()
+            for name in ("early-1", "early-2", "late", "running"):
+                await router.on_generate(
+                    GenerateRequest(
+                        request_id=name, prompt="ab", max_tokens=4, weight_version="w", reply_to=inbox
+                    )
                 )
-            )
 
-        def running_are_the_unended() -> bool:
-            return router.running.keys() == {r for r, req in router.requests.items() if req.end is None}
+            def running_are_the_unended() -> bool:
+                return router.running.keys() == {r for r, req in router.requests.items() if req.end is None}
 
-        for name in ("early-1", "early-2"):
-            await router.on_cancel(CancelRequest(request_id=name))
-        await asyncio.sleep(0.8)
-        await router.on_cancel(CancelRequest(request_id="late"))
-        assert running_are_the_unended() and set(router.running) == {"running"}
+            for name in ("early-1", "early-2"):
+                await router.on_cancel(CancelRequest(request_id=name))
+            await asyncio.sleep(0.8)
+            await router.on_cancel(CancelRequest(request_id="late"))
+            assert running_are_the_unended() and set(router.running) == {"running"}
 
-        await asyncio.sleep(1.2)  # past the TTL of the early ones, not of the late one
-        assert set(router.requests) == {"late", "running"}
-        await asyncio.sleep(0.8)
-        assert set(router.requests) == {"running"}
-        assert running_are_the_unended()
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await nc.close()
+            await asyncio.sleep(1.2)  # past the TTL of the early ones, not of the late one
+            assert set(router.requests) == {"late", "running"}
+            await asyncio.sleep(0.8)
+            assert set(router.requests) == {"running"}
+            assert running_are_the_unended()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
