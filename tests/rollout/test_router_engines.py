@@ -54,7 +54,6 @@ async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_se
     ones stay known and watched. Mutations caught: forgetting every ended request at once, never
     forgetting, and an ended request left among the running ones (which the watchdog walks)."""
     monkeypatch.setattr(router_module, "FINISHED_TTL_S", 1.5)
-    tasks: list[asyncio.Task[None]] = []
     async with in_process_router(nats_server) as router:
         await router.lease.acquire()
         tasks = [

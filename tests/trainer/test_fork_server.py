@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,15 @@ async def heartbeat_of(nats: NatsServer, pid: int) -> GroupHeartbeat:
         await nc.close()
 
 
+@pytest.fixture
+async def forks(tmp_path: Path) -> AsyncIterator[ForkServer]:
+    server = ForkServer(tmp_path, start_timeout_s=120)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
 async def gone(pid: int) -> None:
     """Until `pid` is dead: no such process, or a zombie its new parent has not reaped yet."""
     while True:
@@ -55,55 +65,43 @@ async def gone(pid: int) -> None:
 
 
 async def test_a_forked_rank_is_a_rank_in_a_session_of_its_own_and_its_death_is_reported(
-    nats_server: NatsServer, tmp_path: Path
+    nats_server: NatsServer, tmp_path: Path, forks: ForkServer
 ) -> None:
-    forks = ForkServer(tmp_path, start_timeout_s=120)
-    try:
-        rank = await forks.fork(reward_rank(nats_server), tmp_path / "rank.log")
-        beat = await heartbeat_of(nats_server, rank.pid)
-        assert (beat.group, beat.rank) == ("reward", 0)
-        assert os.getsid(rank.pid) == rank.pid  # the group kills it whole, as a cold rank
-        assert forks.process is not None and os.getppid() != rank.pid
+    rank = await forks.fork(reward_rank(nats_server), tmp_path / "rank.log")
+    beat = await heartbeat_of(nats_server, rank.pid)
+    assert (beat.group, beat.rank) == ("reward", 0)
+    assert os.getsid(rank.pid) == rank.pid  # the group kills it whole, as a cold rank
+    assert forks.process is not None and os.getppid() != rank.pid
 
-        os.killpg(rank.pid, signal.SIGKILL)
-        assert await asyncio.wait_for(rank.wait(), 10) == -signal.SIGKILL
-    finally:
-        await forks.close()
+    os.killpg(rank.pid, signal.SIGKILL)
+    assert await asyncio.wait_for(rank.wait(), 10) == -signal.SIGKILL
 
 
 async def test_a_line_that_is_not_a_command_is_refused_and_the_next_fork_pairs_with_its_answer(
-    nats_server: NatsServer, tmp_path: Path
+    nats_server: NatsServer, tmp_path: Path, forks: ForkServer
 ) -> None:
-    forks = ForkServer(tmp_path, start_timeout_s=120)
-    try:
-        first = await forks.fork(reward_rank(nats_server), tmp_path / "first.log")
-        assert forks.process is not None and forks.process.stdin is not None
-        async with forks.one_at_a_time:
-            forks.process.stdin.write(b'{"type": "fork_rank", "argv": "not a list"}\n\xff\xfe\n')
-            answers = [await asyncio.wait_for(forks.answers.get(), 10) for _ in range(2)]
-        assert all(isinstance(a, ForkRefused) for a in answers), answers
-        second = await forks.fork(reward_rank(nats_server), tmp_path / "second.log")
-        assert second.pid != first.pid
-        await heartbeat_of(nats_server, second.pid)
-    finally:
-        await forks.close()
+    first = await forks.fork(reward_rank(nats_server), tmp_path / "first.log")
+    assert forks.process is not None and forks.process.stdin is not None
+    async with forks.one_at_a_time:
+        forks.process.stdin.write(b'{"type": "fork_rank", "argv": "not a list"}\n\xff\xfe\n')
+        answers = [await asyncio.wait_for(forks.answers.get(), 10) for _ in range(2)]
+    assert all(isinstance(a, ForkRefused) for a in answers), answers
+    second = await forks.fork(reward_rank(nats_server), tmp_path / "second.log")
+    assert second.pid != first.pid
+    await heartbeat_of(nats_server, second.pid)
 
 
 async def test_ranks_die_with_a_killed_fork_server_and_the_next_fork_starts_a_new_one(
-    nats_server: NatsServer, tmp_path: Path
+    nats_server: NatsServer, tmp_path: Path, forks: ForkServer
 ) -> None:
-    forks = ForkServer(tmp_path, start_timeout_s=120)
-    try:
-        rank = await forks.fork(reward_rank(nats_server), tmp_path / "rank.log")
-        await heartbeat_of(nats_server, rank.pid)
-        assert forks.process is not None
-        server = forks.process.pid
-        os.killpg(server, signal.SIGKILL)
-        assert await asyncio.wait_for(rank.wait(), 10) == -signal.SIGKILL
-        await asyncio.wait_for(gone(rank.pid), 10)  # the kernel's SIGKILL (PR_SET_PDEATHSIG)
+    rank = await forks.fork(reward_rank(nats_server), tmp_path / "rank.log")
+    await heartbeat_of(nats_server, rank.pid)
+    assert forks.process is not None
+    server = forks.process.pid
+    os.killpg(server, signal.SIGKILL)
+    assert await asyncio.wait_for(rank.wait(), 10) == -signal.SIGKILL
+    await asyncio.wait_for(gone(rank.pid), 10)  # the kernel's SIGKILL (PR_SET_PDEATHSIG)
 
-        again = await forks.fork(reward_rank(nats_server), tmp_path / "again.log")
-        assert forks.process is not None and forks.process.pid != server
-        await heartbeat_of(nats_server, again.pid)
-    finally:
-        await forks.close()
+    again = await forks.fork(reward_rank(nats_server), tmp_path / "again.log")
+    assert forks.process is not None and forks.process.pid != server
+    await heartbeat_of(nats_server, again.pid)
