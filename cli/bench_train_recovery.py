@@ -1,20 +1,22 @@
 """`belayer bench train-recovery`: what one trainer-group failure costs, against a failure-free run
-and against rescheduling the whole workflow, all in one run on one local cluster.
+and against rescheduling the whole workflow, all in one run of the bench.
 
     belayer bench train-recovery [--minutes 10] [--kinds actor,reference,reward,hang,rollout] [--json]
 
-It starts a local cluster (router, weight and KV servers, shadow supervisor, one tiny worker),
-calibrates the step time with a few steps, and sizes a GRPO run on `reverse` (actor of 2 gloo
-ranks, a reference for the KL term, a reward group) to last --minutes without failures. It then
-runs the same steps again once per failure kind, with one fault half way: SIGKILL of an actor rank,
-of the reference or of the reward worker, SIGSTOP of an actor rank (a hang), or SIGSTOP of the
-engine's shadow and main (the rollout side hung whole, which no one on that side notices). Each is
-recovered by a targeted rebuild (the reward: a restart in place; the rollout side: the engine
-restarted by the cold path). Ranks are forked from the trainer's fork server (a warm start);
-`actor-cold` is the actor kill with every rank started as a new process instead. A last run takes the actor kill with no
-rebuilds allowed, so the fault manager reschedules from the last checkpoint: the cold baseline.
-Reported per kind: seconds and percent added to the failure-free run, detection and rebuild seconds
-from the events; and the targeted rebuild against the reschedule.
+Every run starts a local cluster of its own (router, weight and KV servers, shadow supervisor, one
+tiny worker) and stops it after. The bench calibrates the step time with a few steps, and sizes a
+GRPO run on `reverse` (actor of 2 gloo ranks, a reference for the KL term, a reward group) to last
+--minutes without failures. It then runs the same steps again once per failure kind, with one
+fault half way: SIGKILL of an actor rank, of the reference or of the reward worker, SIGSTOP of an
+actor rank (a hang), or SIGSTOP of the engine's shadow and main (the rollout side hung whole, which
+no one on that side notices). Each is recovered by a targeted rebuild (the reward: a restart in
+place; the rollout side: the engine restarted by the cold path). Ranks are forked from the
+trainer's fork server (a warm start); `actor-cold` is the actor kill with every rank started as a
+new process instead; `none` is the failure-free run again, which shows how much two runs differ
+with no fault at all. A last run takes the actor kill with no rebuilds allowed, so the fault
+manager reschedules from the last checkpoint: the cold baseline. Reported per kind: seconds and
+percent added to the failure-free run, detection and rebuild seconds from the events; and the
+targeted rebuild against the reschedule.
 """
 
 from __future__ import annotations
@@ -47,18 +49,21 @@ from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.protocol import EVENT_TYPES, ShadowState, decode, decoder_for
 from belayer_rl.shared.subjects import event_kind
 
-KINDS = {  # kind -> (group, chaos action)
+KINDS: dict[str, tuple[str, str] | None] = {  # kind -> (group, chaos action)
     "actor": ("actor", "kill"),
     "reference": ("reference", "kill"),
     "reward": ("reward", "kill"),
     "hang": ("actor", "stop"),
     "rollout": ("rollout", "stop"),  # the engine's shadow and main, not a trainer group
     "actor-cold": ("actor", "kill"),  # as "actor", every rank started cold (no fork server)
+    "none": None,  # the failure-free run again: what two runs differ by with no fault at all
 }
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
 CALIBRATION_STEPS = 16
-LOG_MAX_MB = 8192  # room for 6 runs of 10 minutes (see `measure`)
+# Every sample is a request in the token log, about 1.6 KB: the default 1 GiB fills after about
+# 2,300 steps, some 40 minutes of this workload. Each run has a cluster, so a log, of its own.
+LOG_MAX_MB = 4096
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -116,88 +121,29 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
     task = ReverseDigits(length=2)
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
-        # Every sample is a request in the token log, about 1.6 KB: the default 1 GiB filled up
-        # after about 2,300 steps, in the fourth run of a 10-minute bench.
-        config = ClusterConfig(
-            state_dir=root / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
-            log_max_mb=LOG_MAX_MB,
-        )  # fmt: skip
-        async with local_cluster(config) as supervisor:
-            async with await Client.connect(supervisor.target("admin"), "bench") as client:
-                await client.wait_for_engines(1, 600)
-                base = TrainSettings(
-                    run="calibrate", steps=6, seed=args.seed, grpo=GrpoConfig(kl_beta=KL_BETA)
-                )
-                creds = supervisor.access("trainer").creds  # the group workers' credential
-                faults = FaultManagerConfig(
-                    hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout
-                )
-                engines_file = config.state_dir / "workers" / "engines.json"
-
-                async def one(run: str, steps: int, fault: tuple[str, str] | None, **changes: object):  # type: ignore[no-untyped-def]
-                    folder = root / run
-                    train = dataclasses.replace(
-                        base,
-                        run=run,
-                        steps=steps,
-                        checkpoint_every=CHECKPOINT_EVERY,
-                        checkpoint_dir=folder / "ckpt",
-                    )
-                    worker = TrainerGroupConfig(
-                        nats_url=supervisor.nats_url, nats_creds=creds, metrics_port=-1, run=run, world=2,
-                        rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=KL_BETA,
-                        allowed=",".join(map(str, task.allowed_tokens)),
-                    )  # fmt: skip
-                    run_faults = dataclasses.replace(faults, **changes)  # type: ignore[arg-type]
-                    trainer = Trainer(
-                        client, task, train, GroupBackend.create("local", client, worker, folder, run_faults)
-                    )
-                    events = Events()
-                    await events.follow(client, run)
-                    chaos = None
-                    if fault == KINDS["rollout"]:
-                        chaos = asyncio.create_task(stop_rollout_side(trainer, steps // 2, engines_file))
-                    elif fault is not None:
-                        group, action = fault
-                        # Rank 0, 0.2 s into the step's rollout or update.
-                        planned = [chaos_faults.Fault(group, steps // 2, action, delay_s=0.2, rank_draw=0.0)]
-                        chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, []))
-                    started = time.perf_counter()
-                    marks: list[float] = []
-                    try:
-                        await trainer.run(lambda _: marks.append(time.perf_counter()))
-                    finally:
-                        if chaos is not None and not chaos.done():
-                            chaos.cancel()
-                    wall = time.perf_counter() - started
-                    if chaos is not None:
-                        await asyncio.gather(chaos, return_exceptions=True)
-                    return wall, events.seen, marks
-
-                _, _, marks = await one("calibrate", CALIBRATION_STEPS, None)
-                # Steps alone (no start-up, no first step), their lower quartile: a mean over a few
-                # steps overshot the pace of a long run by a fifth (1.22 s against 1.01 s), so the
-                # failure-free run fell short of --minutes.
-                step_s = statistics.quantiles([b - a for a, b in itertools.pairwise(marks[1:])], n=4)[0]
-                steps = max(12, math.ceil(args.minutes * 60 / step_s))
-                print(
-                    f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True
-                )
-                clean, _, clean_marks = await one("clean", steps, None)
-                print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
-                results: dict[str, object] = {}
-                for kind in kinds:
-                    changes = {"warm_start": False} if kind.endswith("-cold") else {}
-                    wall, seen, marks = await one(f"fault-{kind}", steps, KINDS[kind], **changes)
-                    results[kind] = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
-                    print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
-                reschedule = None
-                if not args.no_reschedule:
-                    wall, seen, marks = await one(
-                        "reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0
-                    )
-                    reschedule = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
-                    print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
+        bench = BenchRuns(args, task, root)
+        _, _, marks = await bench.one("calibrate", CALIBRATION_STEPS, None)
+        # Steps alone (no start-up, no first step), their lower quartile: a mean over a few
+        # steps overshot the pace of a long run by a fifth (1.22 s against 1.01 s), so the
+        # failure-free run fell short of --minutes.
+        step_s = statistics.quantiles([b - a for a, b in itertools.pairwise(marks[1:])], n=4)[0]
+        steps = max(12, math.ceil(args.minutes * 60 / step_s))
+        print(f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True)
+        clean, _, clean_marks = await bench.one("clean", steps, None)
+        print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
+        results: dict[str, object] = {}
+        for kind in kinds:
+            changes = {"warm_start": False} if kind.endswith("-cold") else {}
+            wall, seen, marks = await bench.one(f"fault-{kind}", steps, KINDS[kind], **changes)
+            results[kind] = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
+            print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
+        reschedule = None
+        if not args.no_reschedule:
+            wall, seen, marks = await bench.one(
+                "reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0
+            )
+            reschedule = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
+            print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
         "steps": steps,
@@ -209,6 +155,73 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         "faults": results,
         "reschedule": reschedule,
     }
+
+
+@dataclasses.dataclass
+class BenchRuns:
+    """Each run on a cluster of its own, started for it and stopped after it: runs on one cluster
+    were slower the later they came, before their fault, by as much as a fault adds (the router,
+    the token log and the bus carry every earlier run's requests)."""
+
+    args: argparse.Namespace
+    task: ReverseDigits
+    root: Path
+
+    async def one(self, run: str, steps: int, fault: tuple[str, str] | None, **changes: object):  # type: ignore[no-untyped-def]
+        """Run `steps` GRPO steps named `run` with `fault` half way; its wall time (the training
+        alone, not the cluster's start), its recovery events and when each step ended."""
+        folder = self.root / run
+        config = ClusterConfig(
+            state_dir=folder / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
+            log_max_mb=LOG_MAX_MB,
+        )  # fmt: skip
+        async with local_cluster(config) as supervisor:
+            async with await Client.connect(supervisor.target("admin"), "bench") as client:
+                await client.wait_for_engines(1, 600)
+                return await self.train(supervisor, client, config, run, steps, fault, **changes)
+
+    async def train(  # type: ignore[no-untyped-def]
+        self, supervisor, client: Client, config: ClusterConfig, run: str, steps: int,
+        fault: tuple[str, str] | None, **changes: object,
+    ):  # fmt: skip
+        args, folder = self.args, self.root / run
+        train = TrainSettings(
+            run=run, steps=steps, seed=args.seed, grpo=GrpoConfig(kl_beta=KL_BETA),
+            checkpoint_every=CHECKPOINT_EVERY, checkpoint_dir=folder / "ckpt",
+        )  # fmt: skip
+        worker = TrainerGroupConfig(
+            nats_url=supervisor.nats_url, nats_creds=supervisor.access("trainer").creds, metrics_port=-1,
+            run=run, world=2, rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=KL_BETA,
+            allowed=",".join(map(str, self.task.allowed_tokens)),
+        )  # fmt: skip
+        faults = FaultManagerConfig(
+            hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout, **changes
+        )  # type: ignore[arg-type]
+        trainer = Trainer(
+            client, self.task, train, GroupBackend.create("local", client, worker, folder, faults)
+        )
+        events = Events()
+        await events.follow(client, run)
+        chaos = None
+        if fault == KINDS["rollout"]:
+            engines_file = config.state_dir / "workers" / "engines.json"
+            chaos = asyncio.create_task(stop_rollout_side(trainer, steps // 2, engines_file))
+        elif fault is not None:
+            group, action = fault
+            # Rank 0, 0.2 s into the step's rollout or update.
+            planned = [chaos_faults.Fault(group, steps // 2, action, delay_s=0.2, rank_draw=0.0)]
+            chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, []))
+        started = time.perf_counter()
+        marks: list[float] = []
+        try:
+            await trainer.run(lambda _: marks.append(time.perf_counter()))
+        finally:
+            if chaos is not None and not chaos.done():
+                chaos.cancel()
+        wall = time.perf_counter() - started
+        if chaos is not None:
+            await asyncio.gather(chaos, return_exceptions=True)
+        return wall, events.seen, marks
 
 
 async def stop_rollout_side(trainer: Trainer, step: int, engines_file: Path) -> None:
@@ -280,7 +293,7 @@ def print_table(report: dict[str, object]) -> None:
         cold = report["reschedule"]["added_s"]  # type: ignore[index]
         ratio = f"{cold / targeted:.1f}x" if targeted > 0 else "the rebuild added nothing measurable"
         print(f"actor kill: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})")
-    print("added: each run's wall time minus the failure-free run's, same steps, same cluster")
+    print("added: each run's wall time minus the failure-free run's, same steps, each on a fresh cluster")
     print(
         "pace drift: the run's median step time before the fault against the failure-free run's, times the steps"
     )

@@ -500,6 +500,9 @@ class CheckpointerConfig(ServiceConfig):
     disk_budget_gb: float = setting(
         50.0, "checkpoint store bound; oldest non-latest go first past it; 0: none"
     )
+    dump_stall_s: float = setting(
+        20.0, "a CRIU dump whose files stop growing for this long is killed, and its checkpoint fails"
+    )
     max_layer_gb: float = setting(16.0, "a layer archive holding more is refused at restore")
     max_download_gb: float = setting(
         20.0, "a checkpoint fetched from the object store may be this big, at most"

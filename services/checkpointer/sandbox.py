@@ -77,6 +77,7 @@ DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect
 DOCKER_SILENT = 504  # ours, for a call the daemon did not answer within the engine's bound
 CAP_SYS_RESOURCE = 24  # prlimit() on another user's process needs it; CRIU reads every process's limits
 CRIU_NO_LIMITS = "Can't get rlimit"  # CRIU's log when prlimit() was refused
+DUMP_POLL_S = 1.0  # how often a dump's files are measured (see `Engine.watch_dump`)
 CRIU_CALL_S = 600.0  # the bound of a call that dumps or restores processes (their memory may be large)
 UNREACHABLE_TEXT = "Cannot connect to Docker Engine"  # aiodocker's message for that status
 SILENT_TEXT = "the Docker daemon did not answer"  # ours, for DOCKER_SILENT
@@ -333,24 +334,28 @@ def daemon_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 class Engine:
     """One Docker engine: its client, its data root, and the calls the checkpointer makes."""
 
-    def __init__(self, docker: aiodocker.Docker, data_root: Path, call_timeout_s: float) -> None:
+    def __init__(
+        self, docker: aiodocker.Docker, data_root: Path, call_timeout_s: float, dump_stall_s: float
+    ) -> None:
         self.docker = docker
         self.data_root = data_root
         self.call_timeout_s = call_timeout_s
+        self.dump_stall_s = dump_stall_s
         self.oom_files: dict[str, list[Path]] = {}  # container id -> its memory cgroup's counters
         self.procs = ProcScanner()
 
     @classmethod
-    async def connect(cls, url: str | None, call_timeout_s: float) -> Engine:
+    async def connect(cls, url: str | None, call_timeout_s: float, dump_stall_s: float) -> Engine:
         """Every call is bounded by `call_timeout_s`, except an exec's output stream, the event
-        stream (aiodocker leaves both unbounded) and a dump or restore (CRIU_CALL_S)."""
+        stream (aiodocker leaves both unbounded) and a dump or restore (CRIU_CALL_S; a dump by runc
+        is killed once it makes no progress for `dump_stall_s`)."""
         docker = aiodocker.Docker(url=url, timeout=aiohttp.ClientTimeout(total=call_timeout_s))
         try:
             info = msgspec.convert(await docker.system.info(), type=EngineInfo)
         except BaseException:
             await docker.close()
             raise
-        return cls(docker, Path(info.docker_root_dir), call_timeout_s)
+        return cls(docker, Path(info.docker_root_dir), call_timeout_s, dump_stall_s)
 
     async def close(self) -> None:
         await self.docker.close()
@@ -491,8 +496,9 @@ class Engine:
                 runc, "--root", str(root), "checkpoint", "--image-path", str(images), "--work-path", str(work),
                 "--leave-running", container_id,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # runc and its CRIU, killed together when stuck
             )  # fmt: skip
-            out, _ = await process.communicate()
+            out = await self.watch_dump(process, (images, work))
             dump_log = ""
             with contextlib.suppress(OSError):
                 dump_log = (work / "dump.log").read_text(errors="replace")
@@ -516,6 +522,31 @@ class Engine:
             timeout=aiohttp.ClientTimeout(total=CRIU_CALL_S),
         )
         return "engine"
+
+    async def watch_dump(self, process: asyncio.subprocess.Process, folders: tuple[Path, ...]) -> bytes:
+        """runc's output once it exits. A dump whose images and log stop growing for
+        `dump_stall_s` is stuck (CRIU was seen waiting in wait4 for good after a kill of the
+        container mid-dump, holding the sandbox's lock and leaving Docker unable to kill the
+        container): runc's session is SIGKILLed and the dump fails. So is it when cancelled."""
+        output = asyncio.ensure_future(process.communicate())
+        size, grew_at = -1, time.monotonic()
+        try:
+            while not output.done():
+                await asyncio.wait({output}, timeout=DUMP_POLL_S)
+                now = await asyncio.to_thread(folder_bytes, folders)
+                if now != size:
+                    size, grew_at = now, time.monotonic()
+                elif not output.done() and time.monotonic() - grew_at > self.dump_stall_s:
+                    raise OSError(
+                        f"the dump made no progress for {self.dump_stall_s:g}s (its files stayed at"
+                        f" {size} bytes): runc and CRIU were killed"
+                    )
+            return output.result()[0]
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.shield(output)  # owned: runc reaped and its pipe closed
 
     @daemon_call
     async def ours(self, host_id: str) -> list[ContainerSummary]:
@@ -922,6 +953,17 @@ def process_alive(pid: int) -> bool:
         if key in ("SigPnd", "ShdPnd") and int(value.strip(), 16) & SIGKILL_BIT:
             return False
     return True
+
+
+def folder_bytes(folders: tuple[Path, ...]) -> int:
+    """The bytes of the files under `folders`, those that vanish meanwhile left out."""
+    total = 0
+    for folder in folders:
+        for parent, _, names in os.walk(folder):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(parent, name)).st_size
+    return total
 
 
 def command_lines() -> list[list[bytes]]:

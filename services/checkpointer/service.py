@@ -60,7 +60,7 @@ async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
     kv = await bus.with_retries(
         "declare prefix pointers", lambda: pointer.declare(nc.jetstream(), rt.subjects, config.replicas)
     )
-    engine = await Engine.connect(config.docker_url, config.docker_timeout_s)
+    engine = await Engine.connect(config.docker_url, config.docker_timeout_s, config.dump_stall_s)
     rt.on_close(engine.close)
     checkpointer = Checkpointer(config, engine, nc, kv, rt.record_skipped, CheckpointerMetrics(rt.metrics))
     if config.object_store:

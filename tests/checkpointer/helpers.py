@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import tarfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -48,6 +51,25 @@ def freeze_behind_dockers_back(pid: int) -> None:
     control = freezer_control(pid)
     assert control is not None, f"no freezer cgroup holds {pid}"
     control.write_text("FROZEN" if control.name == "freezer.state" else "1")
+
+
+def stop_first_dump(container_id: str, within_s: float) -> int:
+    """SIGSTOP the first `runc checkpoint` of the container seen within `within_s`, and return its
+    pid (0: none seen). Polls /proc without pause: runc must be caught while it runs."""
+    deadline = time.monotonic() + within_s
+    wanted = container_id.encode()
+    while time.monotonic() < deadline:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"runc") and b"checkpoint" in argv and wanted in argv:
+                os.kill(int(entry.name), signal.SIGSTOP)
+                return int(entry.name)
+    return 0
 
 
 def checkpoint_dir(state_dir: Path, trajectory: str, checkpoint_id: str) -> Path:

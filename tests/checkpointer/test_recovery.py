@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.services.checkpointer.sandbox import process_alive
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CHECKPOINT_PHASES
 from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec
 from tests.support import poll
 
 from .conftest import ROOT, Service
-from .helpers import checkpoint_dir, events, kill_container, replace_layer, rewrite_spec
+from .helpers import checkpoint_dir, events, kill_container, replace_layer, rewrite_spec, stop_first_dump
 from .test_layer import entry, hostile_members
 
 COUNTER = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/seen; sleep 0.1; done) >/dev/null 2>&1 </dev/null &"
@@ -285,6 +286,36 @@ async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_en
     await kill_container(info.container_id)
     restored = await client.restore("traj-slow")
     assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)  # discarded
+
+
+async def test_a_dump_that_stops_making_progress_is_killed_and_the_sandbox_serves_on(
+    service: Service, client: SandboxClient, image: str
+) -> None:
+    """CRIU was seen stuck in wait4 for good after a container kill mid-dump: it held the sandbox's
+    lock, and Docker could no longer kill the container. That hang cannot be made on demand; a
+    SIGSTOPped runc hangs the dump the same way (nothing more is written), so the test stops the
+    real runc of the real dump as soon as it starts."""
+    service.stop()
+    service.start("--dump-stall", "2")
+    await service.ready(client)
+    info = await client.create(SandboxSpec(image=image, user=ROOT), sandbox="stuck")
+    await client.exec("stuck", f"echo one > /tmp/one; {COUNTER}")
+    stopping = asyncio.create_task(asyncio.to_thread(stop_first_dump, info.container_id, 20.0))
+    try:
+        with pytest.raises(ServiceError) as stuck:
+            await client.checkpoint("stuck", "traj-stuck", k=1, timeout_s=30.0)
+    finally:
+        runc = await stopping
+    assert runc > 0, "no runc checkpoint of the sandbox was seen"
+    assert stuck.value.code == "checkpoint-failed", stuck.value.message
+    assert "made no progress for 2s" in stuck.value.message
+    assert not process_alive(runc)  # killed, not left stopped
+    after = await client.exec("stuck", "cat /tmp/one")  # the lock is free, the sandbox thawed
+    assert after.stdout == "one\n"
+    ready = await client.checkpoint("stuck", "traj-stuck", k=2)  # and the next dump works
+    await kill_container(info.container_id)
+    restored = await client.restore("traj-stuck")
+    assert (restored.checkpoint_id, restored.k) == (ready.checkpoint_id, 2)
 
 
 async def test_artifact_moves_to_another_host(
