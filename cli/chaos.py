@@ -108,6 +108,7 @@ CLEANUP_DEADLINE_S, CLEANUP_TRY_S = 60.0, 10.0  # a trajectory's end, and its de
 PROGRESS_EVERY = 25  # faults between progress lines
 DOCKER_CALL_S = 5.0  # a pause, unpause or kill that takes longer is stuck (see Injector.unpause)
 SETTLE_S = 120.0  # for the work still running after the last fault to end
+IN_FLIGHT_REPORT_S = 30.0  # while that work ends, what still runs is printed this often
 TARGET_TRIES, TARGET_RETRY_S = 20, 0.25  # a fault whose target is away waits for it this long
 STORE_MB = 256  # the checkpoint store's tmpfs: far more than the campaign's checkpoints need
 
@@ -193,6 +194,10 @@ class Generations:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> the bound or error that ended it
 
+    def in_flight(self) -> str:
+        ended = self.tokens.keys() | self.failed.keys()
+        return ", ".join(j.request_id for j in self.jobs if j.request_id not in ended) or "no generation"
+
     async def produce(self, slot: int, stopping: asyncio.Event) -> None:
         rng = random.Random(self.seed * 1000 + slot)
         n = 0
@@ -274,6 +279,14 @@ class Trajectories:
                             await self.call(trajectory, what, make)
                 self.waiting.pop(trajectory, None)
             n += 1
+
+    def in_flight(self) -> str:
+        """Each trajectory not yet ended, with its step and its last sandbox call (create, exec,
+        checkpoint, restore, end, destroy)."""
+        running = [
+            f"{t} at step {self.running.get(t, '-')}, last call {self.waiting_on(t)}" for t in self.waiting
+        ]
+        return ", ".join(running) or "no trajectory"
 
     def waiting_on(self, trajectory: str) -> str:
         if trajectory not in self.waiting:
@@ -947,7 +960,16 @@ async def campaign(
     finally:
         phases.next("the work in flight ending")
         stopping.set()
-        await asyncio.gather(*producers)
+        pending = set(producers)
+        while pending:  # each bounded (SETTLE_S, TRAJECTORY_DEADLINE_S); said while it runs
+            done, pending = await asyncio.wait(pending, timeout=IN_FLIGHT_REPORT_S)
+            for task in done:
+                task.result()
+            if pending:
+                print(
+                    f"chaos: still in flight: {trajectories.in_flight()}; {generations.in_flight()}",
+                    file=sys.stderr,
+                )
     phases.next("the router settling")
     # A client may hear of its end before the LogEnd is durable: read the log once the router
     # holds nothing running (bounded: a request that never ends is the oracle's to report).
