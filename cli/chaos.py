@@ -962,7 +962,13 @@ async def campaign(
         stopping.set()
         pending = set(producers)
         while pending:  # each bounded (SETTLE_S, TRAJECTORY_DEADLINE_S); said while it runs
-            done, pending = await asyncio.wait(pending, timeout=IN_FLIGHT_REPORT_S)
+            try:
+                done, pending = await asyncio.wait(pending, timeout=IN_FLIGHT_REPORT_S)
+            except BaseException:  # the campaign cancelled: its work goes with it
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise
             for task in done:
                 task.result()
             if pending:

@@ -536,6 +536,7 @@ class CheckpointerConfig(ServiceConfig):
             object.__setattr__(self, "state_dir", default_state_dir() / "checkpointer")
         object.__setattr__(self, "state_dir", Path(self.state_dir).resolve())
         positive("--docker-timeout", self.docker_timeout_s)
+        positive("--dump-stall", self.dump_stall_s)
         if self.max_layer_gb <= 0 or self.max_download_gb <= 0:
             raise ConfigError("--max-layer-gb and --max-download-gb must be > 0")
         if not self.host_id.replace("-", "").replace("_", "").isalnum() or len(self.host_id) > 64:

@@ -610,7 +610,9 @@ Capability = Annotated[str, Meta(pattern=r"^[A-Z_]{2,32}\Z")]
 Digest = Annotated[str, Meta(pattern=r"^(sha256:[0-9a-f]{64})?\Z")]
 RestoreSource = Literal["latest", "previous", "base"]
 # interrupted: the checkpointer stopped during an action, whose effect on the sandbox is unknown
-EnvFailureReason = Literal["dead", "oom-killed", "daemon-error", "exec-stream", "missing", "interrupted"]
+EnvFailureReason = Literal[
+    "dead", "oom-killed", "daemon-error", "exec-stream", "missing", "interrupted", "dump-stuck"
+]
 
 
 # Who every action of a sandbox runs as, and its init when the spec names its own `cmd`: `name`,

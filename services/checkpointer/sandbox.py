@@ -22,7 +22,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -77,7 +77,8 @@ DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect
 DOCKER_SILENT = 504  # ours, for a call the daemon did not answer within the engine's bound
 CAP_SYS_RESOURCE = 24  # prlimit() on another user's process needs it; CRIU reads every process's limits
 CRIU_NO_LIMITS = "Can't get rlimit"  # CRIU's log when prlimit() was refused
-DUMP_POLL_S = 1.0  # how often a dump's files are measured (see `Engine.watch_dump`)
+DUMP_POLL_S = 1.0  # how often a dump's progress is measured (see `Engine.watch_dump`)
+KILLED_DUMP_S = 10.0  # for a stuck dump's runc to be reaped once killed
 CRIU_CALL_S = 600.0  # the bound of a call that dumps or restores processes (their memory may be large)
 UNREACHABLE_TEXT = "Cannot connect to Docker Engine"  # aiodocker's message for that status
 SILENT_TEXT = "the Docker daemon did not answer"  # ours, for DOCKER_SILENT
@@ -498,11 +499,17 @@ class Engine:
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # runc and its CRIU, killed together when stuck
             )  # fmt: skip
-            out = await self.watch_dump(process, (images, work))
+            out, stuck = await self.watch_dump(process, (images, work))
             dump_log = ""
             with contextlib.suppress(OSError):
                 dump_log = (work / "dump.log").read_text(errors="replace")
             shutil.rmtree(work, ignore_errors=True)
+            if stuck:  # CRIU may have left its parasite code in a process it held: not to be trusted
+                raise EnvironmentFailure(
+                    "dump-stuck",
+                    f"the dump made no progress for {self.dump_stall_s:g}s; runc and CRIU were killed,"
+                    f" and the processes they held may be damaged. CRIU's log ends: {dump_log[-600:]}",
+                )
             if process.returncode != 0:
                 why = ""
                 if CRIU_NO_LIMITS in dump_log and not has_capability(CAP_SYS_RESOURCE):
@@ -523,30 +530,32 @@ class Engine:
         )
         return "engine"
 
-    async def watch_dump(self, process: asyncio.subprocess.Process, folders: tuple[Path, ...]) -> bytes:
-        """runc's output once it exits. A dump whose images and log stop growing for
-        `dump_stall_s` is stuck (CRIU was seen waiting in wait4 for good after a kill of the
-        container mid-dump, holding the sandbox's lock and leaving Docker unable to kill the
-        container): runc's session is SIGKILLed and the dump fails. So is it when cancelled."""
+    async def watch_dump(
+        self, process: asyncio.subprocess.Process, folders: tuple[Path, ...]
+    ) -> tuple[bytes, bool]:
+        """runc's output once it exits, and whether it was killed as stuck: its session (runc and
+        the CRIU it started) made no progress for `dump_stall_s`, neither its files in `folders`
+        nor the CPU time of its processes. CRIU was seen waiting in wait4 for good after a kill
+        of the container mid-dump, holding the sandbox's lock, and Docker could no longer kill the
+        container. A watch that is cancelled leaves the dump running, as a crash of the
+        checkpointer would: the orphaned-dump check of the next start waits for it."""
         output = asyncio.ensure_future(process.communicate())
-        size, grew_at = -1, time.monotonic()
+        progress, moved_at = (-1, -1), time.monotonic()
         try:
             while not output.done():
                 await asyncio.wait({output}, timeout=DUMP_POLL_S)
-                now = await asyncio.to_thread(folder_bytes, folders)
-                if now != size:
-                    size, grew_at = now, time.monotonic()
-                elif not output.done() and time.monotonic() - grew_at > self.dump_stall_s:
-                    raise OSError(
-                        f"the dump made no progress for {self.dump_stall_s:g}s (its files stayed at"
-                        f" {size} bytes): runc and CRIU were killed"
-                    )
-            return output.result()[0]
+                now = await asyncio.to_thread(dump_progress, folders, process.pid)
+                if now != progress:
+                    progress, moved_at = now, time.monotonic()
+                elif not output.done() and time.monotonic() - moved_at > self.dump_stall_s:
+                    kill_session(process.pid)  # a short /proc walk, not queued behind other file work
+                    with contextlib.suppress(TimeoutError):  # a runc stuck in the kernel stays a zombie
+                        async with asyncio.timeout(KILLED_DUMP_S):
+                            await asyncio.shield(output)
+                    return (output.result()[0] if output.done() else b""), True
+            return output.result()[0], False
         finally:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            await asyncio.shield(output)  # owned: runc reaped and its pipe closed
+            output.cancel()  # nothing once it is done
 
     @daemon_call
     async def ours(self, host_id: str) -> list[ContainerSummary]:
@@ -851,6 +860,28 @@ def parent_of(pid: int) -> int:
     return 0
 
 
+def session_stats(sid: int) -> Iterator[list[str]]:
+    """/proc/<pid>/stat of every process of the session `sid`, from field 3 (the state) on, with
+    the pid appended."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if len(fields) > 12 and fields[3] == str(sid):  # field 6: the session
+            yield [*fields, entry.name]
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of the session `sid`, its leader included: a runc and the CRIU it
+    started, whatever process group CRIU is in."""
+    for fields in session_stats(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(fields[-1]), signal.SIGKILL)
+
+
 def cgroup_procs_file(pid: int) -> Path | None:
     """The cgroup.procs of the cgroup holding `pid` (the pids controller on cgroup v1)."""
     for controllers, path in cgroups_of(pid):
@@ -955,15 +986,19 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def folder_bytes(folders: tuple[Path, ...]) -> int:
-    """The bytes of the files under `folders`, those that vanish meanwhile left out."""
-    total = 0
+def dump_progress(folders: tuple[Path, ...], sid: int) -> tuple[int, int]:
+    """(the bytes of the files under `folders`, the CPU ticks of the processes of session `sid`):
+    a dump that moves neither is stuck. Files and processes that vanish meanwhile are left out."""
+    written = 0
     for folder in folders:
         for parent, _, names in os.walk(folder):
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(parent, name)).st_size
-    return total
+                    written += os.stat(os.path.join(parent, name)).st_size
+    ticks = 0
+    for fields in session_stats(sid):
+        ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15: utime and stime
+    return written, ticks
 
 
 def command_lines() -> list[list[bytes]]:

@@ -53,9 +53,11 @@ def freeze_behind_dockers_back(pid: int) -> None:
     control.write_text("FROZEN" if control.name == "freezer.state" else "1")
 
 
-def stop_first_dump(container_id: str, within_s: float) -> int:
-    """SIGSTOP the first `runc checkpoint` of the container seen within `within_s`, and return its
-    pid (0: none seen). Polls /proc without pause: runc must be caught while it runs."""
+def stop_first_dump(container_id: str, program: str, within_s: float) -> int:
+    """SIGSTOP the first `runc checkpoint` of the container seen within `within_s` (`program`
+    "runc"), or the CRIU that runc starts ("criu") once the dump has written pages, and return its
+    pid (0: none seen). runc also runs a CRIU of its own before the dump, to learn its version.
+    Polls /proc without pause: the process must be caught while it runs."""
     deadline = time.monotonic() + within_s
     wanted = container_id.encode()
     while time.monotonic() < deadline:
@@ -66,9 +68,28 @@ def stop_first_dump(container_id: str, within_s: float) -> int:
                 argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv[0].endswith(b"runc") and b"checkpoint" in argv and wanted in argv:
-                os.kill(int(entry.name), signal.SIGSTOP)
-                return int(entry.name)
+            if not (argv[0].endswith(b"runc") and b"checkpoint" in argv and wanted in argv):
+                continue
+            runc = int(entry.name)
+            if program == "runc":
+                os.kill(runc, signal.SIGSTOP)
+                return runc
+            images = Path(argv[argv.index(b"--image-path") + 1].decode())
+            if any(images.glob("pages-*.img")) and (criu := child_named(runc, b"criu")):
+                os.kill(criu, signal.SIGSTOP)
+                return criu
+    return 0
+
+
+def child_named(parent: int, name: bytes) -> int:
+    """A child of `parent` whose program is `name`; 0 when none."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[-1].split()
+                argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+                if fields[1] == str(parent) and argv[0].endswith(name):  # field 4: the parent
+                    return int(entry.name)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -288,34 +289,41 @@ async def test_checkpoint_timeout_returns_but_sandbox_stays_locked_until_dump_en
     assert (restored.source, restored.checkpoint_id) == ("latest", first.checkpoint_id)  # discarded
 
 
-async def test_a_dump_that_stops_making_progress_is_killed_and_the_sandbox_serves_on(
-    service: Service, client: SandboxClient, image: str
+@pytest.mark.parametrize("stopped", ["runc", "criu"])
+async def test_a_dump_that_stops_making_progress_is_killed_and_the_sandbox_restored(
+    service: Service, client: SandboxClient, image: str, stopped: str
 ) -> None:
     """CRIU was seen stuck in wait4 for good after a container kill mid-dump: it held the sandbox's
     lock, and Docker could no longer kill the container. That hang cannot be made on demand; a
-    SIGSTOPped runc hangs the dump the same way (nothing more is written), so the test stops the
-    real runc of the real dump as soon as it starts."""
+    SIGSTOP hangs a dump the same way (nothing more is written, no CPU used), so the test stops
+    the real runc of the real dump as soon as it starts, or the CRIU it started once it writes
+    pages (2.5 GiB to write). The dump is killed, and the sandbox, whose processes CRIU may have
+    left damaged, fails and is restored from its latest checkpoint."""
     service.stop()
     service.start("--dump-stall", "2")
     await service.ready(client)
-    info = await client.create(SandboxSpec(image=image, user=ROOT), sandbox="stuck")
+    info = await client.create(SandboxSpec(image=image, user=ROOT, memory_mb=3072), sandbox="stuck")
     await client.exec("stuck", f"echo one > /tmp/one; {COUNTER}")
-    stopping = asyncio.create_task(asyncio.to_thread(stop_first_dump, info.container_id, 20.0))
+    first = await client.checkpoint("stuck", "traj-stuck", k=1)
+    ballast = "(exec memhold 2500) >/dev/null 2>&1 </dev/null & sleep 4" if stopped == "criu" else "true"
+    await client.exec("stuck", f"echo two > /tmp/two; {ballast}")
+    stopping = asyncio.create_task(asyncio.to_thread(stop_first_dump, info.container_id, stopped, 20.0))
     try:
         with pytest.raises(ServiceError) as stuck:
-            await client.checkpoint("stuck", "traj-stuck", k=1, timeout_s=30.0)
+            await client.checkpoint("stuck", "traj-stuck", k=2, timeout_s=60.0)
     finally:
-        runc = await stopping
-    assert runc > 0, "no runc checkpoint of the sandbox was seen"
-    assert stuck.value.code == "checkpoint-failed", stuck.value.message
-    assert "made no progress for 2s" in stuck.value.message
-    assert not process_alive(runc)  # killed, not left stopped
-    after = await client.exec("stuck", "cat /tmp/one")  # the lock is free, the sandbox thawed
-    assert after.stdout == "one\n"
-    ready = await client.checkpoint("stuck", "traj-stuck", k=2)  # and the next dump works
-    await kill_container(info.container_id)
+        pid = await stopping
+        if process_alive(pid):  # the test failed: nothing is left stopped
+            os.kill(pid, signal.SIGKILL)
+    assert pid > 0, f"no {stopped} dumping the sandbox was seen"
+    assert stuck.value.code == "env-failure", stuck.value.message
+    assert "dump-stuck: the dump made no progress for 2s" in stuck.value.message
+    assert not process_alive(pid)  # killed, not left stopped
     restored = await client.restore("traj-stuck")
-    assert (restored.checkpoint_id, restored.k) == (ready.checkpoint_id, 2)
+    assert (restored.checkpoint_id, restored.k) == (first.checkpoint_id, 1)
+    after = await client.exec("stuck", "cat /tmp/one; ls /tmp/two 2>/dev/null; echo .")
+    assert after.stdout == "one\n.\n"
+    await client.checkpoint("stuck", "traj-stuck", k=after.step)  # and the next dump works
 
 
 async def test_artifact_moves_to_another_host(
