@@ -535,7 +535,7 @@ class Engine:
     ) -> tuple[bytes, bool]:
         """runc's output once it exits, and whether it was killed as stuck: its session (runc and
         the CRIU it started) made no progress for `dump_stall_s`, neither its files in `folders`
-        nor the CPU time of its processes. CRIU was seen waiting in wait4 for good after a kill
+        nor CRIU's CPU time. CRIU was seen waiting in wait4 for good after a kill
         of the container mid-dump, holding the sandbox's lock, and Docker could no longer kill the
         container. A watch that is cancelled leaves the dump running, as a crash of the
         checkpointer would: the orphaned-dump check of the next start waits for it."""
@@ -987,8 +987,9 @@ def process_alive(pid: int) -> bool:
 
 
 def dump_progress(folders: tuple[Path, ...], sid: int) -> tuple[int, int]:
-    """(the bytes of the files under `folders`, the CPU ticks of the processes of session `sid`):
-    a dump that moves neither is stuck. Files and processes that vanish meanwhile are left out."""
+    """(the bytes of the files under `folders`, the CPU ticks of the processes that session `sid`'s
+    leader started): a dump that moves neither is stuck. Files and processes that vanish meanwhile
+    are left out."""
     written = 0
     for folder in folders:
         for parent, _, names in os.walk(folder):
@@ -997,7 +998,8 @@ def dump_progress(folders: tuple[Path, ...], sid: int) -> tuple[int, int]:
                     written += os.stat(os.path.join(parent, name)).st_size
     ticks = 0
     for fields in session_stats(sid):
-        ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15: utime and stime
+        if fields[-1] != str(sid):  # CRIU's; runc's Go runtime ticks over while it only waits
+            ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15: utime and stime
     return written, ticks
 
 
