@@ -149,6 +149,7 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         "steps": steps,
         "step_s": step_s,
         "failure_free_s": clean,
+        "failure_free_pace_s": pace_by_tenth(clean_marks),
         "hang_timeout_s": args.hang_timeout,
         "rollout_timeout_s": args.rollout_timeout,
         "checkpoint_every": CHECKPOINT_EVERY,
@@ -251,6 +252,17 @@ def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> floa
     return (median_step(marks) - median_step(clean_marks)) * steps
 
 
+def pace_by_tenth(marks: list[float]) -> list[float]:
+    """The median step time of each tenth of a run, from the second step on: whether its pace
+    holds, or slows as the run goes (the calibration's first steps went faster than the long
+    runs' average)."""
+    steps = [b - a for a, b in itertools.pairwise(marks[1:])]
+    tenth = max(1, len(steps) // 10)
+    return [
+        statistics.median(steps[i : i + tenth]) for i in range(0, tenth * 10, tenth) if steps[i : i + tenth]
+    ]
+
+
 def summarise(wall: float, clean: float, seen: list[dict[str, object]], drift: float) -> dict[str, object]:
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
@@ -273,6 +285,10 @@ def print_table(report: dict[str, object]) -> None:
     print(
         f"failure-free: {report['failure_free_s']:.1f} s ({report['steps']} steps of {report['step_s']:.2f} s);"
         f" hang timeout {report['hang_timeout_s']} s; rollout timeout {report['rollout_timeout_s']} s; checkpoint every {report['checkpoint_every']} steps"
+    )
+    print(
+        "failure-free pace, median step of each tenth:",
+        " ".join(f"{t:.2f}" for t in report["failure_free_pace_s"]),
     )
     print(
         f"{'failure':<12} {'added':>10} {'added %':>9} {'pace drift':>11} {'beyond it':>10} {'%':>8}"

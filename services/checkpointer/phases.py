@@ -196,6 +196,7 @@ async def _checkpoint_phases(
             raise failure from None
         raise ServiceError("checkpoint-failed", f"freeze: {exc.message}") from None
     dump_s = 0.0
+    dump_failure: EnvironmentFailure | None = None  # the dump's own, which says more than the unfreeze's
     try:
         # Again, frozen: an exec that began since the first look (a health check) is in the dump.
         if strays := await host.engine.strays(init_pid, grace_s=0.0):
@@ -208,13 +209,16 @@ async def _checkpoint_phases(
         dump_s = time.monotonic() - dump_started
     except (OSError, aiodocker.DockerError) as exc:
         raise ServiceError("checkpoint-failed", f"{type(exc).__name__}: {exc}") from None
+    except EnvironmentFailure as exc:  # a stuck dump, killed: Docker may then refuse the unfreeze
+        dump_failure = exc
+        raise
     finally:
         await phase(host, "unfreeze")
         try:
             await host.engine.unpause(r.container_id)
         except aiodocker.DockerError as exc:
             failure, _ = await host.engine.health(r.container_id, r.oom_seen)
-            raise (failure or EnvironmentFailure("daemon-error", exc.message)) from None
+            raise (dump_failure or failure or EnvironmentFailure("daemon-error", exc.message)) from None
     freeze_s = time.monotonic() - frozen_at
     await phase(host, "seal")
     draft = Manifest(

@@ -75,20 +75,21 @@ def stop_first_dump(container_id: str, program: str, within_s: float) -> int:
                 os.kill(runc, signal.SIGSTOP)
                 return runc
             images = Path(argv[argv.index(b"--image-path") + 1].decode())
-            if any(images.glob("pages-*.img")) and (criu := child_named(runc, b"criu")):
+            if any(images.glob("pages-*.img")) and (criu := child_named(runc, "criu")):
                 os.kill(criu, signal.SIGSTOP)
                 return criu
     return 0
 
 
-def child_named(parent: int, name: bytes) -> int:
-    """A child of `parent` whose program is `name`; 0 when none."""
+def child_named(parent: int, name: str) -> int:
+    """A child of `parent` whose command name is `name` (CRIU rewrites its command line); 0 when
+    none."""
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError):
                 fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[-1].split()
-                argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
-                if fields[1] == str(parent) and argv[0].endswith(name):  # field 4: the parent
+                comm = Path(entry.path, "comm").read_text().strip()
+                if fields[1] == str(parent) and comm == name:  # field 4: the parent
                     return int(entry.name)
     return 0
 
