@@ -15,8 +15,9 @@ trainer's fork server (a warm start); `actor-cold` is the actor kill with every 
 new process instead; `none` is the failure-free run again, which shows how much two runs differ
 with no fault at all. A last run takes the actor kill with no rebuilds allowed, so the fault
 manager reschedules from the last checkpoint: the cold baseline. Reported per kind: seconds and
-percent added to the failure-free run, detection and rebuild seconds from the events; and the
-targeted rebuild against the reschedule.
+percent added to the failure-free run; the local cost (the steps around the fault against the
+run's own pace before it, which two runs' paces cannot blur); detection and rebuild seconds from
+the events; and the targeted rebuild against the reschedule.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ KINDS: dict[str, tuple[str, str] | None] = {  # kind -> (group, chaos action)
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
 CALIBRATION_STEPS = 16
+LOCAL_BEFORE, LOCAL_AFTER = 55, 20  # steps that set the pace before a fault, and that it may slow
 # Every sample is a request in the token log, about 1.6 KB: the default 1 GiB fills after about
 # 2,300 steps, some 40 minutes of this workload. Each run has a cluster, so a log, of its own.
 LOG_MAX_MB = 4096
@@ -135,14 +137,18 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         for kind in kinds:
             changes = {"warm_start": False} if kind.endswith("-cold") else {}
             wall, seen, marks = await bench.one(f"fault-{kind}", steps, KINDS[kind], **changes)
-            results[kind] = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
+            results[kind] = summarise(
+                wall, clean, seen, pace_drift(marks, clean_marks, steps), local_cost(marks, steps)
+            )
             print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
         reschedule = None
         if not args.no_reschedule:
             wall, seen, marks = await bench.one(
                 "reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0
             )
-            reschedule = summarise(wall, clean, seen, pace_drift(marks, clean_marks, steps))
+            reschedule = summarise(
+                wall, clean, seen, pace_drift(marks, clean_marks, steps), local_cost(marks, steps)
+            )
             print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
@@ -263,7 +269,22 @@ def pace_by_tenth(marks: list[float]) -> list[float]:
     ]
 
 
-def summarise(wall: float, clean: float, seen: list[dict[str, object]], drift: float) -> dict[str, object]:
+def local_cost(marks: list[float], steps: int) -> float:
+    """Seconds the steps around the fault took beyond the run's own pace just before it: over the
+    fault's step, the LOCAL_AFTER after it and 2 before it (should it come a step early), each
+    step's time less the median of the LOCAL_BEFORE steps before those. Two failure-free runs of
+    one length differed by 50 s of 815 here, so walls of separate runs cannot show a cost of a few
+    seconds; this does not compare runs. A reschedule's steps done again fall in the window."""
+    durations = [b - a for a, b in itertools.pairwise(marks)]  # durations[i]: step i + 2
+    half = steps // 2
+    before = durations[max(0, half - 3 - LOCAL_BEFORE) : max(1, half - 3)]
+    base = statistics.median(before) if before else 0.0
+    return sum(d - base for d in durations[half - 3 : half + LOCAL_AFTER])
+
+
+def summarise(
+    wall: float, clean: float, seen: list[dict[str, object]], drift: float, local: float
+) -> dict[str, object]:
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
@@ -274,6 +295,9 @@ def summarise(wall: float, clean: float, seen: list[dict[str, object]], drift: f
         "pace_drift_s": drift,
         "added_beyond_drift_s": wall - clean - drift,
         "added_beyond_drift_pct": 100 * (wall - clean - drift) / clean,
+        # the fault's cost from the steps around it alone, and as a share of the failure-free run
+        "local_added_s": local,
+        "local_added_pct": 100 * local / clean,
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
         "rescheduled": sum(e["event"] == "reschedule" for e in seen),
@@ -292,7 +316,7 @@ def print_table(report: dict[str, object]) -> None:
     )
     print(
         f"{'failure':<12} {'added':>10} {'added %':>9} {'pace drift':>11} {'beyond it':>10} {'%':>8}"
-        f" {'detected':>10} {'rebuild':>9}"
+        f" {'local':>8} {'local %':>8} {'detected':>10} {'rebuild':>9}"
     )
     rows = dict(report["faults"])  # type: ignore[call-overload]
     if report["reschedule"] is not None:
@@ -302,14 +326,19 @@ def print_table(report: dict[str, object]) -> None:
         rebuild = "/".join(f"{d:.2f}" for d in r["rebuild_s"]) or "-"
         print(
             f"{kind:<12} {r['added_s']:>+9.1f}s {r['added_pct']:>+8.2f}% {r['pace_drift_s']:>+10.1f}s"
-            f" {r['added_beyond_drift_s']:>+9.1f}s {r['added_beyond_drift_pct']:>+7.2f}% {detected:>9}s {rebuild:>8}s"
+            f" {r['added_beyond_drift_s']:>+9.1f}s {r['added_beyond_drift_pct']:>+7.2f}%"
+            f" {r['local_added_s']:>+7.1f}s {r['local_added_pct']:>+7.2f}% {detected:>9}s {rebuild:>8}s"
         )
     if report["reschedule"] is not None and "actor" in report["faults"]:  # type: ignore[operator]
-        targeted = report["faults"]["actor"]["added_s"]  # type: ignore[index]
-        cold = report["reschedule"]["added_s"]  # type: ignore[index]
+        targeted = report["faults"]["actor"]["local_added_s"]  # type: ignore[index]
+        cold = report["reschedule"]["local_added_s"]  # type: ignore[index]
         ratio = f"{cold / targeted:.1f}x" if targeted > 0 else "the rebuild added nothing measurable"
-        print(f"actor kill: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})")
+        print(f"actor kill, local: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})")
     print("added: each run's wall time minus the failure-free run's, same steps, each on a fresh cluster")
     print(
         "pace drift: the run's median step time before the fault against the failure-free run's, times the steps"
+    )
+    print(
+        f"local: the fault's step and the {LOCAL_AFTER} after it, less the pace of the {LOCAL_BEFORE} before;"
+        " % of the failure-free run"
     )
