@@ -14,7 +14,7 @@ from pathlib import Path
 import aiodocker
 import msgspec
 
-from belayer_rl.services.checkpointer.sandbox import freezer_control
+from belayer_rl.services.checkpointer.sandbox import freezer_control, parent_of
 from belayer_rl.services.checkpointer.store import (
     MANIFEST,
     FileSum,
@@ -86,10 +86,11 @@ def child_named(parent: int, name: str) -> int:
     none."""
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[-1].split()
-                comm = Path(entry.path, "comm").read_text().strip()
-                if fields[1] == str(parent) and comm == name:  # field 4: the parent
+            with contextlib.suppress(OSError):
+                if (
+                    parent_of(int(entry.name)) == parent
+                    and Path(entry.path, "comm").read_text().strip() == name
+                ):
                     return int(entry.name)
     return 0
 
