@@ -128,7 +128,7 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         # Steps alone (no start-up, no first step), their lower quartile: a mean over a few
         # steps overshot the pace of a long run by a fifth (1.22 s against 1.01 s), so the
         # failure-free run fell short of --minutes.
-        step_s = statistics.quantiles([b - a for a, b in itertools.pairwise(marks[1:])], n=4)[0]
+        step_s = statistics.quantiles(step_times(marks)[1:], n=4)[0]
         steps = max(12, math.ceil(args.minutes * 60 / step_s))
         print(f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True)
         clean, _, clean_marks = await bench.one("clean", steps, None)
@@ -137,18 +137,14 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         for kind in kinds:
             changes = {"warm_start": False} if kind.endswith("-cold") else {}
             wall, seen, marks = await bench.one(f"fault-{kind}", steps, KINDS[kind], **changes)
-            results[kind] = summarise(
-                wall, clean, seen, pace_drift(marks, clean_marks, steps), local_cost(marks, steps)
-            )
+            results[kind] = summarise(wall, clean, seen, marks, clean_marks, steps)
             print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
         reschedule = None
         if not args.no_reschedule:
             wall, seen, marks = await bench.one(
                 "reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0
             )
-            reschedule = summarise(
-                wall, clean, seen, pace_drift(marks, clean_marks, steps), local_cost(marks, steps)
-            )
+            reschedule = summarise(wall, clean, seen, marks, clean_marks, steps)
             print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
@@ -243,6 +239,11 @@ async def stop_rollout_side(trainer: Trainer, step: int, engines_file: Path) -> 
                 os.kill(pid, signal.SIGSTOP)
 
 
+def step_times(marks: list[float]) -> list[float]:
+    """Each step's seconds from `marks` (when each step ended), from the second step on."""
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
 def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> float:
     """Seconds a whole run differs from the failure-free one by pace alone: the median step time of
     the steps before the fault (step steps // 2; they cannot know of it) against the same steps of
@@ -252,7 +253,7 @@ def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> floa
 
     def median_step(times: list[float]) -> float:
         # times[i]: when step i + 1 ended; from the second on, short of the fault's step
-        before = [b - a for a, b in itertools.pairwise(times[1 : half - 1])]
+        before = step_times(times[1 : half - 1])
         return statistics.median(before) if before else 0.0
 
     return (median_step(marks) - median_step(clean_marks)) * steps
@@ -262,7 +263,7 @@ def pace_by_tenth(marks: list[float]) -> list[float]:
     """The median step time of each tenth of a run, from the second step on: whether its pace
     holds, or slows as the run goes (the calibration's first steps went faster than the long
     runs' average)."""
-    steps = [b - a for a, b in itertools.pairwise(marks[1:])]
+    steps = step_times(marks)[1:]
     tenth = max(1, len(steps) // 10)
     return [
         statistics.median(steps[i : i + tenth]) for i in range(0, tenth * 10, tenth) if steps[i : i + tenth]
@@ -275,7 +276,7 @@ def local_cost(marks: list[float], steps: int) -> float:
     step's time less the median of the LOCAL_BEFORE steps before those. Two failure-free runs of
     one length differed by 50 s of 815 here, so walls of separate runs cannot show a cost of a few
     seconds; this does not compare runs. A reschedule's steps done again fall in the window."""
-    durations = [b - a for a, b in itertools.pairwise(marks)]  # durations[i]: step i + 2
+    durations = step_times(marks)  # durations[i]: step i + 2
     half = steps // 2
     before = durations[max(0, half - 3 - LOCAL_BEFORE) : max(1, half - 3)]
     base = statistics.median(before) if before else 0.0
@@ -283,8 +284,14 @@ def local_cost(marks: list[float], steps: int) -> float:
 
 
 def summarise(
-    wall: float, clean: float, seen: list[dict[str, object]], drift: float, local: float
+    wall: float,
+    clean: float,
+    seen: list[dict[str, object]],
+    marks: list[float],
+    clean_marks: list[float],
+    steps: int,
 ) -> dict[str, object]:
+    drift, local = pace_drift(marks, clean_marks, steps), local_cost(marks, steps)
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
