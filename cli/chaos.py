@@ -729,8 +729,27 @@ class Injector:
 # ---------------------------------------------------------------- the oracle
 
 
-async def check_token_log(js, names: Subjects, finished: dict[str, list[int]]) -> list[str]:  # type: ignore[no-untyped-def]
-    """The log's own invariants, request by request, and the tokens it holds for each finished one."""
+END_DURABLE_WAIT_S = 15.0  # for the LogEnds of requests whose clients already heard of their end
+
+
+async def check_token_log(  # type: ignore[no-untyped-def]
+    js, names: Subjects, finished: dict[str, list[int]], *, end_wait_s: float = END_DURABLE_WAIT_S
+) -> list[str]:
+    """The log's own invariants, request by request, and the tokens it holds for each finished one.
+
+    The router tells a request's clients of its end as it queues the LogEnd, so a client may
+    finish before its end is in the log. The log is read again, for a bounded time, while a
+    finished request's end is all that is missing."""
+    deadline = time.monotonic() + end_wait_s
+    while True:
+        violations, unended = await read_token_log(js, names, finished)
+        if not unended or time.monotonic() > deadline:
+            return violations
+        await asyncio.sleep(0.5)
+
+
+async def read_token_log(js, names: Subjects, finished: dict[str, list[int]]) -> tuple[list[str], bool]:  # type: ignore[no-untyped-def]
+    """One read of the log: its violations, and whether a finished request lacks only its end."""
     violations: list[str] = []
     claimed: dict[str, int] = {}  # request -> highest incarnation that claimed it
     current: dict[str, tuple[str, int, int]] = {}  # request -> the (engine, epoch, attempt) last dispatched
@@ -763,16 +782,18 @@ async def check_token_log(js, names: Subjects, finished: dict[str, list[int]]) -
             case LogEnd():
                 if request_id in logged:
                     logged[request_id].end = record
+    unended = False
     for request_id, tokens in finished.items():
         entry = logged.get(request_id)
-        if entry is None or entry.end is None:
-            violations.append(
-                f"{request_id}: finished, but its log has no {'start' if entry is None else 'end'}"
-            )
+        if entry is None:
+            violations.append(f"{request_id}: finished, but its log has no start")
+        elif entry.end is None:
+            unended = True
+            violations.append(f"{request_id}: finished, but its log has no end")
         elif entry.tokens != tokens:
             violations.append(f"{request_id}: the log holds {len(entry.tokens)} tokens, the client got {len(tokens)} "
                               "(or other ones)")  # fmt: skip
-    return violations
+    return violations, unended
 
 
 def start_ticks(pid: int) -> int | None:
@@ -977,8 +998,8 @@ async def campaign(
                     file=sys.stderr,
                 )
     phases.next("the router settling")
-    # A client may hear of its end before the LogEnd is durable: read the log once the router
-    # holds nothing running (bounded: a request that never ends is the oracle's to report).
+    # Read the log once the router holds nothing running (bounded: a request that never ends is
+    # the oracle's to report); the oracle itself waits for ends not yet durable.
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(SETTLE_S):
             while await injector.requests_in_flight():  # noqa: ASYNC110 - the router's state

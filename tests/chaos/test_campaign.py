@@ -18,9 +18,10 @@ import sys
 import pytest
 
 from belayer_rl.cli.chaos import FAULT_KINDS, ChaosConfig, check_token_log, render, run_campaign
+from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import RequestResumed, WorkerChunk
+from belayer_rl.shared.protocol import LogChunk, LogEnd, LogStart, RequestResumed, SamplingParams, WorkerChunk
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import NAMES, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
 
@@ -144,3 +145,39 @@ async def settled_count(client: Client, request_id: str) -> int:
         status = await client.status()
         counts.append(next(r.num_tokens for r in status.requests if r.request_id == request_id))
     return counts[-1]
+
+
+async def test_the_oracle_waits_for_an_end_told_before_it_was_durable_but_not_for_one_never_written(
+    nats_server,
+) -> None:
+    """The router tells a client of an end as it queues its LogEnd: the client may finish first.
+    The oracle reads the log again while only such an end is missing, and still reports an end
+    that never comes (mutation check: with no wait it reports the late one too)."""
+    nc = await bus.connect(nats_server.url, "test-oracle")
+    try:
+        js = nc.jetstream()
+        await bus.declare_jetstream(js, NAMES)
+        tokens = [3, 1, 4, 1, 5]
+        after = {}
+        for request_id in ("late-end", "no-end"):
+            start = LogStart(request_id=request_id, prompt_tokens=[1], max_tokens=5, sampling=SamplingParams(),
+                             chunk_tokens=8)  # fmt: skip
+            chunk = LogChunk(request_id=request_id, index=0, position=0, tokens=tokens, attempt=1)
+            started = await token_log.append(js, NAMES, start, 0, incarnation=0)
+            after[request_id] = await token_log.append(js, NAMES, chunk, started, incarnation=0)
+        finished = {"late-end": tokens, "no-end": tokens}
+        end = LogEnd(request_id="late-end", finish_reason="length", num_tokens=len(tokens))
+
+        async def end_later() -> None:
+            await asyncio.sleep(1.5)
+            await token_log.append(js, NAMES, end, after["late-end"], incarnation=0)
+
+        ending = asyncio.create_task(end_later())
+        without_wait = await check_token_log(js, NAMES, finished, end_wait_s=0)
+        assert sorted(without_wait) == ["late-end: finished, but its log has no end",
+                                        "no-end: finished, but its log has no end"]  # fmt: skip
+        with_wait = await check_token_log(js, NAMES, finished, end_wait_s=4)
+        await ending
+        assert with_wait == ["no-end: finished, but its log has no end"]
+    finally:
+        await nc.close()
