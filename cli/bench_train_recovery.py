@@ -44,10 +44,10 @@ from belayer_rl.services.trainer import chaos as chaos_faults
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.services.trainer.tasks import ReverseDigits
-from belayer_rl.services.trainer.trainer import GroupBackend, Trainer, TrainSettings
+from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import TrainerGroupConfig
-from belayer_rl.shared.protocol import EVENT_TYPES, ShadowState, decode, decoder_for
+from belayer_rl.shared.protocol import EVENT_TYPES, ShadowState, TrainerStep, decode, decoder_for
 from belayer_rl.shared.subjects import event_kind
 
 KINDS: dict[str, tuple[str, str] | None] = {  # kind -> (group, chaos action)
@@ -124,40 +124,58 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
         bench = BenchRuns(args, task, root)
-        _, _, marks = await bench.one("calibrate", CALIBRATION_STEPS, None)
+        calibration = await bench.one("calibrate", CALIBRATION_STEPS, None)
         # Steps alone (no start-up, no first step), their lower quartile: a mean over a few
         # steps overshot the pace of a long run by a fifth (1.22 s against 1.01 s), so the
         # failure-free run fell short of --minutes.
-        step_s = statistics.quantiles(step_times(marks)[1:], n=4)[0]
+        step_s = statistics.quantiles(step_times(calibration.marks)[1:], n=4)[0]
         steps = max(12, math.ceil(args.minutes * 60 / step_s))
         print(f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True)
-        clean, _, clean_marks = await bench.one("clean", steps, None)
-        print(f"failure-free: {clean:.1f} s", file=sys.stderr, flush=True)
+        clean = await bench.one("clean", steps, None)
+        print(f"failure-free: {clean.wall:.1f} s", file=sys.stderr, flush=True)
         results: dict[str, object] = {}
         for kind in kinds:
             changes = {"warm_start": False} if kind.endswith("-cold") else {}
-            wall, seen, marks = await bench.one(f"fault-{kind}", steps, KINDS[kind], **changes)
-            results[kind] = summarise(wall, clean, seen, marks, clean_marks, steps)
-            print(f"{kind}: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
+            faulted = await bench.one(f"fault-{kind}", steps, KINDS[kind], **changes)
+            results[kind] = summarise(faulted, clean, steps)
+            print(
+                f"{kind}: {faulted.wall:.1f} s ({faulted.wall - clean.wall:+.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         reschedule = None
         if not args.no_reschedule:
-            wall, seen, marks = await bench.one(
-                "reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0
-            )
-            reschedule = summarise(wall, clean, seen, marks, clean_marks, steps)
-            print(f"reschedule: {wall:.1f} s (+{wall - clean:.1f} s)", file=sys.stderr, flush=True)
+            rescheduled = await bench.one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
+            reschedule = summarise(rescheduled, clean, steps)
+            print(
+                f"reschedule: {rescheduled.wall:.1f} s ({rescheduled.wall - clean.wall:+.1f} s)",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
         "steps": steps,
         "step_s": step_s,
-        "failure_free_s": clean,
-        "failure_free_pace_s": pace_by_tenth(clean_marks),
+        "failure_free_s": clean.wall,
+        "failure_free_pace_s": by_tenth(step_times(clean.marks)[1:]),
+        # where the pace goes: each phase's median of each tenth, and the tokens it generated
+        "failure_free_phases_by_tenth": {
+            phase: by_tenth([getattr(e, phase) for e in clean.steps[1:]])
+            for phase in ("rollout_s", "update_s", "publish_s", "response_tokens")
+        },
         "hang_timeout_s": args.hang_timeout,
         "rollout_timeout_s": args.rollout_timeout,
         "checkpoint_every": CHECKPOINT_EVERY,
         "faults": results,
         "reschedule": reschedule,
     }
+
+
+@dataclasses.dataclass
+class Run:
+    wall: float  # the training alone, not the cluster's start
+    seen: list[dict[str, object]]  # its recovery events
+    marks: list[float]  # when each step ended (perf_counter)
+    steps: list[TrainerStep]  # each step's event, as the trainer published it
 
 
 @dataclasses.dataclass
@@ -170,9 +188,8 @@ class BenchRuns:
     task: ReverseDigits
     root: Path
 
-    async def one(self, run: str, steps: int, fault: tuple[str, str] | None, **changes: object):  # type: ignore[no-untyped-def]
-        """Run `steps` GRPO steps named `run` with `fault` half way; its wall time (the training
-        alone, not the cluster's start), its recovery events and when each step ended."""
+    async def one(self, run: str, steps: int, fault: tuple[str, str] | None, **changes: object) -> Run:
+        """Run `steps` GRPO steps named `run` with `fault` half way."""
         folder = self.root / run
         config = ClusterConfig(
             state_dir=folder / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
@@ -186,7 +203,7 @@ class BenchRuns:
     async def train(  # type: ignore[no-untyped-def]
         self, supervisor, client: Client, config: ClusterConfig, run: str, steps: int,
         fault: tuple[str, str] | None, **changes: object,
-    ):  # fmt: skip
+    ) -> Run:  # fmt: skip
         args, folder = self.args, self.root / run
         train = TrainSettings(
             run=run, steps=steps, seed=args.seed, grpo=GrpoConfig(kl_beta=KL_BETA),
@@ -216,15 +233,21 @@ class BenchRuns:
             chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, []))
         started = time.perf_counter()
         marks: list[float] = []
+        step_events: list[TrainerStep] = []
+
+        def on_step(result: StepResult) -> None:
+            marks.append(time.perf_counter())
+            step_events.append(result.event)
+
         try:
-            await trainer.run(lambda _: marks.append(time.perf_counter()))
+            await trainer.run(on_step)
         finally:
             if chaos is not None and not chaos.done():
                 chaos.cancel()
         wall = time.perf_counter() - started
         if chaos is not None:
             await asyncio.gather(chaos, return_exceptions=True)
-        return wall, events.seen, marks
+        return Run(wall, events.seen, marks, step_events)
 
 
 async def stop_rollout_side(trainer: Trainer, step: int, engines_file: Path) -> None:
@@ -259,14 +282,12 @@ def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> floa
     return (median_step(marks) - median_step(clean_marks)) * steps
 
 
-def pace_by_tenth(marks: list[float]) -> list[float]:
-    """The median step time of each tenth of a run, from the second step on: whether its pace
-    holds, or slows as the run goes (the calibration's first steps went faster than the long
-    runs' average)."""
-    steps = step_times(marks)[1:]
-    tenth = max(1, len(steps) // 10)
+def by_tenth(values: list[float]) -> list[float]:
+    """The median of each tenth of a run's per-step `values`: whether its pace holds, or slows as
+    the run goes (the calibration's first steps went faster than the long runs' average)."""
+    tenth = max(1, len(values) // 10)
     return [
-        statistics.median(steps[i : i + tenth]) for i in range(0, tenth * 10, tenth) if steps[i : i + tenth]
+        statistics.median(values[i : i + tenth]) for i in range(0, tenth * 10, tenth) if values[i : i + tenth]
     ]
 
 
@@ -283,28 +304,22 @@ def local_cost(marks: list[float], steps: int) -> float:
     return sum(d - base for d in durations[half - 3 : half + LOCAL_AFTER])
 
 
-def summarise(
-    wall: float,
-    clean: float,
-    seen: list[dict[str, object]],
-    marks: list[float],
-    clean_marks: list[float],
-    steps: int,
-) -> dict[str, object]:
-    drift, local = pace_drift(marks, clean_marks, steps), local_cost(marks, steps)
+def summarise(run: Run, clean: Run, steps: int) -> dict[str, object]:
+    wall, seen = run.wall, run.seen
+    drift, local = pace_drift(run.marks, clean.marks, steps), local_cost(run.marks, steps)
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
         "wall_s": wall,
-        "added_s": wall - clean,
-        "added_pct": 100 * (wall - clean) / clean,
+        "added_s": wall - clean.wall,
+        "added_pct": 100 * (wall - clean.wall) / clean.wall,
         # what the run's own pace before the fault explains, and what is left to the fault
         "pace_drift_s": drift,
-        "added_beyond_drift_s": wall - clean - drift,
-        "added_beyond_drift_pct": 100 * (wall - clean - drift) / clean,
+        "added_beyond_drift_s": wall - clean.wall - drift,
+        "added_beyond_drift_pct": 100 * (wall - clean.wall - drift) / clean.wall,
         # the fault's cost from the steps around it alone, and as a share of the failure-free run
         "local_added_s": local,
-        "local_added_pct": 100 * local / clean,
+        "local_added_pct": 100 * local / clean.wall,
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
         "rescheduled": sum(e["event"] == "reschedule" for e in seen),
@@ -321,6 +336,8 @@ def print_table(report: dict[str, object]) -> None:
         "failure-free pace, median step of each tenth:",
         " ".join(f"{t:.2f}" for t in report["failure_free_pace_s"]),
     )
+    for phase, tenths in report["failure_free_phases_by_tenth"].items():  # type: ignore[attr-defined]
+        print(f"  {phase}:", " ".join(f"{t:.3g}" for t in tenths))
     print(
         f"{'failure':<12} {'added':>10} {'added %':>9} {'pace drift':>11} {'beyond it':>10} {'%':>8}"
         f" {'local':>8} {'local %':>8} {'detected':>10} {'rebuild':>9}"
