@@ -4,9 +4,9 @@ and against rescheduling the whole workflow, all in one run of the bench.
     belayer bench train-recovery [--minutes 10] [--kinds actor,reference,reward,hang,rollout] [--json]
 
 Every run starts a local cluster of its own (router, weight and KV servers, shadow supervisor, one
-tiny worker) and stops it after. The bench calibrates the step time with a few steps, and sizes a
-GRPO run on `reverse` (actor of 2 gloo ranks, a reference for the KL term, a reward group) to last
---minutes without failures. It then runs the same steps again once per failure kind, with one
+tiny worker) and stops it after. A failure-free GRPO run on `reverse` (actor of 2 gloo ranks, a
+reference for the KL term, a reward group) trains for --minutes, and its steps set the length of
+every other run. The bench then runs the same steps again once per failure kind, with one
 fault half way: SIGKILL of an actor rank, of the reference or of the reward worker, SIGSTOP of an
 actor rank (a hang), or SIGSTOP of the engine's shadow and main (the rollout side hung whole, which
 no one on that side notices). Each is recovered by a targeted rebuild (the reward: a restart in
@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import math
 import os
 import signal
 import statistics
@@ -61,7 +60,7 @@ KINDS: dict[str, tuple[str, str] | None] = {  # kind -> (group, chaos action)
 }
 KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
-CALIBRATION_STEPS = 16
+UNBOUNDED_STEPS = 10**6  # the failure-free run's bound: it stops at --minutes
 LOCAL_BEFORE, LOCAL_AFTER = 55, 20  # steps that set the pace before a fault, and that it may slow
 # Every sample is a request in the token log, about 1.6 KB: the default 1 GiB fills after about
 # 2,300 steps, some 40 minutes of this workload. Each run has a cluster, so a log, of its own.
@@ -124,15 +123,12 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
         bench = BenchRuns(args, task, root)
-        calibration = await bench.one("calibrate", CALIBRATION_STEPS, None)
-        # Steps alone (no start-up, no first step), their lower quartile: a mean over a few
-        # steps overshot the pace of a long run by a fifth (1.22 s against 1.01 s), so the
-        # failure-free run fell short of --minutes.
-        step_s = statistics.quantiles(step_times(calibration.marks)[1:], n=4)[0]
-        steps = max(12, math.ceil(args.minutes * 60 / step_s))
-        print(f"calibration: {step_s:.2f} s a step; runs of {steps} steps", file=sys.stderr, flush=True)
-        clean = await bench.one("clean", steps, None)
-        print(f"failure-free: {clean.wall:.1f} s", file=sys.stderr, flush=True)
+        # The failure-free run trains for --minutes and sets the steps of every other run: sized
+        # from a short calibration instead, it came out 9.0 and 13.6 minutes long for 10 asked
+        # (a pace of 16 steps at a run's start foretold a long run's by no better than 25%).
+        clean = await bench.one("clean", UNBOUNDED_STEPS, None, until_s=args.minutes * 60)
+        steps = len(clean.marks)
+        print(f"failure-free: {clean.wall:.1f} s, {steps} steps", file=sys.stderr, flush=True)
         results: dict[str, object] = {}
         for kind in kinds:
             changes = {"warm_start": False} if kind.endswith("-cold") else {}
@@ -154,7 +150,7 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
         "steps": steps,
-        "step_s": step_s,
+        "step_s": clean.wall / steps,
         "failure_free_s": clean.wall,
         "failure_free_pace_s": by_tenth(step_times(clean.marks)[1:]),
         # where the pace goes: each phase's median of each tenth, and the tokens it generated
@@ -168,6 +164,10 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         "faults": results,
         "reschedule": reschedule,
     }
+
+
+class LengthReached(Exception):
+    """The failure-free run has trained for its length: raised out of the trainer's step callback."""
 
 
 @dataclasses.dataclass
@@ -188,8 +188,16 @@ class BenchRuns:
     task: ReverseDigits
     root: Path
 
-    async def one(self, run: str, steps: int, fault: tuple[str, str] | None, **changes: object) -> Run:
-        """Run `steps` GRPO steps named `run` with `fault` half way."""
+    async def one(
+        self,
+        run: str,
+        steps: int,
+        fault: tuple[str, str] | None,
+        until_s: float | None = None,
+        **changes: object,
+    ) -> Run:
+        """Run `steps` GRPO steps named `run` with `fault` half way, or with no fault until the
+        first step that ends `until_s` seconds or more after the training started."""
         folder = self.root / run
         config = ClusterConfig(
             state_dir=folder / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
@@ -198,11 +206,11 @@ class BenchRuns:
         async with local_cluster(config) as supervisor:
             async with await Client.connect(supervisor.target("admin"), "bench") as client:
                 await client.wait_for_engines(1, 600)
-                return await self.train(supervisor, client, config, run, steps, fault, **changes)
+                return await self.train(supervisor, client, config, run, steps, fault, until_s, **changes)
 
     async def train(  # type: ignore[no-untyped-def]
         self, supervisor, client: Client, config: ClusterConfig, run: str, steps: int,
-        fault: tuple[str, str] | None, **changes: object,
+        fault: tuple[str, str] | None, until_s: float | None, **changes: object,
     ) -> Run:  # fmt: skip
         args, folder = self.args, self.root / run
         train = TrainSettings(
@@ -238,9 +246,13 @@ class BenchRuns:
         def on_step(result: StepResult) -> None:
             marks.append(time.perf_counter())
             step_events.append(result.event)
+            if until_s is not None and marks[-1] - started >= until_s:
+                raise LengthReached
 
         try:
             await trainer.run(on_step)
+        except LengthReached:  # the trainer stopped its groups on the way out, as at its last step
+            pass
         finally:
             if chaos is not None and not chaos.done():
                 chaos.cancel()
@@ -283,8 +295,8 @@ def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> floa
 
 
 def by_tenth(values: list[float]) -> list[float]:
-    """The median of each tenth of a run's per-step `values`: whether its pace holds, or slows as
-    the run goes (the calibration's first steps went faster than the long runs' average)."""
+    """The median of each tenth of a run's per-step `values`: whether its pace holds, or changes
+    as the run goes (a run's first steps have gone faster than its average, and slower)."""
     tenth = max(1, len(values) // 10)
     return [
         statistics.median(values[i : i + tenth]) for i in range(0, tenth * 10, tenth) if values[i : i + tenth]
