@@ -145,8 +145,9 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
             reschedule = summarise(rescheduled, clean, steps)
             print(
                 f"reschedule: {rescheduled.wall:.1f} s ({rescheduled.wall - clean.wall:+.1f} s)",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
         "steps": steps,
