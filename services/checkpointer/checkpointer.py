@@ -18,9 +18,11 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiodocker
 import msgspec
@@ -162,12 +164,17 @@ class Checkpointer:
         )  # fmt: skip
 
     async def reconcile(self) -> None:
-        """Match records, labelled containers and the store after a (re)start."""
+        """Match records, labelled containers and the store after a (re)start.
+
+        A dump that a crash left running keeps its sandbox frozen and locked until it ends (up to
+        ORPHAN_DUMP_WAIT_S), in the background: the host's other sandboxes are served meanwhile."""
         for path in self.records_dir.glob("*.json"):
             with contextlib.suppress(OSError, msgspec.DecodeError):
                 record = msgspec.json.decode(path.read_bytes(), type=SandboxRecord)
                 if record.state != "destroyed":
                     self.sandboxes[record.sandbox] = Sandbox(record)
+        dumps = await self.engine.procs.dumps_in_flight()
+        writing = {cid: self.store.staging_of(images) for cid, images in (dumps or {}).items()}
         known = {sb.record.container_id: sb for sb in self.sandboxes.values()}
         for container in await self.engine.ours(self.config.host_id):
             sb = known.pop(container.id, None)
@@ -175,26 +182,22 @@ class Checkpointer:
                 log.info("removing unrecorded sandbox container %s", container.id[:12])
                 await self.engine.remove(container.id)
                 continue
-            if container.state == "paused":  # a crash mid-checkpoint left it frozen
-                for _ in range(int(ORPHAN_DUMP_WAIT_S * 10)):  # a dump we started may still run
-                    if not await self.engine.procs.dump_in_flight(container.id):
-                        break
-                    await asyncio.sleep(0.1)
-                log.info("sandbox %s was left frozen: unfreezing", sb.record.sandbox)
-                with contextlib.suppress(aiodocker.DockerError):
-                    await self.engine.unpause(container.id)
-            failure, _ = await self.engine.health(container.id, sb.record.oom_seen)
-            if failure is None and sb.record.acting:
-                failure = EnvironmentFailure.interrupted(sb.record.step)
-            if failure is not None and sb.record.state == "running":
-                await self.env_failure(sb, failure)
+            if container.state == "paused" or container.id in (dumps or {}):  # a crash mid-checkpoint
+                await sb.fifo.acquire()  # free: nothing is served yet. after_orphaned_dump releases it
+                orphan = self.after_orphaned_dump(sb, writing.get(container.id))
+                self.spawn(f"sandbox {sb.record.sandbox}: orphaned dump", orphan)
+                continue
+            await self.judge_at_start(sb)
         for sb in known.values():  # recorded, but its container is gone
             if sb.record.state == "running":
                 await self.env_failure(
                     sb, EnvironmentFailure("missing", "container gone at checkpointer start")
                 )
-        for path in self.store.sweep():
-            log.info("removed half-written checkpoint %s", path.name)
+        if dumps is None:
+            log.warning("/proc not read in time: half-written checkpoints are left for the next start")
+        else:
+            for path in self.store.sweep(keep={folder for folder in writing.values() if folder}):
+                log.info("removed half-written checkpoint %s", path.name)
         for trajectory in self.store.trajectories():
             try:
                 current, _ = await pointer.read(self.kv, trajectory)
@@ -205,6 +208,35 @@ class Checkpointer:
                 await self.rebuild_pointer(trajectory, current)
             except Exception:  # the bus, say: this trajectory keeps its pointer; the others go on
                 log.exception("trajectory %s: pointer not rebuilt", trajectory)
+
+    async def judge_at_start(self, sb: Sandbox) -> None:
+        """Fail a sandbox that died while no checkpointer watched, or whose action a crash cut."""
+        failure, _ = await self.engine.health(sb.record.container_id, sb.record.oom_seen)
+        if failure is None and sb.record.acting:
+            failure = EnvironmentFailure.interrupted(sb.record.step)
+        if failure is not None and sb.record.state == "running":
+            await self.env_failure(sb, failure)
+
+    async def after_orphaned_dump(self, sb: Sandbox, staging: Path | None) -> None:
+        """Wait for the dump a crash left running on the sandbox (`staging`: the folder it writes
+        to, None when not seen), then unfreeze the sandbox, remove what the dump wrote, and judge it.
+        Releases the sandbox's lock, which reconcile took."""
+        try:
+            deadline = time.monotonic() + ORPHAN_DUMP_WAIT_S
+            ended = False
+            while not ended and time.monotonic() < deadline:
+                dumps = await self.engine.procs.dumps_in_flight()  # None: not known, so waited on
+                ended = dumps is not None and sb.record.container_id not in dumps
+                if not ended:
+                    await asyncio.sleep(0.1)
+            log.info("sandbox %s was left frozen by a crash mid-checkpoint: unfreezing", sb.record.sandbox)
+            with contextlib.suppress(aiodocker.DockerError):  # a dump not yet frozen left it running
+                await self.engine.unpause(sb.record.container_id)
+            if staging is not None and ended:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+            await self.judge_at_start(sb)
+        finally:
+            sb.fifo.release()
 
     async def rebuild_pointer(self, trajectory: str, current: PrefixPointer | None) -> PrefixPointer | None:
         """Move the trajectory's pointer to its newest checkpoint here that is ahead of `current`

@@ -1046,16 +1046,20 @@ class ProcScanner:
             log.warning("reading /proc took over %.0f s; a process may be stuck in the kernel", PROC_SCAN_S)
             return None
 
-    async def dump_in_flight(self, container_id: str) -> bool:
-        """Whether a `runc checkpoint` of the container runs (say, orphaned by a checkpointer
-        crash); True as well when /proc cannot be read in time (the caller waits on, bounded)."""
+    async def dumps_in_flight(self) -> dict[str, Path] | None:
+        """The `runc checkpoint`s running now (say, orphaned by a checkpointer crash): container id
+        -> the folder its CRIU images are written to. None when /proc cannot be read in time."""
         argvs = await self.scan()
         if argvs is None:
-            return True
+            return None
+        dumps = {}
         for argv in argvs:
-            if argv and argv[0].endswith(b"runc") and b"checkpoint" in argv and container_id.encode() in argv:
-                return True
-        return False
+            args = [arg for arg in argv if arg]  # a command line ends with a NUL
+            if args and args[0].endswith(b"runc") and b"checkpoint" in args and b"--image-path" in args[:-2]:
+                dumps[args[-1].decode(errors="replace")] = Path(
+                    args[args.index(b"--image-path") + 1].decode()
+                )
+        return dumps
 
     async def runc_root(self, container_id: str) -> Path | None:
         """The runc state root holding the container, read from its containerd shim's command line

@@ -175,7 +175,7 @@ def _files(folder: Path) -> list[Path]:
 
 class Store:
     def __init__(self, root: Path, key: bytes) -> None:
-        self.root = root
+        self.root = root.absolute()  # runc is given its folders; a dump it outlives is found by them
         self.key = key  # authenticates manifests: see the module's docstring
         root.mkdir(parents=True, exist_ok=True)
 
@@ -327,14 +327,22 @@ class Store:
             self.remove(stored.path)
         shutil.rmtree(folder, ignore_errors=True)
 
-    def sweep(self) -> list[Path]:
-        """Delete half-written folders (a crash mid-checkpoint); return what was removed."""
+    def staging_of(self, path: Path) -> Path | None:
+        """The staging folder of this store that `path` lies in; None when it lies in none."""
+        for folder in path.parents:
+            if folder.parent.parent == self.root and folder.name.startswith(TMP_PREFIX):
+                return folder
+        return None
+
+    def sweep(self, keep: set[Path]) -> list[Path]:
+        """Delete half-written folders (a crash mid-checkpoint) but those in `keep`, which a dump
+        left running still writes to; return what was removed."""
         removed = []
         for folder in self.root.iterdir():
             if not folder.is_dir():
                 continue
             for path in folder.iterdir():
-                if path.name.startswith(TMP_PREFIX):
+                if path.name.startswith(TMP_PREFIX) and path not in keep:
                     if path.is_dir() and not path.is_symlink():
                         shutil.rmtree(path, ignore_errors=True)
                     else:
