@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[protocol.Message] = []
+        self.times: list[float] = []  # time.monotonic() at each event's arrival
         self.arrived = asyncio.Event()
 
     async def wait_for(
@@ -97,6 +99,7 @@ class EventLog:
 
         async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
             log.events.append(protocol.decode(decoder, msg.data))
+            log.times.append(time.monotonic())
             log.arrived.set()
 
         await client.nc.subscribe(NAMES.event(kind, "*"), cb=on_message)

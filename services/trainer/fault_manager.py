@@ -18,7 +18,8 @@ The ladder, as the verl FaultMgr RFC lays it out, bounded at every rung:
    rollout side, a rollout worker failed within `joint_window_s` of it, goes here at once: the
    weights the rollout would be re-synced from are the ones being rebuilt. The rollout side's
    report (the supervisor's handover, the router's worker_failed) may come a moment after the
-   actor's failure is seen, so an actor failure waits up to `joint_grace_s` for it; a hang is
+   actor's failure is seen, so an actor failure waits up to `joint_grace_s` for it, while the
+   rebuild's new processes start (announced only once no joint failure is found); a hang is
    dated a hang timeout before it was seen. A joint failure with no reschedule left ends the run.
 
 Detection: a worker's exit (an OOM kill is a SIGKILL), an error reply, a call past its timeout,
@@ -31,6 +32,7 @@ trainer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -189,55 +191,83 @@ class FaultManager:
                     ),
                 )  # fmt: skip
                 log.warning("%s failed at step %d (%.2f s in): %s", group.name, step, detected_s, fault)
-                rollout = None
+                joint = None
                 if group.name in ("actor", "reference"):
                     # When it failed: a hang began a hang timeout before it was seen.
                     hung_for = self.config.hang_timeout_s if fault.kind == "hang" else 0.0
-                    rollout = await self.joint_with_rollout(time.time() - hung_for)
-                if rollout is not None:
-                    raise RescheduleNeeded(
-                        group.name, attempt, f"{fault}, with the rollout side: {rollout}"
-                    ) from fault
-                if (
-                    fault.kind == "exception"
-                    and self.config.enable_retry
-                    and retries < self.config.max_task_retries
-                ):
-                    retries += 1
-                    continue
-                await self.rebuild(group, unit, step, attempt, str(fault))
-                retries = 0
+                    joint = asyncio.create_task(self.joint_with_rollout(time.time() - hung_for))
+                try:
+                    if (
+                        fault.kind == "exception"
+                        and self.config.enable_retry
+                        and retries < self.config.max_task_retries
+                    ):
+                        await self.unless_joint(joint, group, attempt, fault)
+                        retries += 1
+                        continue
+                    await self.rebuild(group, unit, step, attempt, fault, joint)
+                    retries = 0
+                finally:  # a rebuild that failed before the joint check was needed
+                    if joint is not None and not joint.done():
+                        joint.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await joint
+
+    async def unless_joint(
+        self, joint: asyncio.Task[str | None] | None, failed: Group, attempt: int, fault: GroupFault
+    ) -> None:
+        """Raise RescheduleNeeded if the joint check finds the rollout side failed with `failed`."""
+        if joint is not None and (rollout := await joint) is not None:
+            raise RescheduleNeeded(
+                failed.name, attempt, f"{fault}, with the rollout side: {rollout}"
+            ) from fault
 
     async def rebuild(
-        self, failed: Group, unit: tuple[Group, ...], step: int, attempt: int, cause: str
+        self,
+        failed: Group,
+        unit: tuple[Group, ...],
+        step: int,
+        attempt: int,
+        fault: GroupFault,
+        joint: asyncio.Task[str | None] | None,
     ) -> None:
-        """Rebuild `unit` until it is up, within its bound; raises RescheduleNeeded past it."""
+        """Rebuild `unit` until it is up, within its bound; raises RescheduleNeeded past it, or
+        when `joint` (the joint check of an actor failure, running meanwhile) finds the rollout
+        side failed with it."""
         group = unit[0]
+        cause = str(fault)
         while True:
             if not self.config.enable_retry or group.rebuilds >= self.rebuild_bound(group):
+                await self.unless_joint(joint, failed, attempt, fault)
                 raise RescheduleNeeded(failed.name, attempt, cause)
             try:
-                await self.rebuild_once(unit, step)
+                await self.rebuild_once(unit, step, lambda: self.unless_joint(joint, failed, attempt, fault))
                 return
-            except GroupFault as fault:  # the new processes did not come up
-                cause = str(fault)
+            except GroupFault as again:  # the new processes did not come up
+                cause = str(again)
                 await self.publish(
                     GroupFailed(
-                        run=self.run, group=group.name, rank=fault.rank, kind=fault.kind, cause=fault.cause,
+                        run=self.run, group=group.name, rank=again.rank, kind=again.kind, cause=again.cause,
                         step=step, attempt=attempt, detected_s=0.0,
                     ),
                 )  # fmt: skip
 
-    async def rebuild_once(self, unit: tuple[Group, ...], step: int) -> None:
+    async def rebuild_once(
+        self, unit: tuple[Group, ...], step: int, unless_joint: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Stop and start `unit`, then announce the rebuild unless `unless_joint` raises. The new
+        processes start while the joint grace runs, since a single failure (the common case) needs
+        them; a joint one is rescheduled, and the reschedule stops them again."""
         group = unit[0]
         started = time.monotonic()
         for member in unit:
             await member.stop()
         stopped = time.monotonic()
-        group.rebuilds += 1
+        group.rebuilds += 1  # counted once tried: a group that never starts must reach its bound
         for member in unit:
             await member.start()
         done = time.monotonic()
+        await unless_joint()
         await self.publish(
             GroupRebuilt(
                 run=self.run, group=group.name, rebuild=group.rebuilds, step=step,

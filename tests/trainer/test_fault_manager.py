@@ -165,13 +165,14 @@ async def test_a_rank_killed_mid_step_is_rebuilt_and_the_run_matches_its_twin(
     train_cluster: Cluster, tmp_path: Path, twin: dict[str, torch.Tensor], seed: int, warm_start: bool
 ) -> None:
     """Ranks forked by the fork server (warm) or started as new processes (cold), against a twin
-    whose ranks were forked."""
+    whose ranks were forked. The new ranks start while the joint grace (here 3 s) waits for a
+    rollout-side failure, not after it."""
     rng = random.Random(seed)
     delay, rank = rng.uniform(0.0, 1.2), rng.randrange(2)
     print(f"seed {seed}: kill rank {rank} {delay:.3f} s into step {FAULTY_STEP}")
     failed = await EventLog.start(train_cluster.client, "group_failed")
     rebuilt = await EventLog.start(train_cluster.client, "group_rebuilt")
-    faults = dataclasses.replace(FAST, warm_start=warm_start)
+    faults = dataclasses.replace(FAST, warm_start=warm_start, joint_grace_s=3.0)
     trainer = group_trainer(train_cluster, tmp_path / "faulty", settings("faulty"), faults, step_delay_s=0.3)
     assert trainer.group is not None and (trainer.group.forks is not None) == warm_start
     chaos = asyncio.create_task(fault_during(trainer, FAULTY_STEP, delay, signal.SIGKILL, rank))
@@ -179,6 +180,13 @@ async def test_a_rank_killed_mid_step_is_rebuilt_and_the_run_matches_its_twin(
     print(await chaos)
     assert [e.kind for e in failed.events] == ["exit"] and "SIGKILL" in failed.events[0].cause
     assert len(rebuilt.events) == 1 and rebuilt.events[0].total_s > 0
+    # Serially (the grace, then the rebuild) the announcement would come grace + total_s after
+    # the failure's; overlapped, after the longer of the two.
+    announced_after = rebuilt.times[0] - failed.times[0]
+    assert announced_after < faults.joint_grace_s + rebuilt.events[0].total_s, (
+        announced_after,
+        rebuilt.events,
+    )
     assert trainer.group is not None and trainer.group.actor.rebuilds == 1
     assert same(final_state(trainer), twin)
 
