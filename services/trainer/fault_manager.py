@@ -15,11 +15,12 @@ The ladder, as the verl FaultMgr RFC lays it out, bounded at every rung:
 3. past its rebuilds, `RescheduleNeeded`: the trainer restarts the whole workflow from its last
    checkpoint, at most `max_reschedule_times` times, and past that the error surfaces naming the
    group, the attempts and the cause. The actor (or the reference) failing together with the
-   rollout side, a rollout worker failed within `joint_window_s` of it, goes here at once: the
+   rollout side, a rollout worker failed within `joint_window_s` of it, goes here directly: the
    weights the rollout would be re-synced from are the ones being rebuilt. The rollout side's
    report (the supervisor's handover, the router's worker_failed) may come a moment after the
    actor's failure is seen, so an actor failure waits up to `joint_grace_s` for it, while the
-   rebuild's new processes start (announced only once no joint failure is found); a hang is
+   rebuild's new processes start (announced only once no joint failure is found; a joint
+   failure's reschedule waits for them and stops them again); a hang is
    dated a hang timeout before it was seen. A joint failure with no reschedule left ends the run.
 
 Detection: a worker's exit (an OOM kill is a SIGKILL), an error reply, a call past its timeout,
