@@ -1,23 +1,26 @@
 """`belayer bench train-recovery`: what one trainer-group failure costs, against a failure-free run
 and against rescheduling the whole workflow, all in one run of the bench.
 
-    belayer bench train-recovery [--minutes 10] [--kinds actor,reference,reward,hang,rollout] [--json]
+    belayer bench train-recovery [--minutes 10] [--faults 5] [--kinds actor,reference,reward,hang,rollout] [--json]
 
 Every run starts a local cluster of its own (router, weight and KV servers, shadow supervisor, one
 tiny worker) and stops it after. A failure-free GRPO run on `reverse` (actor of 2 gloo ranks, a
 reference for the KL term, a reward group) trains for --minutes, and its steps set the length of
-every other run. The bench then runs the same steps again once per failure kind, with one
-fault half way: SIGKILL of an actor rank, of the reference or of the reward worker, SIGSTOP of an
+every other run. The bench then runs the same steps again once per failure kind, with --faults
+faults of that kind evenly spaced, far enough apart that no fault's measuring window holds another
+one (so each run's faults give a median and a spread, not one noisy window): SIGKILL of an actor rank, of the reference or of the reward worker, SIGSTOP of an
 actor rank (a hang), or SIGSTOP of the engine's shadow and main (the rollout side hung whole, which
 no one on that side notices). Each is recovered by a targeted rebuild (the reward: a restart in
 place; the rollout side: the engine restarted by the cold path). Ranks are forked from the
 trainer's fork server (a warm start); `actor-cold` is the actor kill with every rank started as a
 new process instead; `none` is the failure-free run again, which shows how much two runs differ
 with no fault at all. A last run takes the actor kill with no rebuilds allowed, so the fault
-manager reschedules from the last checkpoint: the cold baseline. Reported per kind: seconds and
-percent added to the failure-free run; the local cost (the steps around the fault against the
-run's own pace before it, which two runs' paces cannot blur); detection and rebuild seconds from
-the events; and the targeted rebuild against the reschedule.
+manager reschedules from the last checkpoint: the cold baseline. Every bound of the fault manager
+is set to the number of faults, so each fault is recovered by its own rung. Reported per kind:
+seconds and percent added to the failure-free run; the local cost of each fault (the steps around
+it against the run's own pace before it, which two runs' paces cannot blur), with their median and
+range; detection and rebuild seconds from the events; and the targeted rebuild against the
+reschedule.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ KL_BETA = 0.05  # so that the reference group exists in every run
 CHECKPOINT_EVERY = 10
 UNBOUNDED_STEPS = 10**6  # the failure-free run's bound: it stops at --minutes
 LOCAL_BEFORE, LOCAL_AFTER = 55, 20  # steps that set the pace before a fault, and that it may slow
+LOCAL_EARLY = 2  # steps before the fault's own that its window also holds, should it come early
+# The fewest steps between two faults: the second's pace-setting steps must all come after the
+# first's window.
+FAULT_SPACING = LOCAL_BEFORE + LOCAL_EARLY + 1 + LOCAL_AFTER + 1
 # Every sample is a request in the token log, about 1.6 KB: the default 1 GiB fills after about
 # 2,300 steps, some 40 minutes of this workload. Each run has a cluster, so a log, of its own.
 LOG_MAX_MB = 4096
@@ -73,6 +80,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     bench.add_argument("--minutes", type=float, default=10.0, help="length of the failure-free run")
     bench.add_argument("--kinds", default=",".join(KINDS), help="failure kinds, one run each")
+    bench.add_argument(
+        "--faults", type=int, default=5, help="faults in each run, evenly spaced (fewer if the run is short)"
+    )
     bench.add_argument("--hang-timeout", type=float, default=30.0, help="the fault manager's hang timeout")
     bench.add_argument(
         "--rollout-timeout", type=float, default=30.0, help="the fault manager's rollout timeout"
@@ -90,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"belayer bench train-recovery: unknown kinds {sorted(unknown)}; one of {list(KINDS)}"
         )
+    if args.faults < 1:
+        raise SystemExit("belayer bench train-recovery: --faults must be at least 1")
     report = uvloop.run(measure(args, kinds))
     report["machine"] = {"cpus": os.cpu_count()}
     return emit(report, args.json, print_table)
@@ -126,14 +138,19 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         # The failure-free run trains for --minutes and sets the steps of every other run: sized
         # from a short calibration instead, it came out 9.0 and 13.6 minutes long for 10 asked
         # (a pace of 16 steps at a run's start foretold a long run's by no better than 25%).
-        clean = await bench.one("clean", UNBOUNDED_STEPS, None, until_s=args.minutes * 60)
+        clean = await bench.one("clean", UNBOUNDED_STEPS, None, [], until_s=args.minutes * 60)
         steps = len(clean.marks)
-        print(f"failure-free: {clean.wall:.1f} s, {steps} steps", file=sys.stderr, flush=True)
+        at = fault_steps(steps, args.faults)
+        print(
+            f"failure-free: {clean.wall:.1f} s, {steps} steps; faults after steps {at}",
+            file=sys.stderr,
+            flush=True,
+        )
         results: dict[str, object] = {}
         for kind in kinds:
             changes = {"warm_start": False} if kind.endswith("-cold") else {}
-            faulted = await bench.one(f"fault-{kind}", steps, KINDS[kind], **changes)
-            results[kind] = summarise(faulted, clean, steps)
+            faulted = await bench.one(f"fault-{kind}", steps, KINDS[kind], at, **changes)
+            results[kind] = summarise(faulted, clean, at)
             print(
                 f"{kind}: {faulted.wall:.1f} s ({faulted.wall - clean.wall:+.1f} s)",
                 file=sys.stderr,
@@ -141,8 +158,8 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
             )
         reschedule = None
         if not args.no_reschedule:
-            rescheduled = await bench.one("reschedule", steps, KINDS["actor"], actor_max_rebuild_times=0)
-            reschedule = summarise(rescheduled, clean, steps)
+            rescheduled = await bench.one("reschedule", steps, KINDS["actor"], at, actor_max_rebuild_times=0)
+            reschedule = summarise(rescheduled, clean, at)
             print(
                 f"reschedule: {rescheduled.wall:.1f} s ({rescheduled.wall - clean.wall:+.1f} s)",
                 file=sys.stderr,
@@ -153,6 +170,9 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
         "steps": steps,
         "step_s": clean.wall / steps,
         "failure_free_s": clean.wall,
+        "fault_steps": at,  # each fault strikes 0.2 s into the step after these
+        # the local cost's windows measured on the failure-free run: what the measure reads with no fault
+        "failure_free_local_s": [local_cost(clean, fault) for fault in at],
         "failure_free_pace_s": by_tenth(step_times(clean.marks)[1:]),
         # where the pace goes: each phase's median of each tenth, and the tokens it generated
         "failure_free_phases_by_tenth": {
@@ -194,11 +214,12 @@ class BenchRuns:
         run: str,
         steps: int,
         fault: tuple[str, str] | None,
+        at: list[int],
         until_s: float | None = None,
         **changes: object,
     ) -> Run:
-        """Run `steps` GRPO steps named `run` with `fault` half way, or with no fault until the
-        first step that ends `until_s` seconds or more after the training started."""
+        """Run `steps` GRPO steps named `run` with a `fault` after each step of `at`, or with no
+        fault until the first step that ends `until_s` seconds or more after the training started."""
         folder = self.root / run
         config = ClusterConfig(
             state_dir=folder / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
@@ -207,11 +228,11 @@ class BenchRuns:
         async with local_cluster(config) as supervisor:
             async with await Client.connect(supervisor.target("admin"), "bench") as client:
                 await client.wait_for_engines(1, 600)
-                return await self.train(supervisor, client, config, run, steps, fault, until_s, **changes)
+                return await self.train(supervisor, client, config, run, steps, fault, at, until_s, **changes)
 
     async def train(  # type: ignore[no-untyped-def]
         self, supervisor, client: Client, config: ClusterConfig, run: str, steps: int,
-        fault: tuple[str, str] | None, until_s: float | None, **changes: object,
+        fault: tuple[str, str] | None, at: list[int], until_s: float | None, **changes: object,
     ) -> Run:  # fmt: skip
         args, folder = self.args, self.root / run
         train = TrainSettings(
@@ -223,8 +244,14 @@ class BenchRuns:
             run=run, world=2, rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=KL_BETA,
             allowed=",".join(map(str, self.task.allowed_tokens)),
         )  # fmt: skip
+        # Every rung may recover every fault of the run: each fault is then recovered alike.
+        bounds = dict.fromkeys(
+            ("max_restarts", "max_task_retries", "actor_max_rebuild_times", "rollout_max_rebuild_times",
+             "max_reschedule_times"),
+            max(1, len(at)),
+        )  # fmt: skip
         faults = FaultManagerConfig(
-            hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout, **changes
+            hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout, **{**bounds, **changes}
         )  # type: ignore[arg-type]
         trainer = Trainer(
             client, self.task, train, GroupBackend.create("local", client, worker, folder, faults)
@@ -234,11 +261,11 @@ class BenchRuns:
         chaos = None
         if fault == KINDS["rollout"]:
             engines_file = config.state_dir / "workers" / "engines.json"
-            chaos = asyncio.create_task(stop_rollout_side(trainer, steps // 2, engines_file))
+            chaos = asyncio.create_task(stop_rollout_side(trainer, at, engines_file))
         elif fault is not None:
             group, action = fault
             # Rank 0, 0.2 s into the step's rollout or update.
-            planned = [chaos_faults.Fault(group, steps // 2, action, delay_s=0.2, rank_draw=0.0)]
+            planned = [chaos_faults.Fault(group, step, action, delay_s=0.2, rank_draw=0.0) for step in at]
             chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, []))
         started = time.perf_counter()
         marks: list[float] = []
@@ -263,16 +290,17 @@ class BenchRuns:
         return Run(wall, events.seen, marks, step_events)
 
 
-async def stop_rollout_side(trainer: Trainer, step: int, engines_file: Path) -> None:
-    """SIGSTOP the engine's shadow, then its main, 0.2 s into step `step`."""
-    while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    workers = msgspec.json.decode(await asyncio.to_thread(engines_file.read_bytes), type=ShadowState)
-    for engine in workers.values():
-        for pid in (engine.shadow, engine.main):
-            if pid > 0:  # 0: none now (a kill of pid 0 would stop this process group)
-                os.kill(pid, signal.SIGSTOP)
+async def stop_rollout_side(trainer: Trainer, at: list[int], engines_file: Path) -> None:
+    """SIGSTOP the engine's shadow, then its main, 0.2 s into the step after each step of `at`."""
+    for step in at:
+        while trainer.step < step:  # noqa: ASYNC110 (the trainer has no event for it)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        workers = msgspec.json.decode(await asyncio.to_thread(engines_file.read_bytes), type=ShadowState)
+        for engine in workers.values():
+            for pid in (engine.shadow, engine.main):
+                if pid > 0:  # 0: none now (a kill of pid 0 would stop this process group)
+                    os.kill(pid, signal.SIGSTOP)
 
 
 def step_times(marks: list[float]) -> list[float]:
@@ -280,16 +308,25 @@ def step_times(marks: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def pace_drift(marks: list[float], clean_marks: list[float], steps: int) -> float:
+def fault_steps(steps: int, wanted: int) -> list[int]:
+    """The steps after which a run's faults strike: `wanted` of them evenly spaced, or as many as
+    fit FAULT_SPACING apart, and at least one, half way (its windows then cut short)."""
+    fits = min(wanted, steps // FAULT_SPACING - 1)
+    if fits < 1:
+        return [steps // 2]
+    spacing = steps // (fits + 1)
+    return [spacing * (i + 1) for i in range(fits)]
+
+
+def pace_drift(marks: list[float], clean_marks: list[float], steps: int, first_fault: int) -> float:
     """Seconds a whole run differs from the failure-free one by pace alone: the median step time of
-    the steps before the fault (step steps // 2; they cannot know of it) against the same steps of
-    the failure-free run, times the steps. A machine busier in one run than in the other shows here;
+    the steps before its first fault (they cannot know of it) against the same steps of the
+    failure-free run, times the steps. A machine busier in one run than in the other shows here;
     a rebuilt group that stays slower does not, for it comes after the fault."""
-    half = steps // 2
 
     def median_step(times: list[float]) -> float:
         # times[i]: when step i + 1 ended; from the second on, short of the fault's step
-        before = step_times(times[1 : half - 1])
+        before = step_times(times[1 : first_fault - 1])
         return statistics.median(before) if before else 0.0
 
     return (median_step(marks) - median_step(clean_marks)) * steps
@@ -304,35 +341,46 @@ def by_tenth(values: list[float]) -> list[float]:
     ]
 
 
-def local_cost(marks: list[float], steps: int) -> float:
-    """Seconds the steps around the fault took beyond the run's own pace just before it: over the
-    fault's step, the LOCAL_AFTER after it and 2 before it (should it come a step early), each
-    step's time less the median of the LOCAL_BEFORE steps before those. Two failure-free runs of
-    one length differed by 50 s of 815 here, so walls of separate runs cannot show a cost of a few
-    seconds; this does not compare runs. A reschedule's steps done again fall in the window."""
-    durations = step_times(marks)  # durations[i]: step i + 2
-    half = steps // 2
-    before = durations[max(0, half - 3 - LOCAL_BEFORE) : max(1, half - 3)]
-    base = statistics.median(before) if before else 0.0
-    return sum(d - base for d in durations[half - 3 : half + LOCAL_AFTER])
+def local_cost(run: Run, fault: int) -> float:
+    """Seconds the steps around the fault after step `fault` took beyond the run's own pace just
+    before it. The window runs from LOCAL_EARLY steps before the fault's step (should it strike a
+    step early) to LOCAL_AFTER after it, and its nominal steps are charged at the median of the
+    LOCAL_BEFORE steps before it. Steps are found by number, so the steps that a reschedule does
+    again fall in the window, as time beyond its nominal steps. Two failure-free runs of one length
+    differed by 50 s of 815 here, so walls of separate runs cannot show a cost of a few seconds;
+    this compares no runs."""
+    numbers = [event.step for event in run.steps]  # run.marks[i]: when the step numbers[i] ended
+    first = max(2, fault + 1 - LOCAL_EARLY)  # step 1 has no start mark
+    last = min(max(numbers), fault + 1 + LOCAL_AFTER)
+    start = numbers.index(first)  # its first time: before the fault
+    end = len(numbers) - 1 - numbers[::-1].index(last)  # its last time: after any step done again
+    before = step_times(run.marks[max(0, start - 1 - LOCAL_BEFORE) : start])
+    pace = statistics.median(before) if before else 0.0
+    return run.marks[end] - run.marks[start - 1] - (last - first + 1) * pace
 
 
-def summarise(run: Run, clean: Run, steps: int) -> dict[str, object]:
-    wall, seen = run.wall, run.seen
-    drift, local = pace_drift(run.marks, clean.marks, steps), local_cost(run.marks, steps)
+def summarise(run: Run, clean: Run, at: list[int]) -> dict[str, object]:
+    wall, seen, steps = run.wall, run.seen, len(clean.marks)
+    drift = pace_drift(run.marks, clean.marks, steps, at[0])
+    local = [local_cost(run, fault) for fault in at]
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
         "wall_s": wall,
         "added_s": wall - clean.wall,
         "added_pct": 100 * (wall - clean.wall) / clean.wall,
-        # what the run's own pace before the fault explains, and what is left to the fault
+        # what the run's own pace before the fault explains, and what is left to the faults
         "pace_drift_s": drift,
         "added_beyond_drift_s": wall - clean.wall - drift,
         "added_beyond_drift_pct": 100 * (wall - clean.wall - drift) / clean.wall,
-        # the fault's cost from the steps around it alone, and as a share of the failure-free run
+        # each fault's cost from the steps around it alone, and one fault's as a share of the
+        # failure-free run: the mean (what a fault costs on average), the median and the range
         "local_added_s": local,
-        "local_added_pct": 100 * local / clean.wall,
+        "local_mean_s": statistics.fmean(local),
+        "local_median_s": statistics.median(local),
+        "local_mean_pct": 100 * statistics.fmean(local) / clean.wall,
+        "local_median_pct": 100 * statistics.median(local) / clean.wall,
+        "local_range_pct": [100 * min(local) / clean.wall, 100 * max(local) / clean.wall],
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
         "rescheduled": sum(e["event"] == "reschedule" for e in seen),
@@ -351,31 +399,41 @@ def print_table(report: dict[str, object]) -> None:
     )
     for phase, tenths in report["failure_free_phases_by_tenth"].items():  # type: ignore[attr-defined]
         print(f"  {phase}:", " ".join(f"{t:.3g}" for t in tenths))
+    print("faults after steps", " ".join(map(str, report["fault_steps"])))  # type: ignore[call-overload]
+    print(
+        "the local windows on the failure-free run:",
+        " ".join(f"{x:+.1f}" for x in report["failure_free_local_s"]),  # type: ignore[attr-defined]
+        "s",
+    )
     print(
         f"{'failure':<12} {'added':>10} {'added %':>9} {'pace drift':>11} {'beyond it':>10} {'%':>8}"
-        f" {'local':>8} {'local %':>8} {'detected':>10} {'rebuild':>9}"
+        f" {'local mean':>11} {'%':>7} {'local median [range] %':>26} {'detected':>10} {'rebuild':>9}"
     )
     rows = dict(report["faults"])  # type: ignore[call-overload]
     if report["reschedule"] is not None:
         rows["reschedule"] = report["reschedule"]
     for kind, r in rows.items():
-        detected = "/".join(f"{d:.2f}" for d in r["detected_s"]) or "-"
-        rebuild = "/".join(f"{d:.2f}" for d in r["rebuild_s"]) or "-"
+        detected = f"{statistics.median(r['detected_s']):.3f}" if r["detected_s"] else "-"
+        rebuild = f"{statistics.median(r['rebuild_s']):.2f}" if r["rebuild_s"] else "-"
+        low, high = r["local_range_pct"]
+        spread = f"{r['local_median_pct']:+.2f} [{low:+.2f}, {high:+.2f}]"
         print(
             f"{kind:<12} {r['added_s']:>+9.1f}s {r['added_pct']:>+8.2f}% {r['pace_drift_s']:>+10.1f}s"
             f" {r['added_beyond_drift_s']:>+9.1f}s {r['added_beyond_drift_pct']:>+7.2f}%"
-            f" {r['local_added_s']:>+7.1f}s {r['local_added_pct']:>+7.2f}% {detected:>9}s {rebuild:>8}s"
+            f" {r['local_mean_s']:>+10.1f}s {r['local_mean_pct']:>+6.2f}% {spread:>26} {detected:>9}s {rebuild:>8}s"
         )
     if report["reschedule"] is not None and "actor" in report["faults"]:  # type: ignore[operator]
-        targeted = report["faults"]["actor"]["local_added_s"]  # type: ignore[index]
-        cold = report["reschedule"]["local_added_s"]  # type: ignore[index]
+        targeted = report["faults"]["actor"]["local_mean_s"]  # type: ignore[index]
+        cold = report["reschedule"]["local_mean_s"]  # type: ignore[index]
         ratio = f"{cold / targeted:.1f}x" if targeted > 0 else "the rebuild added nothing measurable"
-        print(f"actor kill, local: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})")
+        print(
+            f"actor kill, local mean: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})"
+        )
     print("added: each run's wall time minus the failure-free run's, same steps, each on a fresh cluster")
     print(
         "pace drift: the run's median step time before the fault against the failure-free run's, times the steps"
     )
     print(
-        f"local: the fault's step and the {LOCAL_AFTER} after it, less the pace of the {LOCAL_BEFORE} before;"
-        " % of the failure-free run"
+        f"local: per fault, its step, the {LOCAL_EARLY} before and the {LOCAL_AFTER} after it, less the pace of"
+        f" the {LOCAL_BEFORE} before those; % of the failure-free run; detected, rebuild: medians"
     )
