@@ -8,9 +8,9 @@ tiny worker) and stops it after. A failure-free GRPO run on `reverse` (actor of 
 reference for the KL term, a reward group) trains for --minutes, and its steps set the length of
 every other run. The bench then runs the same steps again once per failure kind, with --faults
 faults of that kind evenly spaced, far enough apart that no fault's measuring window holds another
-one (so each run's faults give a median and a spread, not one noisy window): SIGKILL of an actor rank, of the reference or of the reward worker, SIGSTOP of an
-actor rank (a hang), or SIGSTOP of the engine's shadow and main (the rollout side hung whole, which
-no one on that side notices). Each is recovered by a targeted rebuild (the reward: a restart in
+one (so each run's faults give a median and a spread, not one noisy window): SIGKILL of an actor
+rank, of the reference or of the reward worker, SIGSTOP of an actor rank (a hang), or SIGSTOP of
+the engine's shadow and main (the rollout side hung whole, which no one on that side notices). Each is recovered by a targeted rebuild (the reward: a restart in
 place; the rollout side: the engine restarted by the cold path). Ranks are forked from the
 trainer's fork server (a warm start); `actor-cold` is the actor kill with every rank started as a
 new process instead; `none` is the failure-free run again, which shows how much two runs differ
