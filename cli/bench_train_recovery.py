@@ -431,7 +431,7 @@ def print_table(report: dict[str, object]) -> None:
         )
     print("added: each run's wall time minus the failure-free run's, same steps, each on a fresh cluster")
     print(
-        "pace drift: the run's median step time before the fault against the failure-free run's, times the steps"
+        "pace drift: the run's median step time before its first fault against the failure-free run's, times the steps"
     )
     print(
         f"local: per fault, its step, the {LOCAL_EARLY} before and the {LOCAL_AFTER} after it, less the pace of"
