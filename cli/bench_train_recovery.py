@@ -363,6 +363,7 @@ def summarise(run: Run, clean: Run, at: list[int]) -> dict[str, object]:
     wall, seen, steps = run.wall, run.seen, len(clean.marks)
     drift = pace_drift(run.marks, clean.marks, steps, at[0])
     local = [local_cost(run, fault) for fault in at]
+    mean, median = statistics.fmean(local), statistics.median(local)
     failed = [e for e in seen if e["event"] == "group_failed"]
     rebuilt = [e for e in seen if e["event"] == "group_rebuilt"]
     return {
@@ -376,10 +377,10 @@ def summarise(run: Run, clean: Run, at: list[int]) -> dict[str, object]:
         # each fault's cost from the steps around it alone, and one fault's as a share of the
         # failure-free run: the mean (what a fault costs on average), the median and the range
         "local_added_s": local,
-        "local_mean_s": statistics.fmean(local),
-        "local_median_s": statistics.median(local),
-        "local_mean_pct": 100 * statistics.fmean(local) / clean.wall,
-        "local_median_pct": 100 * statistics.median(local) / clean.wall,
+        "local_mean_s": mean,
+        "local_median_s": median,
+        "local_mean_pct": 100 * mean / clean.wall,
+        "local_median_pct": 100 * median / clean.wall,
         "local_range_pct": [100 * min(local) / clean.wall, 100 * max(local) / clean.wall],
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
