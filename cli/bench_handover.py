@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,9 +26,10 @@ import uvloop
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
-from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster, service
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
+from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import Handover, TokenChunk, WorkerRegistration
@@ -81,9 +81,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                         "first_resumed_token": await resumed_token(
                             client, engines_file, args.prompt_tokens, killed
                         ),
-                        "cold_restart": await cold_restarts(
-                            client, supervisor.nats_url, preset, args.cold_starts
-                        ),
+                        "cold_restart": await cold_restarts(client, supervisor, preset, args.cold_starts),
                         "shadow_cost": await shadow_cost(client, engines_file, args, killed),
                     }
         hand, cold = figures["handover"]["time_to_ready"], figures["cold_restart"]["time_to_ready"]
@@ -183,8 +181,10 @@ async def resumed_token(
     raise RuntimeError("no generation ran past the kill")
 
 
-async def cold_restarts(client: Client, nats_url: str, preset: str, n: int) -> dict[str, object]:
-    """A worker from scratch for a spare engine id: spawn to registration, weights from a file."""
+async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: int) -> dict[str, object]:
+    """A worker from scratch for a spare engine id: spawn to registration, weights from a file.
+
+    The cluster's credentials name only its own engines, so the spare one connects as `admin`."""
     watch = Watch()
     await watch.start(client)
     times = []
@@ -192,12 +192,15 @@ async def cold_restarts(client: Client, nats_url: str, preset: str, n: int) -> d
         weights = Path(folder) / f"{preset}.pt"
         await asyncio.to_thread(save_params, init_params(PRESETS[preset], 0), weights)
         for i in range(n):
+            config = WorkerConfig(
+                **supervisor.bus("admin"), engine_id=f"cold{i}", preset=preset, weights_path=weights
+            )
             started = time.time()
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "belayer_rl.services.worker",
-                "--nats", nats_url, "--engine-id", f"cold{i}", "--preset", preset, "--weights", str(weights),
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
+                *service(f"cold{i}", "belayer_rl.services.worker", config).argv,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
             await watch.until(lambda p=process.pid: p in watch.registered)
             times.append(watch.registered[process.pid] - started)
             process.terminate()

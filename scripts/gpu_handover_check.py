@@ -7,7 +7,8 @@ them out as CUDA IPC handles, then checks in order, printing PASS/FAIL for each:
 1. the main and the shadow map the same GPU weights (the weight server reports CUDA handles);
 2. a generation through a SIGKILL of the main completes via the shadow (handover path "shadow")
    and equals the same request run without a failure;
-3. the device health check ran a real kernel (the handover event's phases include "promoted").
+3. the KV arena is on the GPU too, so the promoted shadow's device check (a small matmul checked
+   exactly, services/worker/shadow.py) ran a CUDA kernel: a failed check takes the cold path.
 Exits non-zero on any failure.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -24,10 +24,18 @@ from pathlib import Path
 
 import torch
 
+from belayer_rl.cli.bench_handover import engine_pids
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import Handover, TokenChunk, WeightHandles, WeightsHandlesRequest
+from belayer_rl.shared.protocol import (
+    Handover,
+    KvServerAlive,
+    ServerPing,
+    TokenChunk,
+    WeightHandles,
+    WeightsHandlesRequest,
+)
 
 PROMPT = "GPU handover check: the shadow maps the weights through CUDA IPC and takes over."
 
@@ -45,7 +53,13 @@ async def check(preset: str) -> list[tuple[str, bool, str]]:
                 )
                 results.append(("weights are CUDA IPC handles", handles.cuda is not None, handles.version))
                 reference = await client.generate_all(PROMPT, max_tokens=96, seed=11, temperature=0.8)
-                engines = json.loads((Path(state) / "workers" / "engines.json").read_text())["e0"]
+                arena = await bus.request_struct(
+                    client.nc, client.subjects.kv_ping, ServerPing(), KvServerAlive, 10
+                )
+                results.append(("the KV arena is on the GPU", arena.device == "cuda", arena.device))
+                # Kill only once a shadow stands by: before that the cold path is the right answer.
+                engines_file = Path(state) / "workers" / "engines.json"
+                engines = await asyncio.wait_for(engine_pids(engines_file, set()), 120)
                 handovers: list[Handover] = []
 
                 async def on_handover(event: Handover) -> None:
@@ -71,7 +85,10 @@ async def check(preset: str) -> list[tuple[str, bool, str]]:
                 results.append(
                     ("token-exact after the handover", tokens == reference.tokens, f"{len(tokens)} tokens")
                 )
-                results.append(("device check ran", bool(event and "promoted" in event.phases_ms), ""))
+                detail = f"phases {event.phases_ms}" if event else "no handover"
+                results.append(
+                    ("promoted with no cold reason", bool(event and not event.cold_reason), detail)
+                )
     return results
 
 
