@@ -135,6 +135,10 @@ class Engine:
         if arena is None:
             arena = allocate_arena(self.model_config, config.num_blocks, config.block_size)
         self.cache = PagedKVCache(self.model_config, arena)
+        # Where the forward pass runs: the arena's device. Weights mapped from a GPU must be there
+        # too; sampling stays on the CPU (sample() draws its noise there), so logits come back.
+        self.device = arena.device
+        self._check_device(params)
         if (self.cache.num_blocks, self.cache.block_size) != (config.num_blocks, config.block_size):
             raise ValueError(
                 f"arena holds {self.cache.num_blocks} blocks of {self.cache.block_size}, config "
@@ -150,7 +154,13 @@ class Engine:
     def add_weights(self, version: str, params: Params) -> None:
         """Hold `version` too. Never disturbs a step in flight: nothing running uses it yet."""
         check_params(self.model_config, params)
+        self._check_device(params)
         self.weights.setdefault(version, params)
+
+    def _check_device(self, params: Params) -> None:
+        elsewhere = sorted({str(t.device) for t in params.values() if t.device != self.device})
+        if elsewhere:
+            raise ValueError(f"weights are on {', '.join(elsewhere)}, the KV arena on {self.device}")
 
     def unused_versions(self) -> list[str]:
         """Versions held that no queued or running sequence uses, the current one excepted."""
@@ -268,7 +278,7 @@ class Engine:
                 break
             self._waiting.popleft()
             seq.blocks = self.blocks.allocate(seq.spec.key, seq.reserve)
-            seq.block_table = torch.tensor(seq.blocks, dtype=torch.long)
+            seq.block_table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
             self._running[seq.spec.key] = seq
 
     def _release(self, seq: _Seq) -> None:
@@ -303,7 +313,7 @@ class Engine:
             with torch.inference_mode():
                 logits = forward(
                     self.weights[version], self.model_config, batch, self.cache, self.config.deterministic
-                )
+                ).cpu()  # [M, vocab]: a few rows; a no-op on the CPU
             for s, n in part:
                 s.n_cached += n
             for row, s in enumerate(sampled):
@@ -334,12 +344,13 @@ class Engine:
             if start + n == len(s.tokens):  # caught up: the last row predicts the next token
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(s)
+        on_device = {"dtype": torch.long, "device": self.device}
         batch = ForwardBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slots=torch.tensor(slots, dtype=torch.long),
+            tokens=torch.tensor(tokens, **on_device),
+            positions=torch.tensor(positions, **on_device),
+            slots=torch.tensor(slots, **on_device),
             seqs=rows,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+            logit_rows=torch.tensor(logit_rows, **on_device),
         )
         return batch, sampled
 

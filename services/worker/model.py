@@ -100,8 +100,8 @@ def _attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: i
     n = q.shape[0]
     kk = k[: pos + n].transpose(0, 1)  # [H, pos+n, hd]
     vv = v[: pos + n].transpose(0, 1)
-    q_pos = torch.arange(pos, pos + n).unsqueeze(1)  # [n, 1]
-    mask = torch.arange(pos + n).unsqueeze(0) <= q_pos  # [n, pos+n]
+    q_pos = torch.arange(pos, pos + n, device=q.device).unsqueeze(1)  # [n, 1]
+    mask = torch.arange(pos + n, device=q.device).unsqueeze(0) <= q_pos  # [n, pos+n]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=1.0)
     return out.transpose(0, 1)  # [n, H, hd]
 
@@ -128,7 +128,7 @@ def forward(
         q, k, v = qkv.view(n_rows, 3, H, hd).unbind(1)  # each [N, H, hd]
         cache.write(layer, batch.slots, k, v)
         q = q * scale
-        att = torch.empty(n_rows, H, hd)
+        att = torch.empty(n_rows, H, hd, device=x.device)
         for s in batch.seqs:
             keys, values = cache.gather(layer, s.block_table, s.pos + s.n)  # [pos+n, H, hd]
             if deterministic:
