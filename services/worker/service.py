@@ -109,6 +109,9 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
         await pins.follow()  # a publication before the subscription would be missed
     rt.capture_signals()
     if config.role == "shadow":
+        # A process's first kernel pays for loading CUDA modules and setting up cuBLAS (0.1 s on an
+        # H200): paid now, so that the check at promotion is only the check.
+        await asyncio.to_thread(shadow.device_check, engine)
         # Everything needed to serve is built; now idle until the supervisor hands over.
         if not await shadow.stand_by(config, rt.stopping, owners):
             rt.stopping.set()  # told to go, or stopping already
