@@ -4,7 +4,9 @@ line, without a cluster (services/policy/decision.py is the arithmetic the polic
     belayer policy explain --samples 2,4,6 --elapsed 1 --cost 0.5 --p 0.01 --exposure 30 [--json]
 
 `--p` is the step's failure probability p_t and `--exposure` its C_t; `--samples ''` means no
-response times yet. `--step`, `--env-work`, `--in-flight` and `--cooldown` reach the guards.
+response times yet. `--contention` is K, the LLM seconds a checkpoint's CPU costs per second it runs
+(0 by default: a machine with cores to spare). `--step`, `--env-work`, `--in-flight` and
+`--cooldown` reach the guards.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     explain.add_argument("--p", type=float, required=True, help="p_t: the step's failure probability")
     explain.add_argument(
         "--exposure", type=float, required=True, help="C_t: seconds of work since the last ready checkpoint"
+    )
+    explain.add_argument(
+        "--contention", type=float, default=0.0, help="K: LLM seconds lost per second a checkpoint runs"
     )
     explain.add_argument("--policy", default="adaptive", help="adaptive, never, always or every-N")
     explain.add_argument(
@@ -71,7 +76,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         in_flight=args.in_flight,
         cooldown_left_s=args.cooldown,
     )
-    verdict = decide(policy, situation, p=args.p, responses=responses, cost_s=args.cost, guards=guards)
+    verdict = decide(
+        policy,
+        situation,
+        p=args.p,
+        responses=responses,
+        cost_s=args.cost,
+        contention=args.contention,
+        guards=guards,
+    )
     visible = verdict.expected_visible_cost_s
     report = {
         "policy": policy.name,
@@ -85,6 +98,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "elapsed_s": situation.elapsed_s,
         "cost_s": verdict.cost_s,
         "samples": verdict.samples,
+        "contention": verdict.contention,
+        "contention_cost_s": verdict.contention_cost_s,
     }
     if args.json:  # strict JSON has no NaN or infinity: those are written as strings
         print(
@@ -100,4 +115,5 @@ def cmd_explain(args: argparse.Namespace) -> int:
         f"  x = {situation.elapsed_s:.6g} s, c = {verdict.cost_s:.6g} s, {verdict.samples} samples:"
         f" q(x;c) = {verdict.survival:.6g}, expected visible cost = {visible:.6g} s"
     )
+    print(f"  K = {verdict.contention:.6g}: contention cost K·c = {verdict.contention_cost_s:.6g} s")
     return 0

@@ -569,6 +569,10 @@ class PolicyConfig(ServiceConfig):
     response_window: int = setting(512, "LLM response times kept (the oldest drop out)")
     min_samples: int = setting(3, "response times needed before the distribution is used")
     initial_cost_s: float = setting(1.0, "the checkpoint cost assumed before any checkpoint was measured")
+    contention: float | None = setting(
+        None, "K, LLM seconds lost per second a checkpoint runs, replacing the online estimate"
+    )
+    contention_prior: float = setting(0.0, "K assumed until responses with and without a checkpoint are seen")
     min_step: int = setting(3, "adaptive: no checkpoint before this step")
     min_env_work_s: float = setting(0.05, "adaptive: no checkpoint with less environment work since the last")
     cooldown_s: float = setting(
@@ -583,6 +587,8 @@ class PolicyConfig(ServiceConfig):
             )
         if self.failure_rate is not None and not self.failure_rate >= 0:
             raise ConfigError(f"--failure-rate must be >= 0, got {self.failure_rate}")
+        if self.contention is not None and not self.contention >= 0:
+            raise ConfigError(f"--contention must be >= 0, got {self.contention}")
         positive("--prior-seconds", self.prior_seconds)
         if not self.prior_failures >= 0:
             raise ConfigError(f"--prior-failures must be >= 0, got {self.prior_failures}")
@@ -591,6 +597,7 @@ class PolicyConfig(ServiceConfig):
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         for flag, number in (
             ("--initial-cost", self.initial_cost_s),
+            ("--contention-prior", self.contention_prior),
             ("--min-env-work", self.min_env_work_s),
             ("--cooldown", self.cooldown_s),
         ):

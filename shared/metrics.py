@@ -372,6 +372,10 @@ class PolicyMetrics:
             "What the policy learnt from: env steps, env failures, LLM responses, checkpoints, timeouts.",
             ["kind"],
         )
+        self.contention = m.gauge(
+            "belayer_policy_contention_ratio",
+            "K: seconds of LLM work lost per second a checkpoint runs, as the last decision used it.",
+        )
         self.visible_cost = m.histogram(
             "belayer_policy_expected_visible_cost_seconds",
             "The expected visible checkpoint cost of the adaptive decisions.",

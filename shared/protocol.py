@@ -871,6 +871,8 @@ class PolicyDecision(Message, tag="policy_decision", kw_only=True):
     benefit_s: float  # p·C
     busy_s: float = 0.0  # > 0: refused as busy, the host's cooldown has this long left
     source: Literal["service", "fallback"] = "service"  # fallback: the driver decided alone
+    contention: float = 0.0  # K: LLM seconds lost per second a checkpoint runs
+    contention_cost_s: float = 0.0  # K·c
 
 
 class EnvStep(Message, tag="env_step", kw_only=True):

@@ -16,7 +16,13 @@ the part that outlasts that response:
   ∫₀^c (1 - q(x; u)) du = E[max(c - (T - x), 0) | T > x], the checkpoint time that the response
   does not hide. With no samples, or none beyond x, nothing is known to hide it: it is c.
 
-Checkpoint when p·C ≥ the expected visible cost and p·C > 0. Inputs that are not numbers a person would give
+A checkpoint that is hidden is still not free where the engine and the checkpointer share CPUs:
+CRIU, tar and the checkpointer take cores the engine would use, and every response running
+meanwhile slows down. K, the seconds of LLM work the rollout loses per second a checkpoint runs,
+is estimated online from which responses ran alongside which checkpoints (Contention); a
+checkpoint's contention cost is K·c.
+
+Checkpoint when p·C ≥ the expected visible cost + K·c, and p·C > 0. Inputs that are not numbers a person would give
 (NaN, infinities, negatives) still get a decision: a duration, a wait, a cost or an exposure that
 is NaN or negative counts as 0, an infinite duration makes p = 1, and samples that are not finite
 and non-negative are left out. Every decision says why, and a guard that decided names itself.
@@ -34,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy
+
 from belayer_rl.shared.protocol import POLICY_PATTERN
 
 PolicyKind = Literal["adaptive", "never", "always", "every"]
@@ -45,6 +53,11 @@ PRIOR_SECONDS = 600.0
 RESPONSE_WINDOW = 512  # response times kept: bounded memory, and the oldest drop out as load drifts
 MIN_RESPONSE_SAMPLES = 3  # fewer than this: the distribution is not used yet (the cost is c)
 COST_WINDOW = 16  # recent checkpoint costs whose median is c: "under the current load"
+CONTENTION_WINDOW = 256  # responses, and checkpoints, that the contention estimate is fitted on
+# Responses that overlapped a checkpoint, and responses that did not, each, before K is fitted:
+# with either kind missing the fit cannot tell a checkpoint's effect from a response's own time.
+MIN_CONTENTION_SAMPLES = 8
+MAX_CONTENTION = 100.0  # K beyond this is a fit gone wrong, not a machine
 
 
 def finite_or_zero(value: float) -> float:
@@ -172,6 +185,72 @@ class CheckpointCost:
 
 
 @dataclass(frozen=True)
+class Interval:
+    start: float
+    end: float
+
+    def overlap(self, other: Interval) -> float:
+        return max(0.0, min(self.end, other.end) - max(self.start, other.start))
+
+
+class Contention:
+    """K: seconds of LLM work lost per second a checkpoint runs, through the CPU it takes.
+
+    Fitted by least squares on the last responses, each explained by its tokens and by the seconds
+    of checkpoints that ran during it (any trajectory's, so any checkpointer's on the same machine):
+        seconds_i ≈ b + a·tokens_i + κ·overlap_i
+    κ is what one response loses per second of checkpoint beside it; a checkpoint runs beside
+    Σ overlap / Σ checkpoint seconds responses on average, so K = κ · that. Checkpoints on another
+    machine overlap responses without slowing them, and their κ comes out near 0. `prior` until
+    MIN_CONTENTION_SAMPLES responses ran with a checkpoint and as many without; `fixed` replaces
+    the estimate. Times are the caller's clock at each event's arrival: an event's end."""
+
+    def __init__(
+        self, prior: float = 0.0, fixed: float | None = None, window: int = CONTENTION_WINDOW
+    ) -> None:
+        self.prior = prior
+        self.fixed = fixed
+        self.responses: deque[tuple[Interval, int]] = deque(maxlen=window)  # (when, tokens)
+        self.checkpoints: deque[Interval] = deque(maxlen=window)
+        self._fitted: float | None = None  # the last fit, None when events came since
+
+    def add_response(self, now: float, seconds: float, tokens: int) -> None:
+        if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
+            self.responses.append((Interval(now - seconds, now), max(tokens, 0)))
+            self._fitted = None
+
+    def add_checkpoint(self, now: float, seconds: float) -> None:
+        if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
+            self.checkpoints.append(Interval(now - seconds, now))
+            self._fitted = None
+
+    @property
+    def per_checkpoint_second(self) -> float:
+        if self.fixed is not None:
+            return min(finite_or_zero(self.fixed), MAX_CONTENTION)
+        if self._fitted is None:
+            self._fitted = self.fit()
+        return self._fitted if self._fitted is not None else min(finite_or_zero(self.prior), MAX_CONTENTION)
+
+    def fit(self) -> float | None:
+        """K from the kept events; None while they cannot tell (too few of either kind)."""
+        rows = [
+            (1.0, float(tokens), sum(when.overlap(c) for c in self.checkpoints), when.end - when.start)
+            for when, tokens in self.responses
+        ]
+        overlapped = sum(1 for row in rows if row[2] > 0)
+        if min(overlapped, len(rows) - overlapped) < MIN_CONTENTION_SAMPLES:
+            return None
+        table = numpy.array(rows)  # [n, 4]: 1, tokens, overlap, seconds
+        (_, _, kappa), *_ = numpy.linalg.lstsq(table[:, :3], table[:, 3], rcond=None)
+        checkpoint_s = sum(c.end - c.start for c in self.checkpoints)
+        if not (kappa > 0 and checkpoint_s > 0):
+            return 0.0
+        beside = float(table[:, 2].sum()) / checkpoint_s  # responses a checkpoint runs beside
+        return min(float(kappa) * beside, MAX_CONTENTION)
+
+
+@dataclass(frozen=True)
 class Guards:
     min_step: int = 3  # no checkpoint before this step (adaptive only)
     min_env_work_s: float = (
@@ -202,6 +281,8 @@ class Verdict:
     cost_s: float  # c
     samples: int
     busy_s: float = 0.0  # seconds of cooldown left when the answer is "busy"
+    contention: float = 0.0  # K
+    contention_cost_s: float = 0.0  # K·c
 
 
 @dataclass(frozen=True)
@@ -231,9 +312,11 @@ def decide(
     p: float,
     responses: ResponseTimes,
     cost_s: float,
+    contention: float = 0.0,
     guards: Guards = Guards(),
 ) -> Verdict:
-    """The verdict for `situation`, p being the step's failure probability (step_failure_probability).
+    """The verdict for `situation`, p being the step's failure probability (step_failure_probability)
+    and `contention` K (Contention.per_checkpoint_second).
 
     The guards and the host's cooldown come first, in that order: never; a checkpoint in flight;
     the cooldown (answered "busy" with the seconds left); then always and every-N; then the
@@ -246,6 +329,8 @@ def decide(
     benefit = p * exposure if p and exposure else 0.0  # inf·0 would be NaN
     visible = responses.expected_visible_cost(x, c)
     survival = responses.survival(x, c) if responses.usable else 0.0
+    k = min(finite_or_zero(contention), MAX_CONTENTION)
+    contention_cost = k * c if k and c else 0.0  # inf·0 would be NaN
 
     def verdict(checkpoint: bool, reason: str, busy_s: float = 0.0) -> Verdict:
         return Verdict(
@@ -258,6 +343,8 @@ def decide(
             cost_s=c,
             samples=len(responses),
             busy_s=busy_s,
+            contention=k,
+            contention_cost_s=contention_cost,
         )
 
     cooldown = finite_or_zero(s.cooldown_left_s)
@@ -282,7 +369,8 @@ def decide(
         return verdict(
             False, f"guard min-env-work: {env_work:.3f} s of environment work < {guards.min_env_work_s:.3f} s"
         )
-    take = benefit >= visible and benefit > 0  # no benefit is never worth a checkpoint, even a free one
+    # No benefit is never worth a checkpoint, even a free one.
+    take = benefit >= visible + contention_cost and benefit > 0
     basis = (
         f"{len(responses)} samples"
         if responses.usable and responses.beyond(x)
@@ -290,5 +378,7 @@ def decide(
     )
     relation = "≥" if take else "<"
     return verdict(
-        take, f"benefit p·C {benefit:.4g} s {relation} expected visible cost {visible:.4g} s ({basis})"
+        take,
+        f"benefit p·C {benefit:.4g} s {relation} expected visible cost {visible:.4g} s ({basis})"
+        f" + contention K·c {contention_cost:.4g} s",
     )

@@ -1,9 +1,10 @@
 """The policy service's state: what it has learnt, and the decision it answers with.
 
-It owns three estimates, fed by events: the failure rate λ (EnvStep: environment time and
-failures, from the rollout driver), the LLM response-time distribution T (LlmResponse), and the
+It owns four estimates, fed by events: the failure rate λ (EnvStep: environment time and
+failures, from the rollout driver), the LLM response-time distribution T (LlmResponse), the
 checkpoint cost c (CheckpointReady, from the checkpointers: the median of recent whole times, so
-it follows the current load). A CheckpointTimeout starts its host's cooldown. Every answer is
+it follows the current load), and the contention K (which responses ran beside which
+checkpoints: both events, timed at their arrival). A CheckpointTimeout starts its host's cooldown. Every answer is
 also published as a `policy_decision` event with its inputs and terms.
 """
 
@@ -14,6 +15,7 @@ import time
 
 from belayer_rl.services.policy.decision import (
     CheckpointCost,
+    Contention,
     FailureRate,
     Guards,
     Policy,
@@ -55,6 +57,7 @@ class PolicyState:
             else ResponseTimes(**window)
         )
         self.cost = CheckpointCost(config.initial_cost_s)
+        self.contention = Contention(prior=config.contention_prior, fixed=config.contention)
         self.cooldown_until: dict[str, float] = {}  # host id -> monotonic time its cooldown ends
 
     # ------------------------------------------------------------ what it listens to
@@ -65,10 +68,12 @@ class PolicyState:
 
     async def on_llm_response(self, response: LlmResponse) -> None:
         self.responses.add(response.seconds)
+        self.contention.add_response(time.monotonic(), response.seconds, response.tokens)
         self.metrics.observations.labels("llm-response").inc()
 
     async def on_checkpoint_ready(self, ready: CheckpointReady) -> None:
         self.cost.add(ready.total_s)
+        self.contention.add_checkpoint(time.monotonic(), ready.total_s)
         self.metrics.observations.labels("checkpoint").inc()
 
     async def on_checkpoint_timeout(self, event: CheckpointTimeout) -> None:
@@ -107,10 +112,12 @@ class PolicyState:
             p=step_failure_probability(rate, request.step_duration_s),
             responses=self.responses,
             cost_s=self.cost.seconds,
+            contention=self.contention.per_checkpoint_second,
             guards=self.guards,
         )
         label = "checkpoint" if verdict.checkpoint else "busy" if verdict.busy_s else "skip"
         self.metrics.decisions.labels(policy.name, label).inc()
         if policy.kind == "adaptive":
             self.metrics.visible_cost.observe(verdict.expected_visible_cost_s)
+            self.metrics.contention.set(verdict.contention)
         return decision_message(request, policy, verdict, rate)

@@ -17,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from belayer_rl.services.policy.decision import (
+    MAX_CONTENTION,
+    MIN_CONTENTION_SAMPLES,
     CheckpointCost,
+    Contention,
     FailureRate,
     Guards,
     Policy,
@@ -107,6 +110,7 @@ def test_hand_worked_example() -> None:
     elapsed=any_float,
     cost=any_float,
     cooldown=any_float,
+    contention=any_float,
     step=st.integers(min_value=-5, max_value=1000),
     times=st.lists(any_float, max_size=10),
     policy=st.sampled_from(["adaptive", "never", "always", "every-3"]),
@@ -118,6 +122,7 @@ def test_bad_inputs_give_a_defined_decision(
     elapsed: float,
     cost: float,
     cooldown: float,
+    contention: float,
     step: int,
     times: list[float],
     policy: str,
@@ -130,10 +135,12 @@ def test_bad_inputs_give_a_defined_decision(
         p=p,
         responses=ResponseTimes.of(times),
         cost_s=cost,
+        contention=contention,
     )
     assert isinstance(verdict.checkpoint, bool) and verdict.reason
     assert 0.0 <= verdict.p <= 1.0
-    for value in (verdict.benefit_s, verdict.expected_visible_cost_s, verdict.cost_s):
+    values = (verdict.benefit_s, verdict.expected_visible_cost_s, verdict.cost_s, verdict.contention_cost_s)
+    for value in values:
         assert not math.isnan(value) and value >= 0.0
 
 
@@ -264,6 +271,70 @@ def test_checkpoint_cost_is_the_recent_median() -> None:
     assert cost.seconds == 2.5
     cost.add(math.nan)
     assert cost.seconds == 2.5
+
+
+def contention_run(kappa: float, other_machine: bool = False) -> Contention:
+    """64 responses at 10 ms a token, every other one longer (200-350 tokens against 50-200) and beside a 0.5 s checkpoint
+    that slows it by `kappa` s a second (none when the checkpoint ran on another machine), and a
+    0.5 s checkpoint after each response, beside none: 96 checkpoints, 48 s, beside 16 s of responses."""
+    contention = Contention()
+    now = 0.0
+    for i in range(64):
+        tokens = (150 if i % 2 else 0) + 50 + (i * 37) % 150
+        seconds = 0.01 * tokens
+        if i % 2:
+            contention.add_checkpoint(now + 1.0, 0.5)  # runs from 0.5 s into the response to 1.0 s
+            seconds += 0.0 if other_machine else kappa * 0.5
+        now += seconds
+        contention.add_response(now, seconds, tokens)
+        now += 2.0
+        contention.add_checkpoint(now - 0.5, 0.5)  # between responses: slows nothing
+    return contention
+
+
+def test_contention_is_fitted_from_responses_beside_checkpoints() -> None:
+    # κ = 0.8 s a second for each response beside a checkpoint; a checkpoint runs beside
+    # 16 s / 48 s of responses on average, so K = 0.8 / 3.
+    assert contention_run(0.8).per_checkpoint_second == pytest.approx(0.8 * 16 / 48, rel=1e-6)
+    # The same overlaps with checkpoints that slow nothing (another machine's): K = 0.
+    assert contention_run(0.8, other_machine=True).per_checkpoint_second == pytest.approx(0.0, abs=1e-9)
+    # Mutation check: a fit that leaves out the tokens blames the checkpoints for the longer responses.
+    slow = contention_run(0.0)
+    assert slow.per_checkpoint_second == pytest.approx(0.0, abs=1e-9)
+    without_tokens = Contention()
+    for when, _ in slow.responses:
+        without_tokens.add_response(when.end, when.end - when.start, 0)
+    without_tokens.checkpoints = slow.checkpoints
+    assert without_tokens.per_checkpoint_second > 0.5  # 0.78: a wrong K where 0 is right
+
+
+def test_contention_prior_fixed_and_bad_events() -> None:
+    few = Contention(prior=0.7)
+    for i in range(MIN_CONTENTION_SAMPLES):  # only responses with no checkpoint beside them
+        few.add_response(float(i), 0.5, 10)
+    assert few.per_checkpoint_second == 0.7
+    assert Contention(fixed=2.5).per_checkpoint_second == 2.5
+    assert Contention(fixed=math.inf).per_checkpoint_second == MAX_CONTENTION
+    bad = contention_run(0.8)
+    k = bad.per_checkpoint_second
+    bad.add_response(math.nan, 1.0, 5)
+    bad.add_response(100.0, -1.0, 5)
+    bad.add_checkpoint(math.inf, 0.5)
+    assert bad.per_checkpoint_second == k and len(bad.responses) == 64
+
+
+def test_contention_cost_can_outweigh_a_hidden_checkpoint() -> None:
+    responses = ResponseTimes.of([5.0, 6.0, 7.0])  # the 0.5 s checkpoint is always hidden
+    situation = Situation(step=5, exposure_s=30.0, env_work_s=1.0, elapsed_s=0.0)
+    free = decide(Policy(), situation, p=0.01, responses=responses, cost_s=0.5)
+    assert free.checkpoint and free.expected_visible_cost_s == 0.0  # 0.3 s ≥ 0
+    busy = decide(Policy(), situation, p=0.01, responses=responses, cost_s=0.5, contention=1.0)
+    assert not busy.checkpoint and busy.contention_cost_s == 0.5  # 0.3 s < 0 + 1.0 * 0.5
+    assert "contention K·c 0.5 s" in busy.reason
+    # The comparison policies do not weigh it.
+    assert decide(
+        Policy("always"), situation, p=0.01, responses=responses, cost_s=0.5, contention=1.0
+    ).checkpoint
 
 
 def explain(*args: str) -> subprocess.CompletedProcess[str]:
