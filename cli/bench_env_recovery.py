@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ import uvloop
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.services.policy.decision import Interval, TimedResponse, fit_slowdown
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, TrajectoryResult
 from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
 from belayer_rl.services.rollout.driver import Batch, BatchSummary, run_batch
@@ -93,6 +95,7 @@ async def real_runs(
     results: list[TrajectoryResult] = []
     baselines: list[float] = []
     step_walls: list[float] = []
+    timed: list[TimedResponse] = []  # every batch's responses, for the slowdown a checkpoint causes
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
         config = ClusterConfig(
             state_dir=Path(state), engines=1, shadows=False, sandboxes=True, preset="tiny-4k", num_blocks=2048
@@ -146,6 +149,7 @@ async def real_runs(
                             finally:
                                 await chaos.close()
                             results += run_results
+                            timed += timed_responses(run_results)
                             cells.setdefault(f"{rate:g}/{policy}", []).append(cell(summary, baseline))
                             print(
                                 f"  p={rate:g} {policy}: {summary.wall_s:.1f} s, {summary.failures} failures, {summary.checkpoints} checkpoints",
@@ -153,7 +157,9 @@ async def real_runs(
                             )
     report = {"real": {"config": {"seeds": args.seeds, "trajectories": args.trajectories, "turns": args.turns, "action_s": args.action_s},
                        "failure_free_s": baselines, "cells": {k: aggregate(v) for k, v in cells.items()}}}  # fmt: skip
-    return report, measure(results, statistics.fmean(step_walls))
+    slowdown = fit_slowdown(timed)
+    report["real"]["slowdown"] = slowdown  # type: ignore[index]
+    return report, measure(results, statistics.fmean(step_walls), slowdown or 0.0)
 
 
 async def fresh_policy(supervisor: Supervisor, services: Services) -> None:
@@ -215,7 +221,16 @@ def aggregate(rows: list[dict[str, float]]) -> dict[str, object]:
     return out
 
 
-def measure(results: Sequence[TrajectoryResult], step_wall_s: float) -> Measured:
+def timed_responses(batch: Sequence[TrajectoryResult]) -> list[TimedResponse]:
+    """One batch's responses (its trajectories share one clock), each with the seconds of any
+    trajectory's checkpoints that ran beside it."""
+    entries = [e for r in batch for e in r.timeline]
+    checkpoints = [Interval(e.start_s, e.end_s) for e in entries if e.kind == "checkpoint"]
+    turns = [(Interval(e.start_s, e.end_s), e.tokens) for e in entries if e.kind == "turn"]
+    return [TimedResponse(when, tokens, sum(when.overlap(c) for c in checkpoints)) for when, tokens in turns]
+
+
+def measure(results: Sequence[TrajectoryResult], step_wall_s: float, slowdown: float) -> Measured:
     """The durations of every run, for the simulator. A kind never seen (no failure at all, say)
     borrows its nearest kin, and the report says so through `measured.json`."""
 
@@ -241,6 +256,7 @@ def measure(results: Sequence[TrajectoryResult], step_wall_s: float) -> Measured
         restore_s=restores or bases or checkpoints,
         base_restart_s=bases or restores or checkpoints,
         step_wall_s=step_wall_s,
+        slowdown=slowdown,
     )
 
 
@@ -253,15 +269,17 @@ def simulations(
     if isinstance(real, dict):
         shapes["real-config"] = (args.trajectories, args.turns, max(args.seeds, 5))
     for shape, (trajectories, turns, seeds) in shapes.items():
-        baseline = [
-            simulate(SimConfig("never", 0.0, trajectories, turns, seed), measured) for seed in range(seeds)
-        ]
+        # As many trajectories share a machine as in the real runs.
+        shape_config = functools.partial(
+            SimConfig, trajectories=trajectories, turns=turns, machine_trajectories=args.trajectories
+        )
+        baseline = [simulate(shape_config("never", 0.0, seed=seed), measured) for seed in range(seeds)]
         cells: dict[str, object] = {}
         for rate in rates:
             for policy in policies:
                 rows = []
                 for seed in range(seeds):
-                    r = simulate(SimConfig(policy, rate, trajectories, turns, seed), measured)
+                    r = simulate(shape_config(policy, rate, seed=seed), measured)
                     rows.append({"added": r.wall_s / baseline[seed].wall_s - 1.0, "mean_added": r.mean_trajectory_s / baseline[seed].mean_trajectory_s - 1.0,
                                  "hidden_fraction": r.hidden_fraction, "checkpoint_s": r.checkpoint_s,
                                  "exposed_checkpoint_s": r.exposed_checkpoint_s, "checkpoints": r.checkpoints,
@@ -301,6 +319,7 @@ def print_table(report: dict[str, object]) -> None:
         print(
             f"\nreal runs {real['config']}, failure-free batches {', '.join(f'{s:.1f}' for s in real['failure_free_s'])} s"
         )
+        print(f"slowdown κ (response seconds lost per checkpoint second beside it): {real['slowdown']}")
         table(real["cells"])
     sim = report["simulator"]
     for shape in ("real-config", "paper"):

@@ -54,9 +54,11 @@ RESPONSE_WINDOW = 512  # response times kept: bounded memory, and the oldest dro
 MIN_RESPONSE_SAMPLES = 3  # fewer than this: the distribution is not used yet (the cost is c)
 COST_WINDOW = 16  # recent checkpoint costs whose median is c: "under the current load"
 CONTENTION_WINDOW = 256  # responses, and checkpoints, that the contention estimate is fitted on
-# Responses that overlapped a checkpoint, and responses that did not, each, before K is fitted:
-# with either kind missing the fit cannot tell a checkpoint's effect from a response's own time.
-MIN_CONTENTION_SAMPLES = 8
+# Responses before K is fitted, of which some ran beside a checkpoint; and they must differ both in
+# size and in the checkpoint time beside them, or the fit cannot tell a checkpoint's effect from a
+# response's own length.
+MIN_CONTENTION_SAMPLES = 16
+MIN_BESIDE_SAMPLES = 8
 MAX_CONTENTION = 100.0  # K beyond this is a fit gone wrong, not a machine
 
 
@@ -189,39 +191,69 @@ class Interval:
     start: float
     end: float
 
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
     def overlap(self, other: Interval) -> float:
         return max(0.0, min(self.end, other.end) - max(self.start, other.start))
+
+
+@dataclass
+class TimedResponse:
+    when: Interval
+    work: float  # its size: tokens generated (the simulator, without tokens, gives its undisturbed seconds)
+    beside_s: float  # seconds of checkpoints that ran during it
+
+
+def fit_slowdown(responses: Iterable[TimedResponse]) -> float | None:
+    """κ, the seconds a response loses per second of checkpoint beside it, by least squares:
+        seconds_i ≈ b + a·work_i + κ·beside_i
+    The work term matters: a longer response has more checkpoint time beside it whatever the
+    contention. None with fewer than MIN_CONTENTION_SAMPLES responses or MIN_BESIDE_SAMPLES beside a
+    checkpoint, or while the three columns do not vary independently."""
+    rows = [(1.0, r.work, r.beside_s, r.when.seconds) for r in responses]
+    beside = sum(1 for row in rows if row[2] > 0)
+    if len(rows) < MIN_CONTENTION_SAMPLES or beside < MIN_BESIDE_SAMPLES:
+        return None
+    table = numpy.array(rows)  # [n, 4]: 1, work, beside, seconds
+    (_, _, kappa), _, rank, _ = numpy.linalg.lstsq(table[:, :3], table[:, 3], rcond=None)
+    return float(kappa) if rank == 3 else None
 
 
 class Contention:
     """K: seconds of LLM work lost per second a checkpoint runs, through the CPU it takes.
 
-    Fitted by least squares on the last responses, each explained by its tokens and by the seconds
-    of checkpoints that ran during it (any trajectory's, so any checkpointer's on the same machine):
-        seconds_i ≈ b + a·tokens_i + κ·overlap_i
-    κ is what one response loses per second of checkpoint beside it; a checkpoint runs beside
-    Σ overlap / Σ checkpoint seconds responses on average, so K = κ · that. Checkpoints on another
-    machine overlap responses without slowing them, and their κ comes out near 0. `prior` until
-    MIN_CONTENTION_SAMPLES responses ran with a checkpoint and as many without; `fixed` replaces
-    the estimate. Times are the caller's clock at each event's arrival: an event's end."""
+    Each response is explained by its size and by the seconds of checkpoints that ran during it
+    (any trajectory's, so any checkpointer's on the same machine), which gives κ (fit_slowdown). A
+    checkpoint runs beside Σ beside / Σ checkpoint seconds responses on average, so K = κ · that.
+    Checkpoints on another machine overlap responses without slowing them: their κ comes out near 0,
+    and a negative κ counts as 0. `prior` until the fit can tell; `fixed` replaces the estimate.
+    Times are the caller's clock at each event's arrival, an event's end; a response's overlaps
+    are kept up to date as checkpoints arrive, so a fit costs one small least-squares solve."""
 
     def __init__(
         self, prior: float = 0.0, fixed: float | None = None, window: int = CONTENTION_WINDOW
     ) -> None:
         self.prior = prior
         self.fixed = fixed
-        self.responses: deque[tuple[Interval, int]] = deque(maxlen=window)  # (when, tokens)
+        self.responses: deque[TimedResponse] = deque(maxlen=window)
         self.checkpoints: deque[Interval] = deque(maxlen=window)
         self._fitted: float | None = None  # the last fit, None when events came since
 
-    def add_response(self, now: float, seconds: float, tokens: int) -> None:
-        if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
-            self.responses.append((Interval(now - seconds, now), max(tokens, 0)))
+    def add_response(self, now: float, seconds: float, work: float) -> None:
+        if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now) and math.isfinite(work):
+            when = Interval(now - seconds, now)
+            beside = sum(when.overlap(c) for c in self.checkpoints)
+            self.responses.append(TimedResponse(when, max(work, 0.0), beside))
             self._fitted = None
 
     def add_checkpoint(self, now: float, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
-            self.checkpoints.append(Interval(now - seconds, now))
+            checkpoint = Interval(now - seconds, now)
+            for response in self.responses:
+                response.beside_s += response.when.overlap(checkpoint)
+            self.checkpoints.append(checkpoint)
             self._fitted = None
 
     @property
@@ -233,21 +265,15 @@ class Contention:
         return self._fitted if self._fitted is not None else min(finite_or_zero(self.prior), MAX_CONTENTION)
 
     def fit(self) -> float | None:
-        """K from the kept events; None while they cannot tell (too few of either kind)."""
-        rows = [
-            (1.0, float(tokens), sum(when.overlap(c) for c in self.checkpoints), when.end - when.start)
-            for when, tokens in self.responses
-        ]
-        overlapped = sum(1 for row in rows if row[2] > 0)
-        if min(overlapped, len(rows) - overlapped) < MIN_CONTENTION_SAMPLES:
+        """K from the kept events; None while they cannot tell."""
+        kappa = fit_slowdown(self.responses)
+        if kappa is None:
             return None
-        table = numpy.array(rows)  # [n, 4]: 1, tokens, overlap, seconds
-        (_, _, kappa), *_ = numpy.linalg.lstsq(table[:, :3], table[:, 3], rcond=None)
-        checkpoint_s = sum(c.end - c.start for c in self.checkpoints)
+        checkpoint_s = sum(c.seconds for c in self.checkpoints)
         if not (kappa > 0 and checkpoint_s > 0):
             return 0.0
-        beside = float(table[:, 2].sum()) / checkpoint_s  # responses a checkpoint runs beside
-        return min(float(kappa) * beside, MAX_CONTENTION)
+        beside = sum(r.beside_s for r in self.responses) / checkpoint_s  # responses a checkpoint runs beside
+        return min(kappa * beside, MAX_CONTENTION)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class TimelineEntry(msgspec.Struct, kw_only=True):
     end_s: float
     step: int
     detail: str = ""
+    tokens: int = 0  # a turn's generated tokens
 
 
 class TrajectoryResult(msgspec.Struct, kw_only=True):
@@ -196,7 +197,9 @@ class Trajectory:
     def sandbox(self) -> str:
         return self.trajectory_id
 
-    def mark(self, kind: str, start_s: float, detail: str = "", step: int | None = None) -> None:
+    def mark(
+        self, kind: str, start_s: float, detail: str = "", step: int | None = None, tokens: int = 0
+    ) -> None:
         self.timeline.append(
             TimelineEntry(
                 kind=kind,
@@ -204,6 +207,7 @@ class Trajectory:
                 end_s=self.clock(),
                 step=self.k if step is None else step,
                 detail=detail,
+                tokens=tokens,
             )  # type: ignore[arg-type]
         )
 
@@ -344,7 +348,12 @@ class Trajectory:
                     await asyncio.wait([request])  # its end, without re-raising it (or our own cancel)
             seconds = self.clock() - started
             self.turns += 1
-            self.mark("turn", started, f"{len(generation.tokens)} tokens, {generation.resumes} resumes")
+            self.mark(
+                "turn",
+                started,
+                f"{len(generation.tokens)} tokens, {generation.resumes} resumes",
+                tokens=len(generation.tokens),
+            )
             response = LlmResponse(
                 trajectory=self.trajectory_id, seconds=seconds, tokens=len(generation.tokens)
             )

@@ -11,8 +11,14 @@ probability p, its kill landing u·D after the action starts (u uniform, D the s
 time, as the chaos injector does): a kill inside the action is seen at once; a later one kills the
 checkpoint in flight if it is still running and is seen when the next action starts. A failure
 costs a restore (r) and everything since the latest ready checkpoint, or a restart from the base
-image (b) and everything. Trajectories are independent (no contention is modelled: the measured
-distributions already carry the load of the real runs); the batch ends with its last trajectory.
+image (b) and everything. The batch ends with its last trajectory.
+
+Contention: trajectories share machines, `machine_trajectories` to a machine, and a checkpoint
+takes CPU from the responses generated on its machine. A response drawn as T lasts
+T·(1 + κ·L), κ the measured slowdown (seconds a response loses per second of checkpoint beside
+it, Measured.slowdown) and L the mean number of checkpoints that ran on its machine over the last
+CONTENTION_LOOKBACK_S. The adaptive policy learns K from the simulated responses and checkpoints,
+as the policy service does from real ones.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from dataclasses import dataclass, field
 
 from belayer_rl.services.policy.decision import (
     CheckpointCost,
+    Contention,
     FailureRate,
+    Interval,
     Policy,
     ResponseTimes,
     Situation,
@@ -44,6 +52,7 @@ class Measured:
     restore_s: Sequence[float]
     base_restart_s: Sequence[float]
     step_wall_s: float = 0.0  # D of the chaos injector: the failure-free runs' mean step (0: unknown)
+    slowdown: float = 0.0  # κ: seconds a response loses per second of checkpoint beside it
 
     def __post_init__(self) -> None:
         for name in ("response_s", "action_s", "checkpoint_s", "restore_s", "base_restart_s"):
@@ -61,6 +70,7 @@ class SimConfig:
     consult_every_s: float = 1.0
     step_wall_s: float = 0.0  # D; 0: the mean of a response and an action
     max_recoveries: int = 50  # per trajectory, the driver's default bound: past it the trajectory gives up
+    machine_trajectories: int = 0  # trajectories sharing a machine's CPUs; 0: all of them
 
 
 @dataclass
@@ -97,6 +107,25 @@ class SimTrajectory:
     failures: int = 0
 
 
+CONTENTION_LOOKBACK_S = 10.0
+
+
+class MachineLoad:
+    """The checkpoints that ran on one machine, for the mean number running over a past window."""
+
+    def __init__(self) -> None:
+        self.checkpoints: list[Interval] = []
+
+    def add(self, start: float, end: float) -> None:
+        self.checkpoints.append(Interval(start, end))
+
+    def before(self, now: float) -> float:
+        """L: the mean number of checkpoints running over [now - CONTENTION_LOOKBACK_S, now]."""
+        window = Interval(now - CONTENTION_LOOKBACK_S, now)
+        self.checkpoints = [c for c in self.checkpoints if c.end > window.start]
+        return sum(window.overlap(c) for c in self.checkpoints) / CONTENTION_LOOKBACK_S
+
+
 def draw(samples: Sequence[float], *key: object) -> float:
     return samples[seeded(*key).randrange(len(samples))]
 
@@ -106,6 +135,9 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
     rate = FailureRate()
     responses = ResponseTimes()
     cost = CheckpointCost(statistics.median(measured.checkpoint_s))
+    contention = Contention()
+    per_machine = config.machine_trajectories or config.trajectories
+    machines = [MachineLoad() for _ in range(-(-config.trajectories // per_machine))]
     step_wall = (
         config.step_wall_s
         or measured.step_wall_s
@@ -132,7 +164,9 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
             continue
         # The LLM turn that follows k actions (none before the setup), and the consults while it runs.
         turn = t.attempts.get(t.k, 0)
-        response = draw(measured.response_s, "T", seed, t.index, t.k, turn) if t.k > 0 else 0.0
+        machine = machines[t.index // per_machine]
+        undisturbed = draw(measured.response_s, "T", seed, t.index, t.k, turn) if t.k > 0 else 0.0
+        response = undisturbed * (1.0 + measured.slowdown * machine.before(now))
         checkpoint_start = checkpoint_end = None
         if t.k != t.ready_k and t.k > 0:  # the base image (k = 0) needs no checkpoint
             x = 0.0
@@ -148,16 +182,19 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
                     p=step_failure_probability(rate.per_second, t.last_action_s),
                     responses=responses,
                     cost_s=cost.seconds,
+                    contention=contention.per_checkpoint_second if policy.kind == "adaptive" else 0.0,
                 )
                 if verdict.checkpoint:
                     checkpoint_start = now + x
                     checkpoint_end = checkpoint_start + draw(
                         measured.checkpoint_s, "c", seed, t.index, t.k, turn
                     )
+                    machine.add(checkpoint_start, checkpoint_end)
                     break
                 x += config.consult_every_s
         if t.k > 0:
             responses.add(response)
+            contention.add_response(now + response, response, undisturbed)
         turn_end = now + response
         action_start = max(turn_end, checkpoint_end or 0.0)
         # A kill from the previous step that landed before this action: it killed the checkpoint
@@ -167,7 +204,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
             seen_at = turn_end
             if checkpoint_start is not None and checkpoint_end is not None:
                 if checkpoint_end <= pending:  # it made it: the recovery restores it
-                    ready(t, result, cost, checkpoint_start, checkpoint_end, turn_end)
+                    ready(t, result, cost, contention, checkpoint_start, checkpoint_end, turn_end)
                     seen_at = max(turn_end, checkpoint_end)
                 else:
                     failed_at = max(pending, checkpoint_start)
@@ -177,7 +214,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
             fail(t, seen_at, turn)
             continue
         if checkpoint_start is not None and checkpoint_end is not None:
-            ready(t, result, cost, checkpoint_start, checkpoint_end, turn_end)
+            ready(t, result, cost, contention, checkpoint_start, checkpoint_end, turn_end)
         t.work += response
         # The action, and whether its step fails: its own kill, or a later one still pending.
         step = t.k + 1
@@ -205,12 +242,19 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
 
 
 def ready(
-    t: SimTrajectory, result: SimResult, cost: CheckpointCost, start: float, end: float, turn_end: float
+    t: SimTrajectory,
+    result: SimResult,
+    cost: CheckpointCost,
+    contention: Contention,
+    start: float,
+    end: float,
+    turn_end: float,
 ) -> None:
     result.checkpoints += 1
     result.checkpoint_s += end - start
     result.exposed_checkpoint_s += max(0.0, end - turn_end)
     cost.add(end - start)
+    contention.add_checkpoint(end, end - start)
     t.ready_k = t.k
     t.ready_at_work = t.work
     t.ready_env_work = t.env_work

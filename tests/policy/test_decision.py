@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -27,6 +28,7 @@ from belayer_rl.services.policy.decision import (
     ResponseTimes,
     Situation,
     decide,
+    fit_slowdown,
     step_failure_probability,
 )
 from tests.cli.helpers import belayer
@@ -298,21 +300,23 @@ def test_contention_is_fitted_from_responses_beside_checkpoints() -> None:
     assert contention_run(0.8).per_checkpoint_second == pytest.approx(0.8 * 16 / 48, rel=1e-6)
     # The same overlaps with checkpoints that slow nothing (another machine's): K = 0.
     assert contention_run(0.8, other_machine=True).per_checkpoint_second == pytest.approx(0.0, abs=1e-9)
-    # Mutation check: a fit that leaves out the tokens blames the checkpoints for the longer responses.
+    # Mutation check: sizes paired with the wrong responses (each with the next one's) leave the
+    # longer responses unexplained, and the fit blames the checkpoints beside them.
     slow = contention_run(0.0)
     assert slow.per_checkpoint_second == pytest.approx(0.0, abs=1e-9)
-    without_tokens = Contention()
-    for when, _ in slow.responses:
-        without_tokens.add_response(when.end, when.end - when.start, 0)
-    without_tokens.checkpoints = slow.checkpoints
-    assert without_tokens.per_checkpoint_second > 0.5  # 0.78: a wrong K where 0 is right
+    kept = list(slow.responses)
+    misaligned = [replace(r, work=kept[(i + 1) % len(kept)].work) for i, r in enumerate(kept)]
+    assert fit_slowdown(misaligned) > 0.5  # a wrong slowdown where there is none
 
 
 def test_contention_prior_fixed_and_bad_events() -> None:
     few = Contention(prior=0.7)
-    for i in range(MIN_CONTENTION_SAMPLES):  # only responses with no checkpoint beside them
-        few.add_response(float(i), 0.5, 10)
+    for i in range(MIN_CONTENTION_SAMPLES):  # no checkpoint beside any of them: nothing to fit
+        few.add_response(float(i), 0.5 + i / 100, 10 + i)
     assert few.per_checkpoint_second == 0.7
+    few.add_checkpoint(1.0, 0.5)
+    assert few.per_checkpoint_second == 0.7  # too few responses beside one to tell: 0.7 still
+
     assert Contention(fixed=2.5).per_checkpoint_second == 2.5
     assert Contention(fixed=math.inf).per_checkpoint_second == MAX_CONTENTION
     bad = contention_run(0.8)
