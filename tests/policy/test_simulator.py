@@ -70,3 +70,34 @@ def test_the_same_seed_gives_the_same_batch() -> None:
     b = simulate(SimConfig("adaptive", 0.05, trajectories=32, turns=8, seed=9), measured)
     c = simulate(SimConfig("adaptive", 0.05, trajectories=32, turns=8, seed=10), measured)
     assert a == b and a != c
+
+
+def test_checkpoints_slow_the_responses_on_their_machine() -> None:
+    slowed = Measured(**{**constant().__dict__, "slowdown": 1.0})
+    # One trajectory, a 0.5 s checkpoint at the start of every response from boundary 1. Each
+    # response is slowed by κ = 1 times the checkpoints' mean number over the 10 s before it starts:
+    # 0, 0.05, 0.1, 0.15 and 0.15 (the first checkpoint has left the window): 2.0, 2.1, 2.2, 2.3, 2.3 s.
+    always = simulate(SimConfig("always", 0.0, trajectories=1, turns=5), slowed)
+    assert always.wall_s == pytest.approx(16.0 + 0.1 + 0.2 + 0.3 + 0.3)
+    # No checkpoint, no contention.
+    assert simulate(SimConfig("never", 0.0, trajectories=1, turns=5), slowed).wall_s == pytest.approx(16.0)
+    # A machine of its own for each trajectory: another's checkpoints do not slow it.
+    apart = simulate(SimConfig("always", 0.0, trajectories=2, turns=5, machine_trajectories=1), slowed)
+    together = simulate(SimConfig("always", 0.0, trajectories=2, turns=5), slowed)
+    assert apart.wall_s == pytest.approx(always.wall_s) and together.wall_s > apart.wall_s
+
+
+def test_the_adaptive_policy_learns_the_contention_and_checkpoints_less() -> None:
+    def measured(slowdown: float) -> Measured:
+        return Measured(
+            response_s=[1.0, 2.0, 3.0, 4.0, 6.0],
+            action_s=[0.3, 0.5],
+            checkpoint_s=[0.4, 0.8],
+            restore_s=[0.5],
+            base_restart_s=[0.3],
+            slowdown=slowdown,
+        )
+
+    config = SimConfig("adaptive", 0.05, trajectories=16, turns=12, seed=4)
+    free, contended = simulate(config, measured(0.0)), simulate(config, measured(1.0))
+    assert 0 < contended.checkpoints < free.checkpoints
