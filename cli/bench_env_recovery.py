@@ -60,7 +60,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     bench.add_argument("--rates", default="0.01,0.05", help="failure probabilities per step")
     bench.add_argument("--policies", default=",".join(POLICIES))
     bench.add_argument("--sim-seeds", type=int, default=5, help="seeds of the simulator at the paper's scale")
-    bench.add_argument("--sim-only", type=Path, help="skip the real runs: simulate from this measured.json")
+    bench.add_argument(
+        "--sim-only",
+        type=Path,
+        help="skip the real runs: simulate from this measured.json (validated against the report.json beside it)",
+    )
     bench.add_argument("--out", type=Path, default=Path("env-recovery"), help="folder for report, plot, data")
     bench.add_argument("--quick", action="store_true", help="1 seed, 2 trajectories, 3 turns (a smoke run)")
     bench.add_argument("--json", action="store_true")
@@ -75,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     policies = args.policies.split(",")
     if args.sim_only:
         measured = Measured(**json.loads(args.sim_only.read_text()))
-        report: dict[str, object] = {"real": None}
+        earlier = args.sim_only.parent / "report.json"
+        real = json.loads(earlier.read_text())["real"] if earlier.exists() else None
+        report: dict[str, object] = {"real": real}
     else:
         report, measured = uvloop.run(real_runs(args, rates, policies))
         (args.out / "measured.json").write_text(json.dumps(dataclasses.asdict(measured)))
@@ -93,6 +99,7 @@ async def real_runs(
     tasks = shell_tasks(args.trajectories, turns=args.turns, action_s=args.action_s)
     cells: dict[str, list[dict[str, float]]] = {}
     results: list[TrajectoryResult] = []
+    undisturbed: list[TrajectoryResult] = []  # the failure-free batches': no checkpoint beside them
     baselines: list[float] = []
     step_walls: list[float] = []
     timed: list[TimedResponse] = []  # every batch's responses, for the slowdown a checkpoint causes
@@ -114,8 +121,12 @@ async def real_runs(
                 for seed in range(args.seeds):
                     batch = Batch(tasks, seed=seed, concurrency=args.trajectories, run_id=f"s{seed}-ff")
                     settings = RolloutSettings(host_id=host_id, policy="never")
-                    baseline, ff_results = await run_batch(services, batch, settings)
+                    baseline, ff_results = await run_batch(
+                        services, batch, settings, out_dir=args.out / batch.run_id
+                    )
                     results += ff_results
+                    undisturbed += ff_results
+                    timed += timed_responses(ff_results)
                     baselines.append(baseline.wall_s)
                     step_wall = baseline.mean_step_wall_s
                     step_walls.append(step_wall)
@@ -159,7 +170,7 @@ async def real_runs(
                        "failure_free_s": baselines, "cells": {k: aggregate(v) for k, v in cells.items()}}}  # fmt: skip
     slowdown = fit_slowdown(timed)
     report["real"]["slowdown"] = slowdown  # type: ignore[index]
-    return report, measure(results, statistics.fmean(step_walls), slowdown or 0.0)
+    return report, measure(results, undisturbed, statistics.fmean(step_walls), slowdown or 0.0)
 
 
 async def fresh_policy(supervisor: Supervisor, services: Services) -> None:
@@ -230,14 +241,21 @@ def timed_responses(batch: Sequence[TrajectoryResult]) -> list[TimedResponse]:
     return [TimedResponse(when, tokens, sum(when.overlap(c) for c in checkpoints)) for when, tokens in turns]
 
 
-def measure(results: Sequence[TrajectoryResult], step_wall_s: float, slowdown: float) -> Measured:
-    """The durations of every run, for the simulator. A kind never seen (no failure at all, say)
-    borrows its nearest kin, and the report says so through `measured.json`."""
+def measure(
+    results: Sequence[TrajectoryResult],
+    undisturbed: Sequence[TrajectoryResult],
+    step_wall_s: float,
+    slowdown: float,
+) -> Measured:
+    """The durations of every run, for the simulator. Response times come from the failure-free
+    batches only: the simulator adds the contention of its own checkpoints (`slowdown`), which the
+    other batches' responses already carry. A kind never seen (no failure at all, say) borrows its
+    nearest kin, and the report says so through `measured.json`."""
 
-    def spans(kind: str, prefix: str = "") -> list[float]:
+    def spans(kind: str, prefix: str = "", of: Sequence[TrajectoryResult] = results) -> list[float]:
         return [
             e.end_s - e.start_s
-            for r in results
+            for r in of
             for e in r.timeline
             if e.kind == kind and e.detail.startswith(prefix) and "failed" not in e.detail
         ]
@@ -250,7 +268,7 @@ def measure(results: Sequence[TrajectoryResult], step_wall_s: float, slowdown: f
             "belayer bench env-recovery: no checkpoint completed, nothing to drive the simulator with"
         )
     return Measured(
-        response_s=spans("turn"),
+        response_s=spans("turn", of=undisturbed),
         action_s=spans("action"),
         checkpoint_s=checkpoints,
         restore_s=restores or bases or checkpoints,
@@ -266,12 +284,14 @@ def simulations(
     started = time.monotonic()
     out: dict[str, object] = {}
     shapes = {"paper": (512, 20, args.sim_seeds)}
+    share = args.trajectories  # as many trajectories to a machine as in the real runs
     if isinstance(real, dict):
-        shapes["real-config"] = (args.trajectories, args.turns, max(args.seeds, 5))
+        config = real["config"]  # the real runs' own, also under --sim-only
+        share = config["trajectories"]
+        shapes["real-config"] = (config["trajectories"], config["turns"], max(config["seeds"], 5))
     for shape, (trajectories, turns, seeds) in shapes.items():
-        # As many trajectories share a machine as in the real runs.
         shape_config = functools.partial(
-            SimConfig, trajectories=trajectories, turns=turns, machine_trajectories=args.trajectories
+            SimConfig, trajectories=trajectories, turns=turns, machine_trajectories=share
         )
         baseline = [simulate(shape_config("never", 0.0, seed=seed), measured) for seed in range(seeds)]
         cells: dict[str, object] = {}
@@ -292,6 +312,7 @@ def simulations(
         out[shape] = {"trajectories": trajectories, "turns": turns, "seeds": seeds, "cells": cells}
     if isinstance(real, dict):
         out["validation"] = validation(real["cells"], out["real-config"]["cells"])  # type: ignore[index]
+    out["slowdown"] = measured.slowdown
     out["seconds"] = time.monotonic() - started
     return out
 
@@ -319,7 +340,6 @@ def print_table(report: dict[str, object]) -> None:
         print(
             f"\nreal runs {real['config']}, failure-free batches {', '.join(f'{s:.1f}' for s in real['failure_free_s'])} s"
         )
-        print(f"slowdown κ (response seconds lost per checkpoint second beside it): {real['slowdown']}")
         table(real["cells"])
     sim = report["simulator"]
     for shape in ("real-config", "paper"):
@@ -329,6 +349,9 @@ def print_table(report: dict[str, object]) -> None:
                 f"\nsimulator, {shape}: {s['trajectories']} trajectories x {s['turns']} rounds, {s['seeds']} seeds"
             )
             table(s["cells"])
+    print(
+        f"\nslowdown κ the simulator used (seconds a response loses per checkpoint second beside it): {sim['slowdown']:.3f}"
+    )  # type: ignore[index]
     if "validation" in sim:  # type: ignore[operator]
         print(f"\nsimulator validated against the real runs: {sim['validation']['validated']}")  # type: ignore[index]
 
