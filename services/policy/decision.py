@@ -22,10 +22,10 @@ meanwhile slows down. K, the seconds of LLM work the rollout loses per second a 
 is estimated online from which responses ran alongside which checkpoints (Contention); a
 checkpoint's contention cost is K·c.
 
-Checkpoint when p·C ≥ the expected visible cost + K·c, and p·C > 0. Inputs that are not numbers a person would give
-(NaN, infinities, negatives) still get a decision: a duration, a wait, a cost or an exposure that
-is NaN or negative counts as 0, an infinite duration makes p = 1, and samples that are not finite
-and non-negative are left out. Every decision says why, and a guard that decided names itself.
+Checkpoint when p·C ≥ the expected visible cost + K·c, and p·C > 0. Inputs that are not numbers
+a person would give (NaN, infinities, negatives) still get a decision: a duration, a wait, a cost,
+an exposure or a contention that is NaN or negative counts as 0, an infinite duration makes p = 1,
+and samples that are not finite and non-negative are left out. Every decision says why, and a guard that decided names itself.
 """
 
 from __future__ import annotations

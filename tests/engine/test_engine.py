@@ -98,6 +98,17 @@ def test_foreign_arena_is_used_and_checked(tiny_params):
         Engine(EngineConfig(num_blocks=16), tiny_params, arena)
 
 
+def test_weights_on_another_device_than_the_arena_are_refused(tiny_params):
+    # The forward pass runs where the arena is; `meta` stands in for a GPU this machine may lack.
+    elsewhere = {name: t.to("meta") for name, t in tiny_params.items()}
+    arena = allocate_arena(PRESETS["tiny"], num_blocks=8, block_size=16)
+    with pytest.raises(ValueError, match="weights are on meta, the KV arena on cpu"):
+        Engine(EngineConfig(num_blocks=8), elsewhere, arena)
+    engine = Engine(EngineConfig(num_blocks=8), tiny_params, arena)
+    with pytest.raises(ValueError, match="weights are on meta"):
+        engine.add_weights("v2", elsewhere)
+
+
 # ---------------------------------------------------------------------------- admission control
 
 
