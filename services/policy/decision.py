@@ -206,8 +206,19 @@ class TimedResponse:
     beside_s: float  # seconds of checkpoints that ran during it
 
 
-def fit_slowdown(responses: Iterable[TimedResponse]) -> float | None:
-    """κ, the seconds a response loses per second of checkpoint beside it, by least squares:
+@dataclass(frozen=True)
+class Slowdown:
+    kappa: float  # seconds a response loses per second of checkpoint beside it
+    standard_error: float
+
+    @property
+    def shown(self) -> bool:
+        """The data show a slowdown: κ is positive by more than twice its standard error."""
+        return self.kappa > 2 * self.standard_error
+
+
+def fit_slowdown(responses: Iterable[TimedResponse]) -> Slowdown | None:
+    """κ by least squares, with its standard error:
         seconds_i ≈ b + a·work_i + κ·beside_i
     The work term matters: a longer response has more checkpoint time beside it whatever the
     contention. None with fewer than MIN_CONTENTION_SAMPLES responses or MIN_BESIDE_SAMPLES beside a
@@ -217,8 +228,14 @@ def fit_slowdown(responses: Iterable[TimedResponse]) -> float | None:
     if len(rows) < MIN_CONTENTION_SAMPLES or beside < MIN_BESIDE_SAMPLES:
         return None
     table = numpy.array(rows)  # [n, 4]: 1, work, beside, seconds
-    (_, _, kappa), _, rank, _ = numpy.linalg.lstsq(table[:, :3], table[:, 3], rcond=None)
-    return float(kappa) if rank == 3 else None
+    x, y = table[:, :3], table[:, 3]
+    coefficients, _, rank, _ = numpy.linalg.lstsq(x, y, rcond=None)
+    if rank < 3:
+        return None
+    residuals = y - x @ coefficients
+    variance = float(residuals @ residuals) / (len(rows) - 3)
+    covariance = variance * numpy.linalg.inv(x.T @ x)  # [3, 3]
+    return Slowdown(float(coefficients[2]), math.sqrt(max(float(covariance[2, 2]), 0.0)))
 
 
 class Contention:
@@ -227,8 +244,9 @@ class Contention:
     Each response is explained by its size and by the seconds of checkpoints that ran during it
     (any trajectory's, so any checkpointer's on the same machine), which gives κ (fit_slowdown). A
     checkpoint runs beside Σ beside / Σ checkpoint seconds responses on average, so K = κ · that.
-    Checkpoints on another machine overlap responses without slowing them: their κ comes out near 0,
-    and a negative κ counts as 0. `prior` until the fit can tell; `fixed` replaces the estimate.
+    Checkpoints on another machine overlap responses without slowing them: their κ comes out near 0.
+    K is `prior` until the data show a slowdown (Slowdown.shown): a κ within noise of 0, or below
+    it, is no evidence of contention. `fixed` replaces the estimate.
     Times are the caller's clock at each event's arrival, an event's end; a response's overlaps
     are kept up to date as checkpoints arrive, so a fit costs one small least-squares solve."""
 
@@ -239,14 +257,15 @@ class Contention:
         self.fixed = fixed
         self.responses: deque[TimedResponse] = deque(maxlen=window)
         self.checkpoints: deque[Interval] = deque(maxlen=window)
-        self._fitted: float | None = None  # the last fit, None when events came since
+        self._fitted: float | None = None  # the last fit's K; None: the data show no slowdown
+        self._stale = True  # events came since the last fit
 
     def add_response(self, now: float, seconds: float, work: float) -> None:
         if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now) and math.isfinite(work):
             when = Interval(now - seconds, now)
             beside = sum(when.overlap(c) for c in self.checkpoints)
             self.responses.append(TimedResponse(when, max(work, 0.0), beside))
-            self._fitted = None
+            self._stale = True
 
     def add_checkpoint(self, now: float, seconds: float) -> None:
         if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
@@ -254,26 +273,24 @@ class Contention:
             for response in self.responses:
                 response.beside_s += response.when.overlap(checkpoint)
             self.checkpoints.append(checkpoint)
-            self._fitted = None
+            self._stale = True
 
     @property
     def per_checkpoint_second(self) -> float:
         if self.fixed is not None:
             return min(finite_or_zero(self.fixed), MAX_CONTENTION)
-        if self._fitted is None:
-            self._fitted = self.fit()
+        if self._stale:
+            self._fitted, self._stale = self.fit(), False
         return self._fitted if self._fitted is not None else min(finite_or_zero(self.prior), MAX_CONTENTION)
 
     def fit(self) -> float | None:
-        """K from the kept events; None while they cannot tell."""
-        kappa = fit_slowdown(self.responses)
-        if kappa is None:
-            return None
+        """K from the kept events; None while they show no slowdown."""
+        slowdown = fit_slowdown(self.responses)
         checkpoint_s = sum(c.seconds for c in self.checkpoints)
-        if not (kappa > 0 and checkpoint_s > 0):
-            return 0.0
+        if slowdown is None or not slowdown.shown or checkpoint_s <= 0:
+            return None
         beside = sum(r.beside_s for r in self.responses) / checkpoint_s  # responses a checkpoint runs beside
-        return min(kappa * beside, MAX_CONTENTION)
+        return min(slowdown.kappa * beside, MAX_CONTENTION)
 
 
 @dataclass(frozen=True)

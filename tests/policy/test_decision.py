@@ -306,7 +306,25 @@ def test_contention_is_fitted_from_responses_beside_checkpoints() -> None:
     assert slow.per_checkpoint_second == pytest.approx(0.0, abs=1e-9)
     kept = list(slow.responses)
     misaligned = [replace(r, work=kept[(i + 1) % len(kept)].work) for i, r in enumerate(kept)]
-    assert fit_slowdown(misaligned) > 0.5  # a wrong slowdown where there is none
+    wrong = fit_slowdown(misaligned)
+    assert wrong is not None and wrong.kappa > 0.5 and wrong.shown  # a slowdown where there is none
+
+
+def test_a_slowdown_within_noise_is_not_taken_for_contention() -> None:
+    # Response times that vary by ±40% whatever runs beside them: κ is fitted, but within noise.
+    noisy = Contention(prior=0.25)
+    now = 0.0
+    for i in range(64):
+        tokens = 50 + (i * 37) % 150
+        seconds = 0.01 * tokens * (1.4 if (i * 7) % 5 < 2 else 0.6)
+        if i % 2:
+            noisy.add_checkpoint(now + 0.5, 0.3)
+        now += seconds
+        noisy.add_response(now, seconds, tokens)
+        now += 2.0
+    slowdown = fit_slowdown(noisy.responses)
+    assert slowdown is not None and not slowdown.shown, slowdown
+    assert noisy.per_checkpoint_second == 0.25  # the prior: the data do not tell
 
 
 def test_contention_prior_fixed_and_bad_events() -> None:
