@@ -238,8 +238,11 @@ def timed_responses(batch: Sequence[TrajectoryResult]) -> list[TimedResponse]:
     """One batch's responses (its trajectories share one clock), each with the seconds of any
     trajectory's checkpoints that ran beside it."""
     entries = [e for r in batch for e in r.timeline]
-    checkpoints = [Interval(e.start_s, e.end_s) for e in entries if e.kind == "checkpoint"]
-    turns = [(Interval(e.start_s, e.end_s), e.tokens) for e in entries if e.kind == "turn"]
+    # A checkpoint that failed took CPU as well; a turn that failed is no sample of a response.
+    checkpoints = [
+        Interval(e.start_s, e.end_s) for e in entries if e.kind in ("checkpoint", "checkpoint-failed")
+    ]
+    turns = [(Interval(e.start_s, e.end_s), e.tokens) for e in entries if e.kind == "turn" and e.tokens > 0]
     return [TimedResponse(when, tokens, sum(when.overlap(c) for c in checkpoints)) for when, tokens in turns]
 
 

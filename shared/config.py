@@ -572,7 +572,7 @@ class PolicyConfig(ServiceConfig):
     contention: float | None = setting(
         None, "K, LLM seconds lost per second a checkpoint runs, replacing the online estimate"
     )
-    contention_prior: float = setting(0.0, "K assumed until responses with and without a checkpoint are seen")
+    contention_prior: float = setting(0.0, "K assumed until the responses show a slowdown beside checkpoints")
     min_step: int = setting(3, "adaptive: no checkpoint before this step")
     min_env_work_s: float = setting(0.05, "adaptive: no checkpoint with less environment work since the last")
     cooldown_s: float = setting(

@@ -285,14 +285,15 @@ def _map(segment: str, manifest: SegmentManifest, *, writable: bool) -> torch.Te
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def map_weights(handles: WeightHandles) -> dict[str, torch.Tensor]:
+def map_weights(handles: WeightHandles, gpu: bool = True) -> dict[str, torch.Tensor]:
     """The weights of `handles` as name -> tensor, without copying.
 
     On CPU the segment is mapped read-only and shared: every process that maps a version shares
     its pages, and a write through one of these tensors kills the writer with SIGSEGV. With CUDA
-    available and a CUDA handle in `handles`, the tensors are views of the server's GPU buffer
-    (CUDA IPC has no read-only mode: the engine must not write them)."""
-    if use_cuda(handles.cuda):
+    available, a CUDA handle in `handles` and `gpu` (an engine whose arena is on the CPU passes
+    False), the tensors are views of the server's GPU buffer (CUDA IPC has no read-only mode: the
+    engine must not write them)."""
+    if gpu and use_cuda(handles.cuda):
         assert handles.cuda is not None
         return _views(import_cuda(handles.cuda), handles.manifest)
     if handles.manifest.owner != "weights" or handles.manifest.key != handles.version:

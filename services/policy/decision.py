@@ -286,8 +286,13 @@ class Contention:
     def fit(self) -> float | None:
         """K from the kept events; None while they show no slowdown."""
         slowdown = fit_slowdown(self.responses)
-        checkpoint_s = sum(c.seconds for c in self.checkpoints)
-        if slowdown is None or not slowdown.shown or checkpoint_s <= 0:
+        if slowdown is None or not slowdown.shown:
+            return None
+        # Checkpoint seconds over the same stretch of time as the kept responses: with checkpoints
+        # rarer than responses, the kept checkpoints reach further back.
+        span = Interval(min(r.when.start for r in self.responses), math.inf)
+        checkpoint_s = sum(span.overlap(c) for c in self.checkpoints)
+        if checkpoint_s <= 0:
             return None
         beside = sum(r.beside_s for r in self.responses) / checkpoint_s  # responses a checkpoint runs beside
         return min(slowdown.kappa * beside, MAX_CONTENTION)

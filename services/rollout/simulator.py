@@ -24,6 +24,7 @@ as the policy service does from real ones.
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class Measured:
         for name in ("response_s", "action_s", "checkpoint_s", "restore_s", "base_restart_s"):
             if not getattr(self, name):
                 raise ValueError(f"no samples of {name}")
+        if not (self.slowdown >= 0 and math.isfinite(self.slowdown)):
+            raise ValueError(f"slowdown must be a finite number >= 0, got {self.slowdown}")
 
 
 @dataclass(frozen=True)

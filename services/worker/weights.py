@@ -58,7 +58,10 @@ class PinnedWeights:
             handles = await self.pin(version)
             if handles.version not in self.engine.weights:
                 try:
-                    params = await asyncio.to_thread(segments.map_weights, handles)
+                    # The server's GPU copy only for an engine on the GPU: a cold worker's own
+                    # arena is on the CPU, and maps the CPU segment of the same version.
+                    on_gpu = self.engine.device.type == "cuda"
+                    params = await asyncio.to_thread(segments.map_weights, handles, on_gpu)
                 except Exception:
                     with contextlib.suppress(ServiceError):
                         await self.client.unpin(handles.version, self.holder)

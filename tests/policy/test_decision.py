@@ -416,3 +416,21 @@ def test_explain_prints_the_decision_and_its_terms() -> None:
     assert "decision: checkpoint" in text.stdout and "expected visible cost" in text.stdout
     wrong = explain("--samples", "a,b", "--elapsed", "1", "--cost", "2", "--p", "0.01", "--exposure", "40")
     assert wrong.returncode != 0 and "--samples must be numbers" in wrong.stderr
+
+
+def test_k_counts_the_checkpoints_of_the_responses_it_keeps() -> None:
+    # One 0.5 s checkpoint inside every third response, each slowing it by κ = 1 s a second: a
+    # checkpoint runs beside one response, so K = 1. More events than the window keeps: the
+    # checkpoints kept reach further back than the responses, and must not dilute K.
+    contention = Contention(window=64)
+    now = 0.0
+    for i in range(300):
+        tokens = 50 + (i * 37) % 150
+        seconds = 0.01 * tokens
+        if i % 3 == 0:
+            contention.add_checkpoint(now + 0.7, 0.5)  # [now + 0.2, now + 0.7], inside the response
+            seconds += 0.5
+        now += seconds
+        contention.add_response(now, seconds, tokens)
+        now += 1.0
+    assert contention.per_checkpoint_second == pytest.approx(1.0, rel=1e-6)
