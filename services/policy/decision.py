@@ -246,7 +246,7 @@ class Contention:
     checkpoint runs beside Σ beside / Σ checkpoint seconds responses on average, so K = κ · that.
     Checkpoints on another machine overlap responses without slowing them: their κ comes out near 0.
     K is `prior` until the data show a slowdown (Slowdown.shown): a κ within noise of 0, or below
-    it, is no evidence of contention. `fixed` replaces the estimate.
+    it, is no evidence of contention. `fixed` replaces the estimate, and then no event is kept.
     Times are the caller's clock at each event's arrival, an event's end; a response's overlaps
     are kept up to date as checkpoints arrive, so a fit costs one small least-squares solve."""
 
@@ -261,14 +261,20 @@ class Contention:
         self._stale = True  # events came since the last fit
 
     def add_response(self, now: float, seconds: float, work: float) -> None:
-        if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now) and math.isfinite(work):
+        if (
+            self.fixed is None
+            and seconds >= 0
+            and math.isfinite(seconds)
+            and math.isfinite(now)
+            and math.isfinite(work)
+        ):
             when = Interval(now - seconds, now)
             beside = sum(when.overlap(c) for c in self.checkpoints)
             self.responses.append(TimedResponse(when, max(work, 0.0), beside))
             self._stale = True
 
     def add_checkpoint(self, now: float, seconds: float) -> None:
-        if seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
+        if self.fixed is None and seconds >= 0 and math.isfinite(seconds) and math.isfinite(now):
             checkpoint = Interval(now - seconds, now)
             for response in self.responses:
                 response.beside_s += response.when.overlap(checkpoint)

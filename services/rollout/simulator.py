@@ -138,7 +138,8 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
     rate = FailureRate()
     responses = ResponseTimes()
     cost = CheckpointCost(statistics.median(measured.checkpoint_s))
-    contention = Contention()
+    # Only the adaptive policy weighs contention; the others need not learn it.
+    contention = Contention() if policy.kind == "adaptive" else Contention(fixed=0.0)
     per_machine = config.machine_trajectories or config.trajectories
     machines = [MachineLoad() for _ in range(-(-config.trajectories // per_machine))]
     step_wall = (
@@ -185,7 +186,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
                     p=step_failure_probability(rate.per_second, t.last_action_s),
                     responses=responses,
                     cost_s=cost.seconds,
-                    contention=contention.per_checkpoint_second if policy.kind == "adaptive" else 0.0,
+                    contention=contention.per_checkpoint_second,
                 )
                 if verdict.checkpoint:
                     checkpoint_start = now + x
