@@ -14,7 +14,9 @@ An environment failure (the checkpointer's "env-failure": a dead container, an O
 error, a broken exec stream) is never an observation: nothing of it reaches the context. Recovery
 restores the latest ready checkpoint (full_restore), cuts the context back to its L_k and goes on
 from step k; the turn after k draws the same seed, so a deterministic environment and engine give
-the same trajectory as a failure-free run. Without a checkpoint the sandbox restarts from its base
+the same trajectory as a failure-free run. The response to L_k itself is not generated again: it
+was already generated from that exact context and saw nothing of the steps that failed after it,
+so the recovery keeps it (KeptResponse) and the failure costs the restore and the actions since. Without a checkpoint the sandbox restarts from its base
 image and the trajectory from its prompt. Recoveries and infrastructure retries are bounded; past
 a bound the trajectory ends as an infrastructure error naming the cause, never as a normal finish.
 """
@@ -140,6 +142,15 @@ class StepRecord:
     observation_len: int = 0  # tokens of the observation after it
 
 
+@dataclass(frozen=True)
+class KeptResponse:
+    """The response to a ready checkpoint's own context L_k, kept for a recovery to that checkpoint."""
+
+    k: int
+    context: list[int]  # L_k, the exact prompt it answered
+    tokens: list[int]
+
+
 @dataclass
 class Services:
     """What a trajectory talks to: the router, the host's checkpointer, the policy service."""
@@ -177,6 +188,7 @@ class Trajectory:
     ready_k: int = -1  # the step of the latest ready checkpoint (-1: none)
     checkpoint: asyncio.Task[CheckpointResult | None] | None = None
     checkpoint_k: int = -1  # the step the checkpoint in flight captures
+    kept: KeptResponse | None = None  # the response to the ready checkpoint's L_k
     turns: int = 0
     failures: int = 0
     recoveries: int = 0
@@ -322,6 +334,9 @@ class Trajectory:
     async def generate(self, overlap_checkpoints: bool) -> tuple[list[int], float]:
         """The response to the context; with `overlap_checkpoints`, the policy is consulted while it
         is generated and a checkpoint of this boundary may start."""
+        kept = self.kept
+        if overlap_checkpoints and kept is not None and kept.k == self.k and kept.context == self.context:
+            return list(kept.tokens), 0.0  # just restored to checkpoint k: its response stands
         scripted = self.settings.scripted
         length = response_tokens(self.seed, self.k) if scripted else self.task.max_tokens
         kwargs = {
@@ -375,12 +390,15 @@ class Trajectory:
 
     async def ask_policy(self, elapsed_s: float) -> PolicyDecision:
         since = self.steps[max(self.ready_k, 0) :]
+        # C_t, what a failure now would make the trajectory redo: the work since the ready
+        # checkpoint, less the response to its L_k, which a recovery keeps.
+        kept_s = since[0].llm_s if since and self.kept is not None and self.kept.k == self.ready_k else 0.0
         request = PolicyDecide(
             trajectory=self.trajectory_id,
             host_id=self.services.sandboxes.host_id,
             step=self.k,
             step_duration_s=self.steps[-1].env_s if self.steps else 0.0,
-            exposure_s=sum(s.llm_s + s.env_s for s in since) + elapsed_s,
+            exposure_s=sum(s.llm_s + s.env_s for s in since) - kept_s + elapsed_s,
             env_work_s=sum(s.env_s for s in since),
             elapsed_s=elapsed_s,
             in_flight=self.checkpoint is not None,
@@ -476,6 +494,8 @@ class Trajectory:
         """Run action k+1; on success its observation joins the context. A failure raises before
         anything is appended."""
         await self.settle_checkpoint()
+        if response is not None and self.ready_k == self.k:  # `response` answered this checkpoint's L_k
+            self.kept = KeptResponse(self.k, list(self.context), list(response))
         step = self.k + 1
         if self.on_action is not None:
             self.on_action(self, step)
@@ -525,7 +545,12 @@ class Trajectory:
                 if attempt == self.settings.max_retries:
                     raise InfraError(f"restore failed {attempt} times, last: {exc.code}: {exc}") from None
         self.recoveries += 1
-        source = "from the base image" if self.k == 0 else f"from checkpoint k={self.k}"
+        if self.k == 0:
+            source = "from the base image"
+        elif self.kept is not None and self.kept.k == self.k:
+            source = f"from checkpoint k={self.k}, keeping its response"
+        else:
+            source = f"from checkpoint k={self.k}"
         self.mark("recovery", started, f"{source} ({why})")
 
     async def restore(self) -> None:
@@ -544,6 +569,7 @@ class Trajectory:
             await self.start_sandbox()
             self.restores_from_base += 1
             self.ready_k = -1
+            self.kept = None
             return
         if restored.k > len(self.steps):
             raise ServiceError(

@@ -10,8 +10,10 @@ waits for the checkpoint first (the visible part), and takes d seconds. Each ste
 probability p, its kill landing u·D after the action starts (u uniform, D the stated step wall
 time, as the chaos injector does): a kill inside the action is seen at once; a later one kills the
 checkpoint in flight if it is still running and is seen when the next action starts. A failure
-costs a restore (r) and everything since the latest ready checkpoint, or a restart from the base
-image (b) and everything. The batch ends with its last trajectory.
+costs a restore (r) and everything since the latest ready checkpoint but the response to its own
+context, which the driver keeps (agent.KeptResponse); or a restart from the base image (b) and
+everything. Work done again takes what it took the first time: the scripted agent generates the
+same tokens and runs the same actions. The batch ends with its last trajectory.
 
 Contention: trajectories share machines, `machine_trajectories` to a machine, and a checkpoint
 takes CPU from the responses generated on its machine. A response drawn as T lasts
@@ -100,7 +102,7 @@ class SimTrajectory:
     index: int
     k: int = 0  # actions completed
     ready_k: int = -1
-    ready_at_work: float = 0.0  # work done when the ready checkpoint's boundary was reached
+    ready_at_work: float = 0.0  # work a recovery keeps: up to the ready checkpoint, and its response
     work: float = 0.0  # LLM and environment seconds of the current prefix
     env_work: float = 0.0
     ready_env_work: float = 0.0
@@ -166,13 +168,15 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
             result.gave_up += t.k < actions
             ends.append(now)
             continue
-        # The LLM turn that follows k actions (none before the setup), and the consults while it runs.
+        # The LLM turn that follows k actions (none before the setup, none for the response a
+        # recovery to checkpoint k keeps), and the consults while it runs.
         turn = t.attempts.get(t.k, 0)
         machine = machines[t.index // per_machine]
-        undisturbed = draw(measured.response_s, "T", seed, t.index, t.k, turn) if t.k > 0 else 0.0
+        generated = t.k > 0 and t.k != t.ready_k
+        undisturbed = draw(measured.response_s, "T", seed, t.index, t.k) if generated else 0.0
         response = undisturbed * (1.0 + measured.slowdown * machine.before(now))
         checkpoint_start = checkpoint_end = None
-        if t.k != t.ready_k and t.k > 0:  # the base image (k = 0) needs no checkpoint
+        if generated:  # the base image (k = 0) needs no checkpoint
             x = 0.0
             while x < response:
                 verdict = decide(
@@ -196,7 +200,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
                     machine.add(checkpoint_start, checkpoint_end)
                     break
                 x += config.consult_every_s
-        if t.k > 0:
+        if generated:
             responses.add(response)
             contention.add_response(now + response, response, undisturbed)
         turn_end = now + response
@@ -208,7 +212,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
             seen_at = turn_end
             if checkpoint_start is not None and checkpoint_end is not None:
                 if checkpoint_end <= pending:  # it made it: the recovery restores it
-                    ready(t, result, cost, contention, checkpoint_start, checkpoint_end, turn_end)
+                    ready(t, result, cost, contention, checkpoint_start, checkpoint_end, turn_end, response)
                     seen_at = max(turn_end, checkpoint_end)
                 else:
                     failed_at = max(pending, checkpoint_start)
@@ -218,13 +222,13 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
             fail(t, seen_at, turn)
             continue
         if checkpoint_start is not None and checkpoint_end is not None:
-            ready(t, result, cost, contention, checkpoint_start, checkpoint_end, turn_end)
+            ready(t, result, cost, contention, checkpoint_start, checkpoint_end, turn_end, response)
         t.work += response
         # The action, and whether its step fails: its own kill, or a later one still pending.
         step = t.k + 1
         attempt = t.attempts.get(step, 0)
         t.attempts[step] = attempt + 1
-        action = draw(measured.action_s, "d", seed, t.index, step, attempt)
+        action = draw(measured.action_s, "d", seed, t.index, step)
         kill = seeded("kill", seed, t.index, step, attempt)
         fails, u = kill.random() < config.p_per_step, kill.random()
         kills = [k for k in (pending, action_start + u * step_wall if fails else None) if k is not None]
@@ -253,14 +257,17 @@ def ready(
     start: float,
     end: float,
     turn_end: float,
+    response: float,
 ) -> None:
+    """Checkpoint k is ready; the response generated beside it answered its L_k, so a recovery to
+    it keeps that response as well."""
     result.checkpoints += 1
     result.checkpoint_s += end - start
     result.exposed_checkpoint_s += max(0.0, end - turn_end)
     cost.add(end - start)
     contention.add_checkpoint(end, end - start)
     t.ready_k = t.k
-    t.ready_at_work = t.work
+    t.ready_at_work = t.work + response
     t.ready_env_work = t.env_work
 
 

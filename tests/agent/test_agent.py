@@ -5,6 +5,7 @@ service. Sandbox containers are SIGKILLed through the Docker API mid-step.
 - A trajectory that suffers container failures ends with the same actions, observations, context
   tokens and reward as its failure-free run: restored from checkpoints (policy always, seeded
   chaos) and restarted from the base image (policy never).
+- A recovery to checkpoint k keeps the response that answered L_k: no response is generated twice.
 - Mutation checks: a checkpoint record that pairs E_k with L_{k-1}, or E_{k-1} with L_k, makes
   the comparison fail.
 - A container killed mid-action, or OOM-killed, never reaches the context; an action that OOMs
@@ -161,6 +162,14 @@ async def test_failures_leave_the_trajectory_unchanged(agent_cluster: AgentClust
     assert len(reference.loss_mask) == len(reference.context_tokens) - reference.prompt_len
     assert reference.loss_mask.count(0) == sum(len(tokenizer.encode(o)) for o in reference.observations)
     assert restored.loss_mask == reference.loss_mask
+
+    # A kill mid-action 5 restores checkpoint 4 and keeps the response that answered L_4: no
+    # response is generated twice (a recovery that generated it again would add a turn).
+    kept = await run(ac, "always", on_action=KillAt(ac.host_id, {5}, 0.05))
+    assert kept.failures == kept.recoveries == 1 and kept.restores_from_base == 0
+    assert kept.turns == reference.turns, "the response to the restored checkpoint's L_k was generated again"
+    assert any("keeping its response" in e.detail for e in kept.timeline if e.kind == "recovery")
+    assert same_trajectory(reference, kept), "the kept response changed the trajectory"
 
     # Policy never: each failure restarts from the base image and the prompt.
     killer = KillAt(ac.host_id, {4}, 0.05)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from belayer_rl.services.rollout.simulator import Measured, SimConfig, simulate
+from belayer_rl.services.rollout.simulator import Measured, SimConfig, SimResult, simulate
 
 
 def constant(response: float = 2.0, action: float = 1.0, checkpoint: float = 0.5) -> Measured:
@@ -56,6 +56,32 @@ def test_failures_cost_more_without_checkpoints_and_the_batch_still_ends() -> No
         SimConfig("always", 1.0, trajectories=2, turns=3, step_wall_s=0.5, max_recoveries=5), measured
     )
     assert certain.gave_up == 2 and certain.failures == 2 * 6
+
+
+def test_a_recovery_keeps_the_response_to_its_checkpoints_context() -> None:
+    # Every kill lands as its action starts (D ≈ 0): a failure loses none of the action's work.
+    def batch(policy: str, seed: int) -> SimResult:
+        config = SimConfig(policy, 0.3, trajectories=1, turns=5, step_wall_s=1e-9, seed=seed)
+        return simulate(config, constant())
+
+    # `always`: a failure at step s ≥ 2 restores checkpoint s - 1, which was taken beside the
+    # response that answered L_(s-1). That response is kept, so the failure costs the restore,
+    # 0.3 s, then the action again. At step 1 (no checkpoint yet) it costs the base restart, 0.2 s.
+    always = [batch("always", seed) for seed in range(20)]
+    assert sum(r.recoveries_from_checkpoint for r in always) >= 10
+    for r in always:
+        assert r.wall_s == pytest.approx(
+            16.0 + 0.3 * r.recoveries_from_checkpoint + 0.2 * r.restarts_from_base
+        )
+    # `every-2` (boundaries 2 and 4), one failure, restored from a checkpoint: at step 3 or 5 it
+    # costs the restore; at step 4 or 6 the restore, an action and a response done again (the one
+    # that answered the boundary after the checkpoint's).
+    lone = [
+        r
+        for r in (batch("every-2", seed) for seed in range(60))
+        if r.failures == r.recoveries_from_checkpoint == 1
+    ]
+    assert {round(r.wall_s - 16.0, 6) for r in lone} == {0.3, 0.3 + 1.0 + 2.0}
 
 
 def test_the_same_seed_gives_the_same_batch() -> None:
