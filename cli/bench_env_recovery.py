@@ -117,13 +117,17 @@ async def real_runs(
                 # A first batch, not counted: the engine's first steps and the image's first
                 # containers are slower, and would flatter every batch after the baseline.
                 warm_up = Batch(tasks[:2], seed=10_000, concurrency=2, run_id="warm-up")
-                await run_batch(services, warm_up, RolloutSettings(host_id=host_id, policy="always"))
+                _, warmed = await run_batch(
+                    services, warm_up, RolloutSettings(host_id=host_id, policy="always")
+                )
+                refuse_broken("warm-up", warmed)
                 for seed in range(args.seeds):
                     batch = Batch(tasks, seed=seed, concurrency=args.trajectories, run_id=f"s{seed}-ff")
                     settings = RolloutSettings(host_id=host_id, policy="never")
                     baseline, ff_results = await run_batch(
                         services, batch, settings, out_dir=args.out / batch.run_id
                     )
+                    refuse_broken(batch.run_id, ff_results)  # no baseline to measure against
                     results += ff_results
                     undisturbed += ff_results
                     timed += timed_responses(ff_results)
@@ -173,6 +177,17 @@ async def real_runs(
     # The simulator slows responses only by a slowdown the data show.
     kappa = slowdown.kappa if slowdown is not None and slowdown.shown else 0.0
     return report, measure(results, undisturbed, statistics.fmean(step_walls), kappa)
+
+
+def refuse_broken(run_id: str, results: Sequence[TrajectoryResult]) -> None:
+    """A batch without failures injected must end every trajectory normally: an infrastructure
+    error there (no sandbox image, no engine) would fail every batch after it the same way."""
+    broken = [r for r in results if r.status != "done"]
+    if broken:
+        raise SystemExit(
+            f"belayer bench env-recovery: {len(broken)} of {len(results)} trajectories of batch "
+            f"{run_id} ended on an infrastructure error, with no failure injected: {broken[0].error}"
+        )
 
 
 async def fresh_policy(supervisor: Supervisor, services: Services) -> None:
