@@ -35,7 +35,7 @@ import uvloop
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
-from belayer_rl.services.policy.decision import Interval, TimedResponse, fit_slowdown
+from belayer_rl.services.policy.decision import Guards, Interval, TimedResponse, fit_slowdown
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, TrajectoryResult
 from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
 from belayer_rl.services.rollout.driver import Batch, BatchSummary, run_batch
@@ -60,6 +60,12 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     bench.add_argument("--rates", default="0.01,0.05", help="failure probabilities per step")
     bench.add_argument("--policies", default=",".join(POLICIES))
     bench.add_argument("--sim-seeds", type=int, default=5, help="seeds of the simulator at the paper's scale")
+    bench.add_argument(
+        "--sim-min-step",
+        type=int,
+        default=Guards().min_step,
+        help="the simulated adaptive policy's min-step guard (the real runs use the policy service's)",
+    )
     bench.add_argument(
         "--sim-only",
         type=Path,
@@ -311,7 +317,11 @@ def simulations(
         shapes["real-config"] = (config["trajectories"], config["turns"], max(config["seeds"], 5))
     for shape, (trajectories, turns, seeds) in shapes.items():
         shape_config = functools.partial(
-            SimConfig, trajectories=trajectories, turns=turns, machine_trajectories=share
+            SimConfig,
+            trajectories=trajectories,
+            turns=turns,
+            machine_trajectories=share,
+            guards=Guards(min_step=args.sim_min_step),
         )
         baseline = [simulate(shape_config("never", 0.0, seed=seed), measured) for seed in range(seeds)]
         cells: dict[str, object] = {}
@@ -333,6 +343,7 @@ def simulations(
     if isinstance(real, dict):
         out["validation"] = validation(real["cells"], out["real-config"]["cells"])  # type: ignore[index]
     out["slowdown"] = measured.slowdown
+    out["min_step"] = args.sim_min_step
     out["seconds"] = time.monotonic() - started
     return out
 

@@ -35,6 +35,7 @@ from belayer_rl.services.policy.decision import (
     CheckpointCost,
     Contention,
     FailureRate,
+    Guards,
     Interval,
     Policy,
     ResponseTimes,
@@ -76,6 +77,7 @@ class SimConfig:
     step_wall_s: float = 0.0  # D; 0: the mean of a response and an action
     max_recoveries: int = 50  # per trajectory, the driver's default bound: past it the trajectory gives up
     machine_trajectories: int = 0  # trajectories sharing a machine's CPUs; 0: all of them
+    guards: Guards = Guards()  # the adaptive policy's, as the policy service's --min-step and --min-env-work
 
 
 @dataclass
@@ -191,6 +193,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
                     responses=responses,
                     cost_s=cost.seconds,
                     contention=contention.per_checkpoint_second,
+                    guards=config.guards,
                 )
                 if verdict.checkpoint:
                     checkpoint_start = now + x

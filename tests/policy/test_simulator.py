@@ -4,8 +4,11 @@ Fast: pure Python, no cluster."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from belayer_rl.services.policy.decision import Guards
 from belayer_rl.services.rollout.simulator import Measured, SimConfig, SimResult, simulate
 
 
@@ -127,3 +130,13 @@ def test_the_adaptive_policy_learns_the_contention_and_checkpoints_less() -> Non
     config = SimConfig("adaptive", 0.05, trajectories=16, turns=12, seed=4)
     free, contended = simulate(config, measured(0.0)), simulate(config, measured(1.0))
     assert 0 < contended.checkpoints < free.checkpoints
+
+
+def test_the_adaptive_policy_keeps_the_guards_it_is_given() -> None:
+    config = SimConfig("adaptive", 0.05, trajectories=8, turns=8, seed=2)
+    assert simulate(config, constant()).checkpoints > 0
+    # No checkpoint before step 9 of 9 actions: none at all, for the adaptive policy only.
+    late = Guards(min_step=9)
+    assert simulate(dataclasses.replace(config, guards=late), constant()).checkpoints == 0
+    always = dataclasses.replace(config, policy="always", guards=late)
+    assert simulate(always, constant()).checkpoints > 0
