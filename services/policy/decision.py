@@ -8,8 +8,9 @@ the part that outlasts that response:
 
 - p = 1 - exp(-λ·d): the chance that a step of d seconds of environment time fails, λ the failure
   rate per second of environment time (FailureRate, estimated online from a stated prior);
-- C: the seconds of LLM and environment work since the last ready checkpoint, which a failure
-  would make the trajectory redo (its "exposure");
+- C: the seconds of LLM and environment work that a failure would make the trajectory redo (its
+  "exposure"): the work since the last ready checkpoint, less the response to that checkpoint's
+  context, which a recovery keeps (services/rollout/agent.py);
 - T: the LLM response time, an empirical distribution of recent responses (ResponseTimes);
 - x: the seconds already waited for the current response; c: the checkpoint cost;
 - q(x; u) = P(T > x + u | T > x), and the expected visible cost
@@ -317,7 +318,7 @@ class Situation:
     """What the driver knows about a trajectory when it asks."""
 
     step: int  # actions completed: the checkpoint would be labelled k = step
-    exposure_s: float  # C: LLM and environment seconds since the last ready checkpoint
+    exposure_s: float  # C: LLM and environment seconds a failure would make the trajectory redo
     env_work_s: float  # environment seconds since the last ready checkpoint
     elapsed_s: float  # x: seconds already waited for the current LLM response
     in_flight: bool = False  # a checkpoint of this trajectory is still running
