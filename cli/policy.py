@@ -31,7 +31,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     explain.add_argument("--cost", type=float, required=True, help="c: the checkpoint cost in seconds")
     explain.add_argument("--p", type=float, required=True, help="p_t: the step's failure probability")
     explain.add_argument(
-        "--exposure", type=float, required=True, help="C_t: seconds of work since the last ready checkpoint"
+        "--exposure",
+        type=float,
+        required=True,
+        help="C_t: seconds of work a failure would make the trajectory redo",
     )
     explain.add_argument(
         "--contention", type=float, default=0.0, help="K: LLM seconds lost per second a checkpoint runs"

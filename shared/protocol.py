@@ -843,7 +843,7 @@ class PolicyDecide(Message, tag="policy_decide", kw_only=True):
     host_id: HostId  # the checkpointer's host: its cooldown applies
     step: Step
     step_duration_s: float  # d: the last action's environment time
-    exposure_s: float  # C: LLM and environment seconds since the last ready checkpoint
+    exposure_s: float  # C: LLM and environment seconds a failure would make the trajectory redo
     env_work_s: float  # environment seconds since the last ready checkpoint
     elapsed_s: float  # x: seconds already waited for the current LLM response
     in_flight: bool = False  # a checkpoint of this trajectory is still running
