@@ -64,7 +64,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "--sim-min-step",
         type=int,
         default=Guards().min_step,
-        help="the simulated adaptive policy's min-step guard (the real runs use the policy service's)",
+        help="the adaptive policy's min-step guard in the simulator at the paper's scale (the real runs and their simulated configuration keep the policy service's)",
     )
     bench.add_argument(
         "--sim-only",
@@ -316,12 +316,14 @@ def simulations(
         share = config["trajectories"]
         shapes["real-config"] = (config["trajectories"], config["turns"], max(config["seeds"], 5))
     for shape, (trajectories, turns, seeds) in shapes.items():
+        # The real runs' configuration keeps the real runs' guards, so that it validates.
+        min_step = args.sim_min_step if shape == "paper" else Guards().min_step
         shape_config = functools.partial(
             SimConfig,
             trajectories=trajectories,
             turns=turns,
             machine_trajectories=share,
-            guards=Guards(min_step=args.sim_min_step),
+            guards=Guards(min_step=min_step),
         )
         baseline = [simulate(shape_config("never", 0.0, seed=seed), measured) for seed in range(seeds)]
         cells: dict[str, object] = {}

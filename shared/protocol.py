@@ -843,7 +843,9 @@ class PolicyDecide(Message, tag="policy_decide", kw_only=True):
     host_id: HostId  # the checkpointer's host: its cooldown applies
     step: Step
     step_duration_s: float  # d: the last action's environment time
-    exposure_s: float  # C: LLM and environment seconds a failure would make the trajectory redo
+    # The work a failure would make the trajectory redo, the running response counted for the x
+    # seconds it has run: C less the rest of that response, which the service expects.
+    exposure_s: float
     env_work_s: float  # environment seconds since the last ready checkpoint
     elapsed_s: float  # x: seconds already waited for the current LLM response
     in_flight: bool = False  # a checkpoint of this trajectory is still running
@@ -862,7 +864,7 @@ class PolicyDecision(Message, tag="policy_decision", kw_only=True):
     p: float
     rate_per_s: float  # λ
     step_duration_s: float
-    exposure_s: float
+    exposure_s: float  # C: the request's, and the rest of the running response the service expects
     elapsed_s: float
     cost_s: float  # c
     samples: int  # response times the distribution holds

@@ -10,7 +10,9 @@ the part that outlasts that response:
   rate per second of environment time (FailureRate, estimated online from a stated prior);
 - C: the seconds of LLM and environment work that a failure would make the trajectory redo (its
   "exposure"): the work since the last ready checkpoint, less the response to that checkpoint's
-  context, which a recovery keeps (services/rollout/agent.py);
+  context, which a recovery keeps (services/rollout/agent.py), and with the response now running
+  in whole. A failure is seen at the next action, once that response has ended, and a checkpoint
+  taken now would keep it; its length is expected to be E[T | T > x] (x without samples);
 - T: the LLM response time, an empirical distribution of recent responses (ResponseTimes);
 - x: the seconds already waited for the current response; c: the checkpoint cost;
 - q(x; u) = P(T > x + u | T > x), and the expected visible cost
@@ -157,6 +159,13 @@ class ResponseTimes:
         if not tail:
             return 0.0
         return (len(tail) - bisect.bisect_right(tail, elapsed_s + u)) / len(tail)
+
+    def expected_rest(self, elapsed_s: float) -> float:
+        """E[T - x | T > x], exactly over the samples beyond x: what a response that has run x
+        seconds still has to go; 0 without them."""
+        x = finite_or_zero(elapsed_s)
+        tail = self.beyond(x) if self.usable else []
+        return sum(tail) / len(tail) - x if tail else 0.0
 
     def expected_visible_cost(self, elapsed_s: float, cost_s: float) -> float:
         """E[max(c - (T - x), 0) | T > x], exactly over the samples beyond x; c without them."""
@@ -330,6 +339,7 @@ class Verdict:
     checkpoint: bool
     reason: str
     p: float
+    exposure_s: float  # C
     benefit_s: float  # p·C
     expected_visible_cost_s: float
     survival: float  # q(x; c)
@@ -392,6 +402,7 @@ def decide(
             checkpoint=checkpoint,
             reason=reason,
             p=p,
+            exposure_s=exposure,
             benefit_s=benefit,
             expected_visible_cost_s=visible,
             survival=survival,

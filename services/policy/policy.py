@@ -108,7 +108,7 @@ class PolicyState:
         rate = self.rate.per_second
         verdict = decide(
             policy,
-            situation_of(request, self.cooldown_left(request.host_id)),
+            situation_of(request, self.responses, self.cooldown_left(request.host_id)),
             p=step_failure_probability(rate, request.step_duration_s),
             responses=self.responses,
             cost_s=self.cost.seconds,

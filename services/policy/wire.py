@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from belayer_rl.services.policy.decision import Policy, Situation, Verdict
+from belayer_rl.services.policy.decision import Policy, ResponseTimes, Situation, Verdict
 from belayer_rl.shared.protocol import PolicyDecide, PolicyDecision
 
 
-def situation_of(request: PolicyDecide, cooldown_left_s: float = 0.0) -> Situation:
+def situation_of(request: PolicyDecide, responses: ResponseTimes, cooldown_left_s: float = 0.0) -> Situation:
+    """The request's situation; C adds to the work the driver reports what the running response is
+    expected to take beyond the x seconds it has run."""
     return Situation(
         step=request.step,
-        exposure_s=request.exposure_s,
+        exposure_s=request.exposure_s + responses.expected_rest(request.elapsed_s),
         env_work_s=request.env_work_s,
         elapsed_s=request.elapsed_s,
         in_flight=request.in_flight,
@@ -28,7 +30,7 @@ def decision_message(
     rate_per_s: float,
     source: Literal["service", "fallback"] = "service",
 ) -> PolicyDecision:
-    """The verdict's fields and the request's inputs, by the same names."""
+    """The verdict's fields (C among them) and the request's other inputs, by the same names."""
     return PolicyDecision(
         trajectory=request.trajectory,
         host_id=request.host_id,
@@ -36,7 +38,6 @@ def decision_message(
         policy=policy.name,
         rate_per_s=rate_per_s,
         step_duration_s=request.step_duration_s,
-        exposure_s=request.exposure_s,
         elapsed_s=request.elapsed_s,
         source=source,
         **dataclasses.asdict(verdict),

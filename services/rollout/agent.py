@@ -15,9 +15,9 @@ error, a broken exec stream) is never an observation: nothing of it reaches the 
 restores the latest ready checkpoint (full_restore), cuts the context back to its L_k and goes on
 from step k; the turn after k draws the same seed, so a deterministic environment and engine give
 the same trajectory as a failure-free run. The response to L_k itself is not generated again: it
-was already generated from that exact context and saw nothing of the steps that failed after it,
-so the recovery keeps it (KeptResponse) and the failure costs the restore and the actions since. Without a checkpoint the sandbox restarts from its base
-image and the trajectory from its prompt. Recoveries and infrastructure retries are bounded; past
+was generated from that exact context and saw nothing of the steps that failed after it, so the
+recovery keeps it (KeptResponse) and redoes only the work after it. Without a checkpoint the
+sandbox restarts from its base image and the trajectory from its prompt. Recoveries and infrastructure retries are bounded; past
 a bound the trajectory ends as an infrastructure error naming the cause, never as a normal finish.
 """
 
@@ -390,8 +390,9 @@ class Trajectory:
 
     async def ask_policy(self, elapsed_s: float) -> PolicyDecision:
         since = self.steps[max(self.ready_k, 0) :]
-        # C_t, what a failure now would make the trajectory redo: the work since the ready
-        # checkpoint, less the response to its L_k, which a recovery keeps.
+        # The work a failure would make the trajectory redo, so far: the work since the ready
+        # checkpoint, less the response to its L_k, which a recovery keeps. The service adds what
+        # it expects of the running response beyond `elapsed_s` to make C_t.
         kept_s = since[0].llm_s if since and self.kept is not None and self.kept.k == self.ready_k else 0.0
         request = PolicyDecide(
             trajectory=self.trajectory_id,
@@ -426,11 +427,12 @@ class Trajectory:
                 policy.name,
             )
         self.fallback_decisions += 1
+        none = ResponseTimes()
         verdict = decide(
             policy,
-            situation_of(request),
+            situation_of(request, none),
             p=0.0,
-            responses=ResponseTimes(),
+            responses=none,
             cost_s=0.0,
         )
         return decision_message(request, policy, verdict, rate_per_s=0.0, source="fallback")
@@ -547,7 +549,7 @@ class Trajectory:
         self.recoveries += 1
         if self.k == 0:
             source = "from the base image"
-        elif self.kept is not None and self.kept.k == self.k:
+        elif self.kept is not None and self.kept.k == self.k and self.kept.context == self.context:
             source = f"from checkpoint k={self.k}, keeping its response"
         else:
             source = f"from checkpoint k={self.k}"

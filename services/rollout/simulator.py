@@ -185,7 +185,7 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
                     policy,
                     Situation(
                         step=t.k,
-                        exposure_s=t.work - t.ready_at_work + x,
+                        exposure_s=t.work - t.ready_at_work + x + responses.expected_rest(x),
                         env_work_s=t.env_work - t.ready_env_work,
                         elapsed_s=x,
                     ),

@@ -31,6 +31,8 @@ from belayer_rl.services.policy.decision import (
     fit_slowdown,
     step_failure_probability,
 )
+from belayer_rl.services.policy.wire import situation_of
+from belayer_rl.shared.protocol import PolicyDecide
 from tests.cli.helpers import belayer
 
 seconds = st.floats(min_value=0.0, max_value=50.0, allow_nan=False)
@@ -102,6 +104,35 @@ def test_hand_worked_example() -> None:
         cost_s=2.0,
     )
     assert not tighter.checkpoint  # 0.2 < 1/3
+
+
+def test_c_counts_the_running_response_in_whole() -> None:
+    # A checkpoint taken now keeps the response that is running, so C counts all of it: the
+    # driver reports the work so far (x included), the service adds E[T - x | T > x].
+    responses = ResponseTimes.of([2.0, 4.0, 6.0])
+    assert responses.expected_rest(1.0) == pytest.approx(4.0 - 1.0)  # all three still running
+    assert responses.expected_rest(3.0) == pytest.approx(5.0 - 3.0)  # the 4-s and 6-s ones
+    assert responses.expected_rest(6.0) == 0.0  # none beyond x: nothing more is known
+    assert ResponseTimes.of([5.0]).expected_rest(0.0) == 0.0  # too few samples to use
+    asked = PolicyDecide(
+        trajectory="t",
+        host_id="h",
+        step=5,
+        step_duration_s=1.0,
+        exposure_s=20.0,
+        env_work_s=3.0,
+        elapsed_s=1.0,
+    )
+    situation = situation_of(asked, responses)
+    assert situation.exposure_s == pytest.approx(23.0)
+    verdict = decide(Policy(), situation, p=0.01, responses=responses, cost_s=2.0)
+    # 0.23 ≥ 1/3 fails, where the work so far alone (0.2) would have failed too; at p = 0.015 the
+    # whole response tips it: 0.345 ≥ 1/3 > 0.3.
+    assert not verdict.checkpoint and verdict.exposure_s == pytest.approx(23.0)
+    assert decide(Policy(), situation, p=0.015, responses=responses, cost_s=2.0).checkpoint
+    assert not decide(
+        Policy(), replace(situation, exposure_s=20.0), p=0.015, responses=responses, cost_s=2.0
+    ).checkpoint
 
 
 @settings(max_examples=300, deadline=None)

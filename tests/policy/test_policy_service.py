@@ -120,6 +120,9 @@ async def test_learns_answers_publishes_and_cools_down(tmp_path: Path) -> None:
         assert informed.rate_per_s == pytest.approx(21 / 620)
         # Every response outlasts a 0.5-s checkpoint started at x = 0: nothing of it is visible.
         assert informed.expected_visible_cost_s == 0.0 and informed.checkpoint, informed.reason
+        # C: the 30 s of work the driver reports, and the response running since x = 0, expected to
+        # take the mean of 5, 6 and 7 s.
+        assert informed.exposure_s == 36.0 and informed.benefit_s == pytest.approx(informed.p * 36.0)
 
         # A timeout on h1: h1 is busy for the cooldown, h2 is not, and h1 serves again after it.
         await policy.report_timeout(CheckpointTimeout(trajectory="t1", host_id="h1", k=5, waited_s=30.0))
@@ -159,7 +162,7 @@ async def test_learns_answers_publishes_and_cools_down(tmp_path: Path) -> None:
             return decisions if len(decisions) >= 6 else None
 
         await poll(all_published, timeout_s=10)
-        assert any(d.checkpoint and d.samples == 3 and d.exposure_s == 30.0 for d in decisions)
+        assert any(d.checkpoint and d.samples == 3 and d.exposure_s == 36.0 for d in decisions)
         await rollout.close()
         await checkpointer.close()
 

@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from belayer_rl.services.policy.decision import Guards
+from belayer_rl.services.policy.decision import Guards, decide
+from belayer_rl.services.rollout import simulator
 from belayer_rl.services.rollout.simulator import Measured, SimConfig, SimResult, simulate
 
 
@@ -140,3 +141,28 @@ def test_the_adaptive_policy_keeps_the_guards_it_is_given() -> None:
     assert simulate(dataclasses.replace(config, guards=late), constant()).checkpoints == 0
     always = dataclasses.replace(config, policy="always", guards=late)
     assert simulate(always, constant()).checkpoints > 0
+
+
+def test_c_is_the_work_a_failure_would_make_the_trajectory_redo(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[int, float]] = []
+
+    def recording(policy, situation, **kwargs):  # type: ignore[no-untyped-def]
+        asked.append((situation.step, situation.exposure_s))
+        return decide(policy, situation, **kwargs)
+
+    monkeypatch.setattr(simulator, "decide", recording)
+    simulate(SimConfig("every-2", 0.0, trajectories=1, turns=5), constant())
+    # Consults at x = 0 and 1 s of each 2-s response, until a checkpoint starts (boundaries 2, 4).
+    # C = the work since the ready checkpoint, less the response to its own context (kept by a
+    # recovery), plus the running response: x until 3 samples are known, then E[T | T > x] = 2 s.
+    # Sums of whole and half seconds: exact in binary, so compared exactly.
+    assert asked == [
+        (1, 1.0),  # the setup action, then x
+        (1, 2.0),
+        (2, 4.0),  # setup, response 1, action 2: checkpoint 2
+        (3, 1.0),  # action 3 (response 2 is kept with checkpoint 2)
+        (3, 2.0),
+        (4, 1.0 + 2.0 + 1.0 + 2.0),  # action 3, response 3, action 4, response 4 expected whole
+        (5, 1.0 + 2.0),  # action 5 and response 5 expected whole, at x = 0 and at x = 1
+        (5, 1.0 + 2.0),
+    ]
