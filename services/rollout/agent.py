@@ -17,8 +17,9 @@ from step k; the turn after k draws the same seed, so a deterministic environmen
 the same trajectory as a failure-free run. The response to L_k itself is not generated again: it
 was generated from that exact context and saw nothing of the steps that failed after it, so the
 recovery keeps it (KeptResponse) and redoes only the work after it. Without a checkpoint the
-sandbox restarts from its base image and the trajectory from its prompt. Recoveries and infrastructure retries are bounded; past
-a bound the trajectory ends as an infrastructure error naming the cause, never as a normal finish.
+sandbox restarts from its base image and the trajectory from its prompt. Recoveries and
+infrastructure retries are bounded; past a bound the trajectory ends as an infrastructure error
+naming the cause, never as a normal finish.
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ class Trajectory:
     def sandbox(self) -> str:
         return self.trajectory_id
 
+    def keeps_response(self) -> bool:
+        """Whether the kept response answers the context the trajectory stands at: restored to its
+        checkpoint, with that checkpoint's L_k."""
+        return self.kept is not None and self.kept.k == self.k and self.kept.context == self.context
+
     def mark(
         self, kind: str, start_s: float, detail: str = "", step: int | None = None, tokens: int = 0
     ) -> None:
@@ -334,9 +340,8 @@ class Trajectory:
     async def generate(self, overlap_checkpoints: bool) -> tuple[list[int], float]:
         """The response to the context; with `overlap_checkpoints`, the policy is consulted while it
         is generated and a checkpoint of this boundary may start."""
-        kept = self.kept
-        if overlap_checkpoints and kept is not None and kept.k == self.k and kept.context == self.context:
-            return list(kept.tokens), 0.0  # just restored to checkpoint k: its response stands
+        if overlap_checkpoints and self.kept is not None and self.keeps_response():
+            return list(self.kept.tokens), 0.0  # just restored to checkpoint k: its response stands
         scripted = self.settings.scripted
         length = response_tokens(self.seed, self.k) if scripted else self.task.max_tokens
         kwargs = {
@@ -549,7 +554,7 @@ class Trajectory:
         self.recoveries += 1
         if self.k == 0:
             source = "from the base image"
-        elif self.kept is not None and self.kept.k == self.k and self.kept.context == self.context:
+        elif self.keeps_response():
             source = f"from checkpoint k={self.k}, keeping its response"
         else:
             source = f"from checkpoint k={self.k}"
