@@ -351,9 +351,12 @@ def simulations(
 
 
 def validation(real: dict[str, dict[str, object]], sim: dict[str, dict[str, object]]) -> dict[str, object]:
-    """Per cell: does the simulator's median added time fall within the real runs' range?"""
+    """Per cell simulated (--rates and --policies may name fewer than the real runs did): does
+    the simulator's median added time fall within the real runs' range?"""
     verdicts = {}
     for name, figures in real.items():
+        if name not in sim:
+            continue
         spread = figures["added"]
         simulated = sim[name]["added"]["median"]  # type: ignore[index]
         inside = spread["min"] <= simulated <= spread["max"]  # type: ignore[index]

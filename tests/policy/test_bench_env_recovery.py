@@ -88,6 +88,9 @@ def test_validation_needs_every_simulated_median_within_the_real_range() -> None
     verdict = validation(real, outside)
     assert verdict["validated"] is False
     assert verdict["cells"]["0.01/never"]["within"] is False and verdict["cells"]["0.01/always"]["within"]
+    # A simulation of fewer cells (--policies always) validates those it has.
+    fewer = validation(real, {"0.01/always": {"added": {"median": 0.15}}})
+    assert list(fewer["cells"]) == ["0.01/always"] and fewer["validated"] is True
 
 
 def test_a_baseline_with_an_infrastructure_error_stops_the_bench_naming_it() -> None:
