@@ -31,14 +31,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import uvloop
 
 from belayer_rl.cli.bench_report import emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
-from belayer_rl.services.policy.decision import Guards, Interval, TimedResponse, fit_slowdown
-from belayer_rl.services.rollout.agent import RolloutSettings, Services, TrajectoryResult
+from belayer_rl.services.policy.decision import Guards, Interval, Slowdown, TimedResponse, fit_slowdown
+from belayer_rl.services.rollout.agent import RolloutSettings, Services, TimelineEntry, TrajectoryResult
 from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
-from belayer_rl.services.rollout.driver import Batch, BatchSummary, run_batch
+from belayer_rl.services.rollout.driver import Batch, BatchSummary, mean_step_wall_s, run_batch
+from belayer_rl.services.rollout.plot import read_timelines
 from belayer_rl.services.rollout.simulator import Measured, SimConfig, simulate
 from belayer_rl.services.rollout.workloads import RESPONSE_TOKENS, shell_tasks
 from belayer_rl.shared.bus import ServiceError
@@ -47,6 +49,7 @@ from belayer_rl.shared.config import hostname_id
 from belayer_rl.shared.protocol import PolicyDecide
 
 POLICIES = ("never", "always", "every-3", "adaptive")
+FAILURE_FREE = "-ff"  # the run id's end for a seed's failure-free batch
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,6 +74,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
         type=Path,
         help="skip the real runs: simulate from this measured.json (validated against the report.json beside it)",
     )
+    bench.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="with --sim-only: derive that measured.json again from the real runs' timelines beside it (after a change to what the simulator takes)",
+    )
     bench.add_argument("--out", type=Path, default=Path("env-recovery"), help="folder for report, plot, data")
     bench.add_argument("--quick", action="store_true", help="1 seed, 2 trajectories, 3 turns (a smoke run)")
     bench.add_argument("--json", action="store_true")
@@ -83,7 +91,12 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")
+    if args.remeasure and not args.sim_only:
+        raise SystemExit("belayer bench env-recovery: --remeasure needs --sim-only DIR/measured.json")
     if args.sim_only:
+        if args.remeasure:
+            _, remeasured = measure_batches(read_batches(args.sim_only.parent))
+            args.sim_only.write_text(json.dumps(dataclasses.asdict(remeasured)))
         measured = Measured(**json.loads(args.sim_only.read_text()))
         earlier = args.sim_only.parent / "report.json"
         real = json.loads(earlier.read_text())["real"] if earlier.exists() else None
@@ -104,11 +117,8 @@ async def real_runs(
 ) -> tuple[dict[str, object], Measured]:
     tasks = shell_tasks(args.trajectories, turns=args.turns, action_s=args.action_s)
     cells: dict[str, list[dict[str, float]]] = {}
-    results: list[TrajectoryResult] = []
-    undisturbed: list[TrajectoryResult] = []  # the failure-free batches': no checkpoint beside them
+    batches: dict[str, list[TrajectoryResult]] = {}  # run id -> its trajectories, for the simulator
     baselines: list[float] = []
-    step_walls: list[float] = []
-    timed: list[TimedResponse] = []  # every batch's responses, for the slowdown a checkpoint causes
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
         config = ClusterConfig(
             state_dir=Path(state), engines=1, shadows=False, sandboxes=True, preset="tiny-4k", num_blocks=2048
@@ -128,18 +138,17 @@ async def real_runs(
                 )
                 refuse_broken("warm-up", warmed)
                 for seed in range(args.seeds):
-                    batch = Batch(tasks, seed=seed, concurrency=args.trajectories, run_id=f"s{seed}-ff")
+                    batch = Batch(
+                        tasks, seed=seed, concurrency=args.trajectories, run_id=f"s{seed}{FAILURE_FREE}"
+                    )
                     settings = RolloutSettings(host_id=host_id, policy="never")
                     baseline, ff_results = await run_batch(
                         services, batch, settings, out_dir=args.out / batch.run_id
                     )
                     refuse_broken(batch.run_id, ff_results)  # no baseline to measure against
-                    results += ff_results
-                    undisturbed += ff_results
-                    timed += timed_responses(ff_results)
+                    batches[batch.run_id] = ff_results
                     baselines.append(baseline.wall_s)
                     step_wall = baseline.mean_step_wall_s
-                    step_walls.append(step_wall)
                     print(
                         f"seed {seed}: failure-free {baseline.wall_s:.1f} s, step {step_wall:.2f} s",
                         flush=True,
@@ -169,8 +178,7 @@ async def real_runs(
                                 )
                             finally:
                                 await chaos.close()
-                            results += run_results
-                            timed += timed_responses(run_results)
+                            batches[batch.run_id] = run_results
                             cells.setdefault(f"{rate:g}/{policy}", []).append(cell(summary, baseline))
                             print(
                                 f"  p={rate:g} {policy}: {summary.wall_s:.1f} s, {summary.failures} failures, {summary.checkpoints} checkpoints",
@@ -178,11 +186,38 @@ async def real_runs(
                             )
     report = {"real": {"config": {"seeds": args.seeds, "trajectories": args.trajectories, "turns": args.turns, "action_s": args.action_s},
                        "failure_free_s": baselines, "cells": {k: aggregate(v) for k, v in cells.items()}}}  # fmt: skip
-    slowdown = fit_slowdown(timed)
+    slowdown, measured = measure_batches(batches)
     report["real"]["slowdown"] = dataclasses.asdict(slowdown) if slowdown else None  # type: ignore[index]
+    return report, measured
+
+
+def read_batches(folder: Path) -> dict[str, list[TrajectoryResult]]:
+    """The real runs' batches as `run_batch` wrote them into --out: <run id>/results.jsonl and
+    <run id>/timelines/<trajectory>.jsonl."""
+    decoder = msgspec.json.Decoder(TrajectoryResult)
+    batches = {}
+    for results in sorted(folder.glob("*/results.jsonl")):
+        timelines = read_timelines(results.parent / "timelines")
+        batches[results.parent.name] = [
+            msgspec.structs.replace(result, timeline=timelines[result.trajectory])
+            for result in map(decoder.decode, results.read_bytes().splitlines())
+        ]
+    if not any(run_id.endswith(FAILURE_FREE) for run_id in batches):
+        raise SystemExit(
+            f"belayer bench env-recovery: no failure-free batch (*{FAILURE_FREE}/results.jsonl) in {folder}"
+        )
+    return batches
+
+
+def measure_batches(batches: dict[str, list[TrajectoryResult]]) -> tuple[Slowdown | None, Measured]:
+    """What the simulator takes from the real runs' batches (keyed by run id; the failure-free
+    ones end in -ff), and the slowdown fit behind its κ."""
+    undisturbed = [batch for run_id, batch in batches.items() if run_id.endswith(FAILURE_FREE)]
+    slowdown = fit_slowdown(r for batch in batches.values() for r in timed_responses(batch))
     # The simulator slows responses only by a slowdown the data show.
     kappa = slowdown.kappa if slowdown is not None and slowdown.shown else 0.0
-    return report, measure(results, undisturbed, statistics.fmean(step_walls), kappa)
+    step_wall = statistics.fmean(mean_step_wall_s(batch) for batch in undisturbed)
+    return slowdown, measure(list(batches.values()), undisturbed, step_wall, kappa)
 
 
 def refuse_broken(run_id: str, results: Sequence[TrajectoryResult]) -> None:
@@ -267,21 +302,53 @@ def timed_responses(batch: Sequence[TrajectoryResult]) -> list[TimedResponse]:
     return [TimedResponse(when, tokens, sum(when.overlap(c) for c in checkpoints)) for when, tokens in turns]
 
 
+def loaded_turns(batch: Sequence[TrajectoryResult]) -> list[tuple[TimelineEntry, int]]:
+    """A batch's responses (turns that generated tokens), each with the number of its
+    trajectories alive when it started: those past their first timeline entry, before their last."""
+    lives = [Interval(r.timeline[0].start_s, max(e.end_s for e in r.timeline)) for r in batch if r.timeline]
+    return [
+        (e, sum(life.start <= e.start_s < life.end for life in lives))
+        for r in batch
+        for e in r.timeline
+        if e.kind == "turn" and e.tokens > 0 and "failed" not in e.detail
+    ]
+
+
+def fit_engine_load(turns: Sequence[tuple[TimelineEntry, int]]) -> tuple[float, float]:
+    """Seconds per token as a + b·alive, least squares over the responses; a is kept >= 0 (the fit
+    goes through the origin when it would be negative). (0, 0) when the data show no load: fewer
+    than two distinct counts, or b <= 0."""
+    points = [(alive, (e.end_s - e.start_s) / e.tokens) for e, alive in turns]
+    if len({alive for alive, _ in points}) < 2:
+        return 0.0, 0.0
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_s = statistics.fmean(s for _, s in points)
+    b = sum((n - mean_n) * (s - mean_s) for n, s in points) / sum((n - mean_n) ** 2 for n, _ in points)
+    a = mean_s - b * mean_n
+    if a < 0:
+        a, b = 0.0, sum(n * s for n, s in points) / sum(n * n for n, _ in points)
+    return (a, b) if b > 0 else (0.0, 0.0)
+
+
 def measure(
-    results: Sequence[TrajectoryResult],
-    undisturbed: Sequence[TrajectoryResult],
+    batches: Sequence[Sequence[TrajectoryResult]],
+    undisturbed: Sequence[Sequence[TrajectoryResult]],
     step_wall_s: float,
     slowdown: float,
 ) -> Measured:
-    """The durations of every run, for the simulator. Response times come from the failure-free
+    """The durations of every batch, for the simulator. Response times come from the failure-free
     batches only: the simulator adds the contention of its own checkpoints (`slowdown`), which the
-    other batches' responses already carry. A kind never seen (no failure at all, say) borrows its
-    nearest kin, and the report says so through `measured.json`."""
+    other batches' responses already carry; the engine load is fit on every batch's responses. A
+    kind never seen (no failure at all, say) borrows its nearest kin, and the report says so
+    through `measured.json`."""
+    results = [r for batch in batches for r in batch]
+    responses = [turn for batch in undisturbed for turn in loaded_turns(batch)]
+    token_s_base, token_s_per_alive = fit_engine_load([t for batch in batches for t in loaded_turns(batch)])
 
-    def spans(kind: str, prefix: str = "", of: Sequence[TrajectoryResult] = results) -> list[float]:
+    def spans(kind: str, prefix: str = "") -> list[float]:
         return [
             e.end_s - e.start_s
-            for r in of
+            for r in results
             for e in r.timeline
             if e.kind == kind and e.detail.startswith(prefix) and "failed" not in e.detail
         ]
@@ -294,7 +361,10 @@ def measure(
             "belayer bench env-recovery: no checkpoint completed, nothing to drive the simulator with"
         )
     return Measured(
-        response_s=spans("turn", of=undisturbed),
+        response_s=[e.end_s - e.start_s for e, _ in responses],
+        response_alive=[alive for _, alive in responses],
+        token_s_base=token_s_base,
+        token_s_per_alive=token_s_per_alive,
         action_s=spans("action"),
         checkpoint_s=checkpoints,
         restore_s=restores or bases or checkpoints,

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,15 +151,6 @@ def summarize(
 ) -> BatchSummary:
     checkpoint_s = sum(r.checkpoint_s for r in results)
     exposed = sum(r.exposed_checkpoint_s for r in results)
-    gaps = [
-        b.start_s - a.start_s
-        for r in results
-        for a, b in zip(
-            [e for e in r.timeline if e.kind == "action"][:-1],
-            [e for e in r.timeline if e.kind == "action"][1:],
-            strict=True,
-        )
-    ]
     return BatchSummary(
         policy=settings.policy,
         scripted=settings.scripted,
@@ -175,9 +167,19 @@ def summarize(
         exposed_checkpoint_s=exposed,
         fallback_decisions=sum(r.fallback_decisions for r in results),
         hidden_fraction=1.0 - exposed / checkpoint_s if checkpoint_s > 0 else 1.0,
-        mean_step_wall_s=statistics.fmean(gaps) if gaps else 0.0,
+        mean_step_wall_s=mean_step_wall_s(results),
         response_s=[e.end_s - e.start_s for r in results for e in r.timeline if e.kind == "turn"],
     )
+
+
+def mean_step_wall_s(results: Sequence[TrajectoryResult]) -> float:
+    """The mean wall time from one action's start to the next's (0 without two actions)."""
+    gaps = [
+        b.start_s - a.start_s
+        for r in results
+        for a, b in itertools.pairwise(e for e in r.timeline if e.kind == "action")
+    ]
+    return statistics.fmean(gaps) if gaps else 0.0
 
 
 def write_results(out_dir: Path, results: list[TrajectoryResult]) -> None:

@@ -21,6 +21,13 @@ T·(1 + κ·L), κ the measured slowdown (seconds a response loses per second of
 it, Measured.slowdown) and L the mean number of checkpoints that ran on its machine over the last
 CONTENTION_LOOKBACK_S. The adaptive policy learns K from the simulated responses and checkpoints,
 as the policy service does from real ones.
+
+Engine load: a machine's engine shares its decode steps among the trajectories alive on it, so a
+response generated while fewer are alive (a trajectory redoing its work after the others ended)
+is faster. The real runs fit seconds per token as a + b·n, n the trajectories alive
+(Measured.token_s_base, token_s_per_alive); a response sample measured with n₀ alive, drawn when
+n are, lasts T·(a + b·n)/(a + b·n₀). n is counted when the response starts: trajectories that end
+during it do not speed it up.
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ class Measured:
     base_restart_s: Sequence[float]
     step_wall_s: float = 0.0  # D of the chaos injector: the failure-free runs' mean step (0: unknown)
     slowdown: float = 0.0  # κ: seconds a response loses per second of checkpoint beside it
+    # Engine load (none when token_s_per_alive is 0): each response sample's trajectories alive
+    # when it started, and seconds per token = token_s_base + token_s_per_alive · alive.
+    response_alive: Sequence[int] = ()
+    token_s_base: float = 0.0
+    token_s_per_alive: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("response_s", "action_s", "checkpoint_s", "restore_s", "base_restart_s"):
@@ -64,6 +76,24 @@ class Measured:
                 raise ValueError(f"no samples of {name}")
         if not (self.slowdown >= 0 and math.isfinite(self.slowdown)):
             raise ValueError(f"slowdown must be a finite number >= 0, got {self.slowdown}")
+        if self.token_s_per_alive:
+            if not (self.token_s_per_alive > 0 and self.token_s_base >= 0):
+                raise ValueError(
+                    f"engine load must be a >= 0 and b > 0, got {self.token_s_base}, {self.token_s_per_alive}"
+                )
+            if len(self.response_alive) != len(self.response_s) or min(self.response_alive) < 1:
+                raise ValueError("response_alive needs a count >= 1 for every response sample")
+
+    def response(self, index: int, alive: int) -> float:
+        """Response sample `index`, generated with `alive` trajectories on its engine."""
+        seconds = self.response_s[index]
+        if not self.token_s_per_alive:
+            return seconds
+        measured_at = self.response_alive[index]
+        return seconds * self.token_s(alive) / self.token_s(measured_at)
+
+    def token_s(self, alive: int) -> float:
+        return self.token_s_base + self.token_s_per_alive * alive
 
 
 @dataclass(frozen=True)
@@ -134,7 +164,11 @@ class MachineLoad:
 
 
 def draw(samples: Sequence[float], *key: object) -> float:
-    return samples[seeded(*key).randrange(len(samples))]
+    return samples[pick(len(samples), *key)]
+
+
+def pick(n: int, *key: object) -> int:
+    return seeded(*key).randrange(n)
 
 
 def simulate(config: SimConfig, measured: Measured) -> SimResult:
@@ -146,6 +180,8 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
     contention = Contention() if policy.kind == "adaptive" else Contention(fixed=0.0)
     per_machine = config.machine_trajectories or config.trajectories
     machines = [MachineLoad() for _ in range(-(-config.trajectories // per_machine))]
+    # Trajectories alive per machine, for the engine load: each machine's share, less those ended.
+    alive = [min(per_machine, config.trajectories - m * per_machine) for m in range(len(machines))]
     step_wall = (
         config.step_wall_s
         or measured.step_wall_s
@@ -169,13 +205,20 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
         if t.k >= actions or t.failures > config.max_recoveries:
             result.gave_up += t.k < actions
             ends.append(now)
+            alive[t.index // per_machine] -= 1
             continue
         # The LLM turn that follows k actions (none before the setup, none for the response a
         # recovery to checkpoint k keeps), and the consults while it runs.
         turn = t.attempts.get(t.k, 0)
         machine = machines[t.index // per_machine]
         generated = t.k > 0 and t.k != t.ready_k
-        undisturbed = draw(measured.response_s, "T", seed, t.index, t.k) if generated else 0.0
+        undisturbed = (
+            measured.response(
+                pick(len(measured.response_s), "T", seed, t.index, t.k), alive[t.index // per_machine]
+            )
+            if generated
+            else 0.0
+        )
         response = undisturbed * (1.0 + measured.slowdown * machine.before(now))
         checkpoint_start = checkpoint_end = None
         if generated:  # the base image (k = 0) needs no checkpoint

@@ -117,6 +117,41 @@ def test_checkpoints_slow_the_responses_on_their_machine() -> None:
     assert apart.wall_s == pytest.approx(always.wall_s) and together.wall_s > apart.wall_s
 
 
+def test_a_response_takes_the_engine_share_of_the_trajectories_alive_on_its_machine() -> None:
+    # Seconds per token = 0 + 1·alive, and the one response sample, 2.0 s, was measured with two
+    # trajectories alive: with two alive it lasts 2.0 s, with one 1.0 s.
+    loaded = Measured(**{**constant().__dict__, "response_alive": [2], "token_s_per_alive": 1.0})
+    together = simulate(SimConfig("never", 0.0, trajectories=2, turns=3), loaded)
+    assert together.wall_s == pytest.approx(1.0 + 3 * (2.0 + 1.0))
+    apart = simulate(SimConfig("never", 0.0, trajectories=2, turns=3, machine_trajectories=1), loaded)
+    assert apart.wall_s == pytest.approx(1.0 + 3 * (1.0 + 1.0))
+    # Measured with one alive, generated beside another: twice as long.
+    alone = Measured(**{**loaded.__dict__, "response_alive": [1]})
+    assert simulate(SimConfig("never", 0.0, trajectories=2, turns=3), alone).wall_s == pytest.approx(
+        1.0 + 3 * (4.0 + 1.0)
+    )
+    # A trajectory that redoes its work after the others ended generates it faster. With the
+    # samples measured at full load, the load model never lengthens a batch, and it shortens
+    # those whose last trajectory ran on after another ended.
+    plain = constant()
+    loaded_full = Measured(**{**plain.__dict__, "response_alive": [4], "token_s_per_alive": 1.0})
+    shorter = 0
+    for seed in range(10):
+        # Each kill lands as its action starts, so the same steps fail whatever the timing.
+        config = SimConfig("never", 0.2, trajectories=4, turns=6, seed=seed, step_wall_s=1e-9)
+        with_load, without = simulate(config, loaded_full), simulate(config, plain)
+        assert with_load.failures == without.failures and with_load.wall_s <= without.wall_s + 1e-9
+        shorter += with_load.wall_s < without.wall_s - 1e-9
+    assert shorter >= 5
+
+
+def test_measured_refuses_an_engine_load_it_cannot_apply() -> None:
+    with pytest.raises(ValueError, match="a count >= 1 for every response sample"):
+        Measured(**{**constant().__dict__, "token_s_per_alive": 1.0})
+    with pytest.raises(ValueError, match="engine load"):
+        Measured(**{**constant().__dict__, "response_alive": [1], "token_s_per_alive": -1.0})
+
+
 def test_the_adaptive_policy_learns_the_contention_and_checkpoints_less() -> None:
     def measured(slowdown: float) -> Measured:
         return Measured(
