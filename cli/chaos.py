@@ -673,6 +673,8 @@ class Injector:
         if kind == "dockerd-restart":
             assert self.lab.dockerd is not None
             hits = len(self.trajectories.running)
+            if hits == 0:  # a restart between trajectories tests nothing: wait for one, as below
+                return None
             await self.lab.dockerd.restart()
             return Fault(kind, self.lab.dockerd.url, at, hits)
         # container-kill, container-pause: a running trajectory's sandbox
