@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")
+    if len(set(rates)) < len(rates) or len(set(policies)) < len(policies):
+        raise SystemExit("belayer bench env-recovery: --rates and --policies name each value once")
     if args.remeasure and not args.sim_only:
         raise SystemExit("belayer bench env-recovery: --remeasure needs --sim-only DIR/measured.json")
     if args.sim_only:
@@ -211,7 +213,10 @@ def read_batches(folder: Path) -> dict[str, list[TrajectoryResult]]:
 
 def measure_batches(batches: dict[str, list[TrajectoryResult]]) -> tuple[Slowdown | None, Measured]:
     """What the simulator takes from the real runs' batches (keyed by run id; the failure-free
-    ones end in -ff), and the slowdown fit behind its κ."""
+    ones end in -ff), and the slowdown fit behind its κ. The batches are taken in run-id order,
+    whatever order they come in: the simulator draws a sample by its place in a list, so the runs
+    and a later --remeasure of them must list the samples alike."""
+    batches = dict(sorted(batches.items()))
     undisturbed = [batch for run_id, batch in batches.items() if run_id.endswith(FAILURE_FREE)]
     slowdown = fit_slowdown(r for batch in batches.values() for r in timed_responses(batch))
     # The simulator slows responses only by a slowdown the data show.

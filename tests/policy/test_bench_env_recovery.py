@@ -148,6 +148,9 @@ def test_the_simulator_measures_the_same_from_the_timelines_written_to_out(tmp_p
     assert list(batches) == ["s0-always-0_01", "s0-ff"] and batches["s0-ff"] == ff
     _, measured = measure_batches(batches)
     assert measured == measure([chaos, ff], [ff], step_wall_s=(6.2 + 2.0) / 2, slowdown=0.0)
+    # In the order the real runs hold them (the failure-free batch first), the same samples in the
+    # same places: the simulator draws by place.
+    assert measure_batches({"s0-ff": ff, "s0-always-0_01": chaos})[1] == measured
     with pytest.raises(SystemExit, match="no failure-free batch"):
         read_batches(tmp_path / "s0-always-0_01")
 

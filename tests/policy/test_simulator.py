@@ -125,6 +125,10 @@ def test_a_response_takes_the_engine_share_of_the_trajectories_alive_on_its_mach
     assert together.wall_s == pytest.approx(1.0 + 3 * (2.0 + 1.0))
     apart = simulate(SimConfig("never", 0.0, trajectories=2, turns=3, machine_trajectories=1), loaded)
     assert apart.wall_s == pytest.approx(1.0 + 3 * (1.0 + 1.0))
+    # Three trajectories, two to a machine: the last machine holds one, which generates alone.
+    uneven = simulate(SimConfig("never", 0.0, trajectories=3, turns=3, machine_trajectories=2), loaded)
+    assert uneven.wall_s == pytest.approx(10.0)
+    assert uneven.mean_trajectory_s == pytest.approx((10.0 + 10.0 + 7.0) / 3)
     # Measured with one alive, generated beside another: twice as long.
     alone = Measured(**{**loaded.__dict__, "response_alive": [1]})
     assert simulate(SimConfig("never", 0.0, trajectories=2, turns=3), alone).wall_s == pytest.approx(
