@@ -210,15 +210,11 @@ def simulate(config: SimConfig, measured: Measured) -> SimResult:
         # The LLM turn that follows k actions (none before the setup, none for the response a
         # recovery to checkpoint k keeps), and the consults while it runs.
         turn = t.attempts.get(t.k, 0)
-        machine = machines[t.index // per_machine]
+        on = t.index // per_machine  # its machine
+        machine = machines[on]
         generated = t.k > 0 and t.k != t.ready_k
-        undisturbed = (
-            measured.response(
-                pick(len(measured.response_s), "T", seed, t.index, t.k), alive[t.index // per_machine]
-            )
-            if generated
-            else 0.0
-        )
+        sample = pick(len(measured.response_s), "T", seed, t.index, t.k)
+        undisturbed = measured.response(sample, alive[on]) if generated else 0.0
         response = undisturbed * (1.0 + measured.slowdown * machine.before(now))
         checkpoint_start = checkpoint_end = None
         if generated:  # the base image (k = 0) needs no checkpoint
