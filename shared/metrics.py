@@ -156,6 +156,7 @@ ResumeCause = Literal[
     "reconnect",  # the bus reconnected: messages in flight may be lost
     "router-restart",  # rebuilt from the token log by a new router
     "stalled",  # no token for --progress-deadline: the attempt's end may have been lost
+    "distrusted",  # its engine answered what no honest worker would (a `fenced` the lease denies)
 ]
 
 
@@ -183,6 +184,16 @@ class RouterMetrics:
             "Worker chunks and ends dropped: a stale attempt, epoch or engine.",
         )
         self.resumes = m.counter("belayer_router_resumes_total", "Requests resumed, by cause.", ["cause"])
+        self.distrusted = m.counter(
+            "belayer_router_distrusted_engines_total",
+            "Engine epochs the router stopped using: they answered what no honest worker would.",
+        )
+        self.adopt_refused = m.counter(
+            "belayer_router_adopt_refused_total",
+            "Attempts a worker offered at a router takeover that were not carried on, by why:"
+            " another engine's name, no LogDispatch names it, or not a continuation of the log.",
+            ["reason"],
+        )
         self.next_token = m.histogram(
             "belayer_router_resume_next_token_seconds",
             "From a failure being noticed to the first token of the resumed attempt, by first cause.",

@@ -259,6 +259,21 @@ class Lease:
             unconfirmed = None
             self._extend(sent)
 
+    async def superseded(self) -> bool | None:
+        """Whether the lease bucket names a later incarnation than this router's: the only proof
+        that a successor exists. A worker's `fenced` answer is checked against it, since anyone
+        holding that engine's credential can send one. None: the bucket is unreadable now."""
+        try:
+            entry = await self.kv.get(KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return False
+        except _STORE_ERRORS:
+            return None
+        if entry.value is None or entry.revision is None:
+            return False
+        holder = self._decode(entry.value, entry.revision)
+        return holder is not None and holder.incarnation > self.incarnation
+
     def _extend(self, sent: float) -> None:
         """A renewal sent at `sent` landed: a standby saw its revision no earlier, so it waits a
         whole TTL from then at least."""

@@ -196,6 +196,8 @@ class Router:
         # While a new router adopts its workers' attempts: the worker messages that arrived meanwhile.
         self.adopting: list[tuple[WorkerChunk | WorkerDone, str]] | None = None
         self.adopting_overflowed = False  # some were dropped: adopted requests are resumed instead
+        # (engine, epoch) of workers that answered what no honest worker would: never used again.
+        self.distrusted: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------ client RPC
 
@@ -619,10 +621,11 @@ class Router:
                     if request.attempt == dispatch.attempt:
                         self.detach(request)
                         request.attempt = 0
-                    if exc.code == "fenced":  # the worker has seen a later router
-                        self.lease.lost.set()
-                        return
-                    if exc.code == "stale-epoch":
+                    if exc.code == "fenced":  # the worker says it has seen a later router
+                        if await self.fenced_by_successor(engine.engine_id, engine.epoch, exc.message):
+                            return
+                        await asyncio.sleep(DISPATCH_RETRY_S)  # distrusted, or asked again later
+                    elif exc.code == "stale-epoch":
                         await self.engine_failed(engine, "exit", "the registry moved to a new epoch")
                     elif exc.code == "weight-version":  # this engine owns other weights: try another
                         request.refused_by[(engine.engine_id, engine.epoch)] = (
@@ -713,6 +716,8 @@ class Router:
         return versions.newest
 
     async def see_worker(self, engine_id: str, epoch: int, pid: int) -> None:
+        if (engine_id, epoch) in self.distrusted:
+            return
         engine = self.engines.get(engine_id)
         now = time.monotonic()
         if engine is not None and engine.epoch == epoch:
@@ -743,6 +748,37 @@ class Router:
         log.info("engine %s: worker pid %d at epoch %d", engine_id, pid, epoch)
         self.engines[engine_id] = Engine(engine_id=engine_id, epoch=epoch, pid=pid, last_beat=now)
         self.dispatch_waiting()
+
+    async def fenced_by_successor(self, engine_id: str, epoch: int, claim: str) -> bool:
+        """A worker answered `fenced`: it says a later router asked it. Only the lease bucket can
+        say so, since anyone holding that engine's credential can send the answer. Confirmed, this
+        router steps down (True). Denied, the engine's word is false and its epoch is distrusted;
+        with the bucket unreadable, nothing is decided and the caller asks again later (bounded by
+        its own limit)."""
+        superseded = await self.lease.superseded()
+        if superseded:
+            self.lease.lost.set()
+            return True
+        if superseded is False:
+            why = f"answered 'fenced' ({claim}) while the lease names incarnation {self.lease.incarnation}"
+            await self.distrust(engine_id, epoch, why)
+        return False
+
+    async def distrust(self, engine_id: str, epoch: int, why: str) -> None:
+        """Stop using the engine's worker of `epoch` for good: it answered what no honest worker
+        would. Its requests move to other engines at once (no grace period: no handover is coming),
+        and nothing it says counts until a new epoch, which only its supervisor installs."""
+        if (engine_id, epoch) in self.distrusted:
+            return
+        self.distrusted.add((engine_id, epoch))
+        self.metrics.distrusted.inc()
+        log.error("engine %s epoch %d distrusted: %s", engine_id, epoch, why)
+        engine = self.engines.get(engine_id)
+        if engine is None or engine.epoch != epoch:
+            return
+        engine.alive, engine.failed_reason = False, "exit"  # an exit is final for the epoch
+        for request in [self.requests[r] for r in engine.requests]:
+            await self.resume(request, "distrusted", f"engine {engine_id}: {why}")
 
     async def on_worker_failed(self, failed: WorkerFailed) -> None:
         engine = self.engines.get(failed.engine_id)
@@ -904,7 +940,7 @@ class Router:
                 self.ended.append(request)
         # Ask the workers before placing the running requests: an engine the answers install
         # would otherwise dispatch them from the log at once.
-        adopted = await self.adopt(running)
+        adopted = await self.adopt(running, {rid: entry.dispatches for rid, entry in logged.items()})
         for request in running:
             self.requests[request.request_id] = self.running[request.request_id] = request
             if request.request_id in adopted:
@@ -928,23 +964,35 @@ class Router:
             incarnation=self.lease.incarnation,
         )
 
-    async def adopt(self, running: list[Request]) -> dict[str, tuple[AdoptReply, HeldAttempt]]:
+    async def adopt(
+        self, running: list[Request], dispatched: dict[str, set[tuple[str, int, int]]]
+    ) -> dict[str, tuple[AdoptReply, HeldAttempt]]:
         """Ask every serving engine what it holds (which also fences off every earlier router
         there), and match each running request with the attempt whose tokens extend its log: those
-        are carried on, not generated again. Attempts nobody adopts are cancelled."""
+        are carried on, not generated again. Attempts nobody adopts are cancelled.
+
+        A worker's answer is its own engine's word, nothing more: it is taken only for the engine
+        whose subject was asked (the bus lets nobody else answer there), and an attempt in it only
+        where one of the request's LogDispatch records (`dispatched`) names that engine, epoch and
+        attempt. Otherwise one engine could end another's request with tokens of its own making.
+        A LogDispatch is queued, not awaited, so a real attempt may lack its record: it is
+        counted, and its request adopts an older recorded attempt or resumes from the log."""
         entries, _ = await registry.entries(self.kv)
         wanted = [r.request_id for r in running][:MAX_BEAT_ATTEMPTS]  # the rest resume from the log
-        replies = await asyncio.gather(
-            *(self.ask_held(e.engine_id, wanted) for e in entries if e.health == "serving")
+        answers = await asyncio.gather(
+            *(self.ask_held(e.engine_id, e.epoch, wanted) for e in entries if e.health == "serving")
         )
+        replies = [reply for reply in answers if reply is not None]
         newest: dict[str, tuple[AdoptReply, HeldAttempt]] = {}  # request id -> its latest attempt
         for reply in replies:
-            if reply is None:
-                continue
             await self.see_worker(reply.engine_id, reply.epoch, reply.pid)
             for held in reply.attempts:
+                recorded = (reply.engine_id, reply.epoch, held.attempt) in dispatched.get(held.request_id, ())
+                if not recorded or held.attempt >> ATTEMPT_BITS != held.incarnation:
+                    self.metrics.adopt_refused.labels("unrecorded").inc()
+                    continue
                 seen = newest.get(held.request_id)
-                if seen is None or (held.incarnation, held.attempt) > (seen[1].incarnation, seen[1].attempt):
+                if seen is None or held.attempt > seen[1].attempt:
                     newest[held.request_id] = (reply, held)
         adopted: dict[str, tuple[AdoptReply, HeldAttempt]] = {}  # request id -> the attempt carried on
         for request in running:
@@ -953,13 +1001,17 @@ class Router:
                 continue
             reply, held = found
             engine = self.engines.get(reply.engine_id)
-            logged = request.tokens
-            if engine is None or engine.epoch != reply.epoch or held.tokens[: len(logged)] != logged:
+            if (
+                engine is None
+                or engine.epoch != reply.epoch
+                or held.tokens[: len(request.tokens)] != request.tokens
+            ):
+                self.metrics.adopt_refused.labels("not-a-continuation").inc()
                 continue  # another epoch, or not a continuation of the log: resumed from the log
             adopted[request.request_id] = found
         taken = {(request_id, held.attempt) for request_id, (_, held) in adopted.items()}
         for reply in replies:
-            for held in reply.attempts if reply is not None else []:
+            for held in reply.attempts:
                 if held.finish_reason is None and (held.request_id, held.attempt) not in taken:
                     cancel = CancelDispatch(
                         request_id=held.request_id, attempt=held.attempt, incarnation=self.lease.incarnation
@@ -967,9 +1019,11 @@ class Router:
                     self.spawn(self.tell_worker(reply.engine_id, cancel), "cancel-dispatch")
         return adopted
 
-    async def ask_held(self, engine_id: str, request_ids: list[str]) -> AdoptReply | None:
+    async def ask_held(self, engine_id: str, epoch: int, request_ids: list[str]) -> AdoptReply | None:
+        """What the engine's worker of `epoch` (the registry's) holds of `request_ids`; None when
+        it does not say, or says it as another engine (it is distrusted)."""
         try:
-            return await bus.request_struct(
+            reply = await bus.request_struct(
                 self.nc,
                 self.subjects.worker_adopt(engine_id),
                 AdoptRequest(incarnation=self.lease.incarnation, request_ids=request_ids),
@@ -977,15 +1031,21 @@ class Router:
                 self.config.dispatch_timeout_s,
             )
         except ServiceError as exc:
-            if exc.code == "fenced":  # the worker has seen a later router: this one is stale
-                self.lease.lost.set()
-                raise LeaseLost(f"engine {engine_id}: {exc.message}") from exc
+            if exc.code == "fenced":  # the worker says it has seen a later router
+                if await self.fenced_by_successor(engine_id, epoch, exc.message):
+                    raise LeaseLost(f"engine {engine_id}: {exc.message}") from exc
+                return None
             # A worker of an older version, or gone: its requests resume from the log.
             log.info("engine %s did not say what it holds: %s", engine_id, exc)
             return None
         except protocol.BadMessage as exc:
             log.warning("engine %s answered what it holds unreadably: %s", engine_id, exc)
             return None
+        if reply.engine_id != engine_id:
+            self.metrics.adopt_refused.labels("wrong-engine").inc(max(1, len(reply.attempts)))
+            await self.distrust(engine_id, epoch, f"answered what it holds as engine {reply.engine_id!r}")
+            return None
+        return reply
 
     async def carry_on(self, request: Request, reply: AdoptReply, held: HeldAttempt) -> None:
         """Take over a running request as its worker holds it: every token it generated so far,

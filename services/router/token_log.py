@@ -235,6 +235,8 @@ class LoggedRequest:
     end: LogEnd | None = None
     last_sequence: int = 0  # of the last record on its subject, whatever it was
     incarnation: int = 0  # the highest router incarnation that claimed it (LogTakeover)
+    # (engine, epoch, attempt) of every LogDispatch: the attempts a router placed or carried on.
+    dispatches: set[tuple[str, int, int]] = field(default_factory=set)
 
     def place(self, chunk: LogChunk) -> None:
         """Reconcile by position: a chunk extends the log only where it continues it."""
@@ -300,6 +302,8 @@ async def read_all(
                 requests[record.request_id].place(record)
             case LogEnd() if record.request_id in requests:
                 requests[record.request_id].end = record
+            case LogDispatch() if record.request_id in requests:
+                requests[record.request_id].dispatches.add((record.engine_id, record.epoch, record.attempt))
             case LogTakeover() if record.request_id in requests:
                 entry = requests[record.request_id]
                 entry.incarnation = max(entry.incarnation, record.incarnation)
