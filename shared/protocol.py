@@ -593,6 +593,24 @@ def decode(decoder: msgspec.json.Decoder[T], payload: bytes) -> T:
     return message
 
 
+def encoded_text(data: bytes, max_bytes: int) -> tuple[str, bool]:
+    """`data` as text (UTF-8, undecodable bytes replaced) cut to the longest prefix whose encoding
+    on the wire takes at most `max_bytes`, and whether it was cut. A byte can take six on the wire
+    (a NUL is written \\u0000) and an undecodable one three (U+FFFD), so capping the bytes read is
+    not enough to bound a reply."""
+    text = data.decode(errors="replace")
+    if len(_encoder.encode(text)) <= max_bytes:
+        return text, False
+    low, high = 0, min(len(text), max_bytes)  # every kept character takes one byte at least
+    while low < high:  # the longest prefix that fits: its encoded size grows with its length
+        middle = (low + high + 1) // 2
+        if len(_encoder.encode(text[:middle])) <= max_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low], True
+
+
 # ---------------------------------------------------------------- sandboxes
 # The checkpointer's contract: RPC on `belayer.<cluster>.sandbox.<host>.<verb>`, events under
 # `belayer.<cluster>.evt.`, prefix pointers in a JetStream KV bucket. Outputs of actions are text (UTF-8,

@@ -34,6 +34,7 @@ from nats.js.object_store import ObjectStore
 from belayer_rl.services.checkpointer import layer, objects, phases, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import (
+    OUTPUT_CAP,
     Engine,
     EnvironmentFailure,
     SandboxPolicy,
@@ -42,7 +43,7 @@ from belayer_rl.services.checkpointer.sandbox import (
     host_trouble,
 )
 from belayer_rl.services.checkpointer.store import TRAJECTORY, CorruptCheckpoint, Store, checkpoint_key
-from belayer_rl.shared import bus
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CheckpointerConfig, ConfigError
 from belayer_rl.shared.metrics import CheckpointerMetrics, Metrics
@@ -395,10 +396,12 @@ class Checkpointer:
                 raise await self.env_failure(sb, failure)
             r.step, r.acting = r.step + 1, False
             self.save(sb)
+            stdout, cut_stdout = protocol.encoded_text(out.stdout, OUTPUT_CAP)
+            stderr, cut_stderr = protocol.encoded_text(out.stderr, OUTPUT_CAP)
             return ExecResult(
-                sandbox=r.sandbox, step=r.step, exit_code=out.exit_code,
-                stdout=out.stdout.decode(errors="replace"), stderr=out.stderr.decode(errors="replace"),
-                timed_out=out.timed_out, truncated=out.truncated, duration_s=out.duration_s,
+                sandbox=r.sandbox, step=r.step, exit_code=out.exit_code, stdout=stdout, stderr=stderr,
+                timed_out=out.timed_out, truncated=out.truncated or cut_stdout or cut_stderr,
+                duration_s=out.duration_s,
             )  # fmt: skip
 
     async def on_destroy(self, req: SandboxDestroy) -> Ack:

@@ -62,7 +62,7 @@ exit "$rc"
 """
 # The watcher's stdout goes nowhere, only its marker line reaches stderr; see run_action.
 
-OUTPUT_CAP = 256 << 10  # bytes kept per stream; MAX_MESSAGE_BYTES bounds the whole reply
+OUTPUT_CAP = 256 << 10  # bytes kept per stream, and again per stream as encoded in the reply
 EXEC_GRACE_S = 10.0  # past timeout + grace, the wrapper itself is presumed stuck
 SWEEP_GRACE_S = 1.0  # past timeout + this, the host kills what the action started
 FREEZE_TRIES = 4  # runc's freeze can time out under load; see `pause`

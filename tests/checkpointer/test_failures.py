@@ -11,6 +11,7 @@ import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, frozen_cgroup, has_capability
+from belayer_rl.shared import protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
 from belayer_rl.shared.subjects import Subjects
@@ -28,6 +29,33 @@ async def test_exit_137_is_an_observation(client: SandboxClient, image: str) -> 
     child = await client.exec("o", "sleep 30 & kill -KILL $!; wait $!; echo child=$?")
     assert child.stdout == "child=137\n" and child.exit_code == 0
     assert (await client.exec("o", "exit 3")).exit_code == 3
+
+
+async def test_an_action_printing_nul_bytes_gets_a_bounded_observation(
+    client: SandboxClient, image: str
+) -> None:
+    """Each NUL takes six bytes on the wire (\\u0000): 256 KiB of them, under the cap on bytes
+    read, made a reply of 1.5 MiB that the bus dropped, and the trajectory met `wrong-step` next.
+    The observation is cut to fit instead, flagged, and the sandbox goes on."""
+    await client.create(SandboxSpec(image=image), sandbox="z")
+    result = await client.exec("z", "head -c 200000 /dev/zero; head -c 200000 /dev/zero >&2; echo done")
+    assert result.truncated and result.step == 1
+    assert 0 < len(result.stdout) < 200_000 and set(result.stdout) == {"\0"}
+    assert 0 < len(result.stderr) < 200_000 and set(result.stderr) == {"\0"}
+    assert len(protocol.encode(result)) < protocol.MAX_MESSAGE_BYTES
+    after = await client.exec("z", "echo next")
+    assert (after.step, after.stdout, after.truncated) == (2, "next\n", False)
+
+
+def test_encoded_text_keeps_the_longest_prefix_that_fits() -> None:
+    for data, budget in [(b"\0" * 100, 62), (b"ab\xff" * 50, 40), (b'"\n' * 30, 33), (b"plain", 64)]:
+        text, cut = protocol.encoded_text(data, budget)
+        whole = data.decode(errors="replace")
+        assert whole.startswith(text) and cut == (text != whole)
+        assert len(msgspec.json.encode(text)) <= budget
+        if cut:  # one more character would not fit
+            assert len(msgspec.json.encode(whole[: len(text) + 1])) > budget
+    assert protocol.encoded_text(b"\0" * 100, 62) == ("\0" * 10, True)  # 2 quotes + 10 x 6 bytes
 
 
 async def test_timeout_kills_the_whole_action(client: SandboxClient, image: str) -> None:
