@@ -527,6 +527,7 @@ class CheckpointerConfig(ServiceConfig):
     max_sandboxes: int = setting(64, "sandboxes this host runs at once, at most")
     sandbox_memory_mb: int = setting(0, "the most memory one sandbox may ask for (0: the host's memory)")
     sandbox_cpus: float = setting(0.0, "the most CPUs one sandbox may ask for (0: the host's CPUs)")
+    sandbox_pids: int = setting(4096, "the most processes one sandbox may ask for (its `pids_limit`)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -545,6 +546,7 @@ class CheckpointerConfig(ServiceConfig):
         if self.disk_budget_gb < 0:
             raise ConfigError(f"--disk-budget-gb must be >= 0, got {self.disk_budget_gb}")
         positive("--max-sandboxes", self.max_sandboxes)
+        positive("--sandbox-pids", self.sandbox_pids)
         if self.sandbox_memory_mb < 0 or self.sandbox_cpus < 0:
             raise ConfigError("--sandbox-memory-mb and --sandbox-cpus must be >= 0")
         if self.crash_at and self.crash_at not in CHECKPOINT_PHASES:

@@ -122,6 +122,7 @@ class Checkpointer:
                 allow_root_user=config.allow_root_user,
                 max_memory_mb=config.sandbox_memory_mb or host_memory_mb(),
                 max_cpus=config.sandbox_cpus or float(os.cpu_count() or 1),
+                max_pids=config.sandbox_pids,
             ),
         )  # fmt: skip
 
@@ -337,9 +338,7 @@ class Checkpointer:
             raise ServiceError("exists", f"sandbox {name!r} exists")
         if why := self.host.policy.refusal(req.spec):
             raise ServiceError("not-allowed", f"sandbox {name}: {why}")
-        live = sum(sb.record.state != "destroyed" for sb in self.sandboxes.values())
-        if live >= self.config.max_sandboxes:
-            raise ServiceError("host-full", f"this host runs {live} sandboxes, its most (--max-sandboxes)")
+        self.check_room()
         sb = Sandbox(SandboxRecord(sandbox=name, spec=req.spec, container_id="", image_id=""))
         self.sandboxes[name] = sb  # the name is taken before the first wait
         async with sb.fifo:
@@ -365,6 +364,13 @@ class Checkpointer:
             self.save(sb)
         await self.check_idle(sb)  # an engine event that came while it was created was not judged
         return self.info(sb)
+
+    def check_room(self) -> None:
+        """Raise ServiceError("host-full") when this host runs --max-sandboxes already: before a
+        create, and before a restore that brings a sandbox back."""
+        live = sum(sb.record.state != "destroyed" for sb in self.sandboxes.values())
+        if live >= self.config.max_sandboxes:
+            raise ServiceError("host-full", f"this host runs {live} sandboxes, its most (--max-sandboxes)")
 
     async def on_exec(self, req: SandboxExec) -> ExecResult:
         sb = self.get(req.sandbox)
@@ -537,7 +543,18 @@ class Checkpointer:
                 raise ServiceError("wrong-host", f"{why}, and fetching it failed: {exc}") from None
             store = "object-store"
         sb = self.sandboxes.get(current.sandbox)
+        if (
+            sb is not None
+            and sb.record.state != "destroyed"
+            and sb.record.trajectory not in ("", req.trajectory)
+        ):
+            raise ServiceError(
+                "wrong-trajectory",
+                f"sandbox {current.sandbox} runs trajectory {sb.record.trajectory}: restoring"
+                f" {req.trajectory} there would replace it",
+            )
         if sb is None or sb.record.state == "destroyed":
+            self.check_room()
             sb = Sandbox(self.base_record(req.trajectory, current))
             self.sandboxes[current.sandbox] = sb
         task = asyncio.create_task(self.restore(sb, current, store))

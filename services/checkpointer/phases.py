@@ -42,6 +42,7 @@ from belayer_rl.services.checkpointer.sandbox import (
     SandboxPolicy,
     host_trouble,
     is_root,
+    numeric_user,
     with_user,
 )
 from belayer_rl.services.checkpointer.store import (
@@ -97,7 +98,9 @@ async def fresh_container(host: Host, record: SandboxRecord, image: ImageInspect
 
     A spec that names no user gets the image's unprivileged USER, written into the record: every
     later checkpoint names it, and a checkpoint made before specs did (its spec names none) still
-    runs its actions as the image's author chose, not as the root init."""
+    runs its actions as the image's author chose, not as the root init. The user is then pinned to
+    its numbers in the image's own /etc/passwd, so that a name mapped to uid 0 there is refused as
+    root is, and no action can change whom later actions run as."""
     if not record.spec.user and image.user and not is_root(image.user):
         try:
             record.spec = with_user(record.spec, image.user)
@@ -107,12 +110,35 @@ async def fresh_container(host: Host, record: SandboxRecord, image: ImageInspect
                 f"sandbox {record.sandbox}: the image's USER {image.user!r} is no user a spec may name;"
                 " name one in the spec's `user`",
             ) from None
-    if why := host.policy.refusal(record.spec):
+    if why := host.policy.refusal(record.spec) or host.policy.user_refusal(record.spec.user):
         raise ServiceError("not-allowed", f"sandbox {record.sandbox}: {why}")
     spec = msgspec.structs.replace(record.spec, image=image.id)
     record.container_id = await host.engine.recreate(record.container_id, spec, host.host_id, record.sandbox)
     record.oom_seen = 0
+    try:
+        user = await pinned_user(host, record)
+        why = host.policy.user_refusal(user)
+    except ValueError as exc:
+        why = str(exc)
+    if why:
+        with contextlib.suppress(aiodocker.DockerError):
+            await host.engine.remove(record.container_id)
+        record.container_id = ""
+        raise ServiceError("not-allowed", f"sandbox {record.sandbox}: {why}")
+    record.spec = with_user(record.spec, user)
     return record.container_id
+
+
+async def pinned_user(host: Host, record: SandboxRecord) -> str:
+    """The record's user as numbers, read from its new container's /etc/passwd and /etc/group."""
+    name, _, group = record.spec.user.partition(":")
+    if not name:  # the container's default: root, which the policy has allowed
+        return ""
+    if name.isdigit() and (not group or group.isdigit()):
+        return numeric_user(record.spec.user, None, None)
+    passwd = await host.engine.small_file(record.container_id, "/etc/passwd")
+    groups = await host.engine.small_file(record.container_id, "/etc/group") if group else None
+    return numeric_user(record.spec.user, passwd, groups)
 
 
 # ---------------------------------------------------------------- full_checkpoint
@@ -143,6 +169,17 @@ async def full_checkpoint(
     if r.trajectory and r.trajectory != req.trajectory:
         raise ServiceError("wrong-trajectory", f"sandbox {r.sandbox} belongs to trajectory {r.trajectory}")
     current, _ = await pointer.read(host.kv, req.trajectory)
+    if (
+        not r.trajectory
+        and current is not None
+        and (current.host_id, current.sandbox) != (host.host_id, r.sandbox)
+    ):
+        # Only the trajectory's own sandbox may carry it on (re-created under its name after a
+        # restart from the base image): another would start a new incarnation past its progress.
+        raise ServiceError(
+            "wrong-trajectory",
+            f"trajectory {req.trajectory} belongs to sandbox {current.sandbox} on host {current.host_id}",
+        )
     incarnation = r.incarnation if r.trajectory else (current.incarnation + 1 if current else 0)
     if current is not None and (incarnation, req.k) <= pointer.order(current):
         raise ServiceError(

@@ -16,10 +16,12 @@ import asyncio
 import contextlib
 import errno
 import functools
+import io
 import logging
 import os
 import shutil
 import signal
+import tarfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -74,6 +76,7 @@ OOM_REPORT_S = 0.5  # how long after a SIGKILLed init Docker may still report it
 
 
 DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect to
+USER_FILE_MAX_BYTES = 1 << 20  # /etc/passwd and /etc/group read from an image to pin a user's numbers
 DOCKER_SILENT = 504  # ours, for a call the daemon did not answer within the engine's bound
 CAP_SYS_RESOURCE = 24  # prlimit() on another user's process needs it; CRIU reads every process's limits
 CRIU_NO_LIMITS = "Can't get rlimit"  # CRIU's log when prlimit() was refused
@@ -158,7 +161,19 @@ class SandboxPolicy:
     allow_network: bool
     max_memory_mb: int
     max_cpus: float
+    max_pids: int
     allow_root_user: bool = False
+
+    def user_refusal(self, user: str) -> str:
+        """Why actions may not run as `user`, the spec's user once pinned to numbers ("" runs them as
+        the container's root); "" when they may."""
+        if (not user or is_root(user)) and not self.allow_root_user:
+            shown = repr(user) if user else "the container's default, root"
+            return (
+                f"actions would run as uid 0 ({shown}): name an unprivileged `user` in the spec or"
+                " the image's USER, or allow root on this host (the checkpointer's --allow-root-user)"
+            )
+        return ""
 
     def refusal(self, spec: SandboxSpec) -> str:
         """Why `spec` may not run here; "" when it may."""
@@ -174,6 +189,8 @@ class SandboxPolicy:
             return f"memory_mb {spec.memory_mb} is over this host's {self.max_memory_mb} per sandbox"
         if spec.cpus > self.max_cpus:
             return f"cpus {spec.cpus:g} is over this host's {self.max_cpus:g} per sandbox"
+        if spec.pids_limit > self.max_pids:
+            return f"pids_limit {spec.pids_limit} is over this host's {self.max_pids} per sandbox"
         return ""
 
 
@@ -181,6 +198,26 @@ def is_root(user: str) -> bool:
     """Whether a Docker `User` names root: by name, or as uid 0 however written ("00" too)."""
     name = user.partition(":")[0]
     return name == "root" or (name.isdigit() and int(name) == 0)
+
+
+def numeric_user(user: str, passwd: bytes | None, group: bytes | None) -> str:
+    """`user` ("name", "uid", "name:group", ...) as "uid" or "uid:gid", looked up in the image's
+    /etc/passwd and /etc/group; ValueError saying why when a name is not there. Actions run under
+    these numbers: a name is resolved by the daemon at every exec from the container's files as
+    they are then, which an earlier action may have rewritten."""
+
+    def look_up(name: str, table: bytes | None, file: str) -> str:
+        if name.isdigit():
+            return str(int(name))
+        for line in (table or b"").decode(errors="replace").splitlines():
+            fields = line.split(":")
+            if len(fields) >= 3 and fields[0] == name and fields[2].isdigit():
+                return str(int(fields[2]))
+        raise ValueError(f"{name!r} is not in the image's /etc/{file}")
+
+    name, _, group_name = user.partition(":")
+    uid = look_up(name, passwd, "passwd")
+    return f"{uid}:{look_up(group_name, group, 'group')}" if group_name else uid
 
 
 def with_user(spec: SandboxSpec, user: str) -> SandboxSpec:
@@ -393,6 +430,34 @@ class Engine:
         """The container's writable layer on the host; raises as `state` does."""
         reply = await self.docker._query_json(f"containers/{container_id}/json")
         return Path(msgspec.convert(reply, type=ContainerStorage).graph_driver.data.upper_dir)
+
+    @daemon_call
+    async def small_file(self, container_id: str, path: str) -> bytes | None:
+        """A regular file of a created container's filesystem, through the daemon's archive call;
+        None when it is missing, not a regular file or over USER_FILE_MAX_BYTES (the image is
+        untrusted: nothing larger is read)."""
+        body = bytearray()
+        try:
+            async with self.docker._query(
+                f"containers/{container_id}/archive", params={"path": path}
+            ) as response:
+                async for piece in response.content.iter_chunked(1 << 16):
+                    body += piece
+                    if len(body) > USER_FILE_MAX_BYTES + 4 * tarfile.BLOCKSIZE:
+                        return None
+        except aiodocker.DockerError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        try:
+            with tarfile.open(fileobj=io.BytesIO(bytes(body)), mode="r:") as tar:
+                member = tar.next()
+                if member is None or not member.isfile() or member.size > USER_FILE_MAX_BYTES:
+                    return None
+                data = tar.extractfile(member)
+                return data.read() if data is not None else None
+        except tarfile.TarError:
+            return None
 
     @daemon_call
     async def inspect_image(self, name: str) -> ImageInspect:
