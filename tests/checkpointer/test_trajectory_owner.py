@@ -1,0 +1,54 @@
+"""Only the sandbox that owns a trajectory checkpoints it or is replaced by its restore (finding 8).
+
+A real checkpointer and dockerd, driven as a rollout-side caller would. On the old checkpointer a
+fresh sandbox that checkpointed an existing trajectory took it over under a new incarnation (the
+trajectory's next restore brought back the intruder's files), and a restore replaced whatever live
+sandbox had the pointer's name, though it ran another trajectory.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from belayer_rl.services.checkpointer.client import SandboxClient
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.protocol import SandboxSpec
+
+
+async def test_another_sandbox_cannot_checkpoint_a_trajectory(client: SandboxClient, image: str) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="owner")
+    await client.exec("owner", "echo owner > /tmp/f")
+    await client.checkpoint("owner", "t", 1, context_tokens=[1, 2, 3])
+
+    await client.create(SandboxSpec(image=image), sandbox="intruder")
+    await client.exec("intruder", "echo intruder > /tmp/f")
+    with pytest.raises(ServiceError) as refused:
+        await client.checkpoint("intruder", "t", 1, context_tokens=[9, 9, 9])
+    assert refused.value.code == "wrong-trajectory" and "owner" in refused.value.message
+
+    # The owner's own sandbox, made again under its name (a restart from the base image), may.
+    await client.destroy("owner")
+    restored = await client.restore("t", timeout_s=60)
+    assert (restored.sandbox, restored.context_tokens) == ("owner", [1, 2, 3])
+    assert (await client.exec("owner", "cat /tmp/f")).stdout == "owner\n"
+    await client.destroy("owner")
+    await client.create(SandboxSpec(image=image), sandbox="owner")
+    await client.exec("owner", "echo again > /tmp/f")
+    again = await client.checkpoint("owner", "t", 1, context_tokens=[4, 5])
+    assert again.incarnation > 0
+
+
+async def test_a_restore_does_not_replace_another_trajectorys_sandbox(
+    client: SandboxClient, image: str
+) -> None:
+    await client.create(SandboxSpec(image=image), sandbox="x")
+    await client.exec("x", "echo t > /tmp/f")
+    await client.checkpoint("x", "t", 1, context_tokens=[1])
+    await client.destroy("x")
+    await client.create(SandboxSpec(image=image), sandbox="x")  # the name, now for trajectory u
+    await client.exec("x", "echo u > /tmp/f")
+    await client.checkpoint("x", "u", 1, context_tokens=[2])
+    with pytest.raises(ServiceError) as refused:
+        await client.restore("t", timeout_s=60)
+    assert refused.value.code == "wrong-trajectory" and "trajectory u" in refused.value.message
+    assert (await client.exec("x", "cat /tmp/f")).stdout == "u\n"  # still u's, and still running
