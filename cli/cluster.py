@@ -97,6 +97,12 @@ class ClusterConfig:
     nats_port: int = setting(0, "port of the embedded nats-server (0: a free one)")
     cluster_id: str = same_as(ServiceConfig, "cluster_id")
     auth: bool = setting(True, "the embedded nats-server checks credentials and per-role permissions")
+    nats_sync_always: bool = setting(
+        True,
+        "the embedded nats-server puts each JetStream write on disk before acknowledging it"
+        " (off: nats-server's default, a sync every 2 minutes; acknowledged writes can be lost"
+        " on a power cut)",
+    )
     creds_dir: Path | None = setting(
         None, "each role's credentials (`belayer creds` writes them), for an external NATS with auth"
     )
@@ -440,6 +446,7 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
                 port,
                 config.state_dir / "logs" / "nats-server.log",
                 server_config,
+                sync_always=config.nats_sync_always,
             )
             stack.push_async_callback(stop_process, nats_process)
             nats_url = f"nats://127.0.0.1:{port}"

@@ -50,12 +50,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def nats_settings(store_dir: Path, config: Path | None, sync_always: bool) -> list[str]:
+    """nats-server's `-c FILE` for the `config` file's settings and, with `sync_always`, JetStream
+    writes synced to disk before each is acknowledged (`sync_interval: always`; nats-server's own
+    default syncs every two minutes, so an acknowledged write can be lost on a power cut). The
+    file written beside the store includes `config` (nats-server includes by relative path)."""
+    if not sync_always:
+        return ["-c", str(config)] if config is not None else []
+    lines = ["jetstream {", "  sync_interval: always", "}"]
+    wrapper = store_dir.parent / f"{store_dir.name}.nats.conf"
+    if config is not None:
+        lines.append(f'include "{os.path.relpath(config.resolve(), wrapper.parent.resolve())}"')
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text("\n".join(lines) + "\n")
+    return ["-c", str(wrapper)]
+
+
 async def start_nats_server(
-    store_dir: Path, port: int, log_file: Path, config: Path | None = None
+    store_dir: Path, port: int, log_file: Path, config: Path | None = None, *, sync_always: bool = True
 ) -> asyncio.subprocess.Process:
     """Start nats-server with JetStream in `store_dir` on 127.0.0.1:`port` (and the settings of the
-    `config` file, such as authorization and TLS); wait until it accepts connections."""
-    settings = ["-c", str(config)] if config is not None else []
+    `config` file, such as authorization and TLS); wait until it accepts connections. Each
+    JetStream write is on disk before it is acknowledged, unless `sync_always` is False."""
+    settings = nats_settings(store_dir, config, sync_always)
     with log_file.open("ab") as out:
         process = await asyncio.create_subprocess_exec(
             nats_server_binary(), *settings,

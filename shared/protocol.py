@@ -249,12 +249,16 @@ class Dispatch(CarriesSampling, tag="dispatch", kw_only=True):
     # The lease incarnation of the router that sent it (services/router/lease.py). A worker refuses
     # any dispatch or cancel from an incarnation below the highest it has seen.
     incarnation: Incarnation = 0
+    # Which router of that incarnation sent it (its lease's `holder`): if a lease revision is lost
+    # (a power cut) two routers may hold one incarnation, and a worker takes only the first it saw.
+    holder: Annotated[str, Meta(max_length=64)] = ""
 
 
 class CancelDispatch(Message, tag="cancel_dispatch", kw_only=True):
     request_id: RequestId
     attempt: Annotated[int, Meta(ge=0)] = 0  # 0 cancels every attempt of the request
     incarnation: Incarnation = 0
+    holder: Annotated[str, Meta(max_length=64)] = ""  # as in Dispatch
 
 
 class AdoptRequest(Message, tag="adopt", kw_only=True):
@@ -264,6 +268,7 @@ class AdoptRequest(Message, tag="adopt", kw_only=True):
     incarnation: Incarnation
     # The requests it asks about: those the token log shows running. The answer holds only these.
     request_ids: Annotated[list[RequestId], Meta(max_length=MAX_BEAT_ATTEMPTS)] = []
+    holder: Annotated[str, Meta(max_length=64)] = ""  # as in Dispatch
 
 
 class HeldAttempt(Message, tag="held_attempt", kw_only=True):
@@ -381,6 +386,7 @@ class RouterLease(Message, tag="router_lease", kw_only=True):
     ttl_s: Annotated[float, Meta(gt=0)]
     released: bool = False  # its holder stopped (a drain): a standby takes it at once
     instance: Annotated[str, Meta(max_length=64)] = ""  # its supervisor's token for it; "" if none
+    holder: Annotated[str, Meta(max_length=64)] = ""  # a token of this router process, on its dispatches
 
 
 class Handover(Message, tag="handover", kw_only=True):

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 
@@ -90,6 +91,9 @@ class Lease:
         self.kv = kv
         self.ttl_s = ttl_s
         self.instance = instance  # the supervisor's token for this start of this router; "" if none
+        # This router's own token, on its lease and dispatches: two routers that hold one incarnation
+        # (a lease revision lost to a power cut) are told apart by it, and fenced by workers.
+        self.holder = secrets.token_hex(8)
         self.incarnation = 0  # 0 until acquired
         self.revision = 0  # of the key's value this router wrote last
         self.valid_until = 0.0  # monotonic: the end of the window in which this router may act
@@ -116,6 +120,7 @@ class Lease:
             ttl_s=self.ttl_s,
             released=released,
             instance=self.instance,
+            holder=self.holder,
         )
         return protocol.encode(lease)
 
@@ -272,7 +277,11 @@ class Lease:
         if entry.value is None or entry.revision is None:
             return False
         holder = self._decode(entry.value, entry.revision)
-        return holder is not None and holder.incarnation > self.incarnation
+        if holder is None:
+            return False
+        return holder.incarnation > self.incarnation or (
+            holder.incarnation == self.incarnation and holder.holder not in ("", self.holder)
+        )
 
     def _extend(self, sent: float) -> None:
         """A renewal sent at `sent` landed: a standby saw its revision no earlier, so it waits a

@@ -91,6 +91,7 @@ WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
 WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
 CLAIM_TRIES = 5  # reads of the log at start-up, while a predecessor's last appends still land
 MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts attempts
+END_TELL_TRIES = 20  # a LogEnd queued again this many times at most before its clients are told
 END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
 ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number in the incarnation
 # The resume cause of an engine's failure, by WorkerFailed.reason.
@@ -264,9 +265,9 @@ class Router:
                 tokens=request.tokens[message.from_position :],
             )
             await bus.publish(self.nc, message.reply_to, chunk)
-        if request.end is not None:
+        if request.end is not None and self.end_is_durable(request):
             await bus.publish(self.nc, message.reply_to, request.end)
-        else:
+        else:  # running, or its end is told once it is durable (tell_end)
             request.watchers.add(message.reply_to)
         return Ack(detail=f"attached at {message.from_position} of {len(request.tokens)}")
 
@@ -314,7 +315,10 @@ class Router:
     async def cancel(self, request: Request) -> None:
         if request.engine_id is not None:
             cancel = CancelDispatch(
-                request_id=request.request_id, attempt=request.attempt, incarnation=self.lease.incarnation
+                request_id=request.request_id,
+                attempt=request.attempt,
+                incarnation=self.lease.incarnation,
+                holder=self.lease.holder,
             )
             self.spawn(self.tell_worker(request.engine_id, cancel), "cancel-dispatch")
         await self.finish(request, "cancelled")
@@ -504,8 +508,32 @@ class Router:
         self.metrics.ends.labels(record.finish_reason).inc()
         self.log_full_chunks(request, with_tail=True)
         request.end_record, request.end_logged = record, self.writer.put(record)
-        await self.tell_clients(request, end)
-        request.watchers.clear()
+        self.spawn(self.tell_end(request), f"end-{request.request_id}")
+
+    def end_is_durable(self, request: Request) -> bool:
+        """Whether the request's LogEnd is in the token log (an end read from it at start-up is)."""
+        logged = request.end_logged
+        return logged is None or (logged.done() and logged.result() is None)
+
+    async def tell_end(self, request: Request) -> None:
+        """Tell the request's clients it ended once its LogEnd is durable, never before: a successor
+        that rebuilds from the log must not find running a request whose end a client was told
+        (with an engine whose resume is not exact, the tail it makes could differ). A LogEnd the
+        writer gave up on is queued again, up to END_TELL_TRIES times; a fenced one is a successor's
+        to end, and the clients' re-attach reaches it."""
+        assert request.end is not None and request.end_record is not None
+        for _ in range(END_TELL_TRIES):
+            assert request.end_logged is not None
+            dropped = await asyncio.shield(request.end_logged)
+            if dropped is None:
+                await self.tell_clients(request, request.end)
+                request.watchers.clear()
+                return
+            if dropped.code == "fenced":
+                return
+            await asyncio.sleep(DISPATCH_RETRY_S * 10)
+            request.end_logged = self.writer.put(request.end_record)
+        log.error("%s ended, but its end could not be logged: its clients are not told", request.request_id)
 
     async def tell_clients(self, request: Request, message: TokenChunk | GenerateEnd | GenerateError) -> None:
         """Relay to every client following the request, only while the lease holds: a router that
@@ -594,6 +622,7 @@ class Router:
                         engine.engine_id
                     ),  # informative: workers use their own
                     incarnation=self.lease.incarnation,
+                    holder=self.lease.holder,
                 )
                 # Claim before the round trip: chunks can arrive before the ack does.
                 request.attempt, request.epoch, request.engine_id = (
@@ -893,6 +922,7 @@ class Router:
                         request_id=request.request_id,
                         attempt=request.attempt,
                         incarnation=self.lease.incarnation,
+                        holder=self.lease.holder,
                     )
                     self.spawn(self.tell_worker(request.engine_id, cancel), "cancel-dispatch")
                     if request.remaining == 0:
@@ -1014,7 +1044,10 @@ class Router:
             for held in reply.attempts:
                 if held.finish_reason is None and (held.request_id, held.attempt) not in taken:
                     cancel = CancelDispatch(
-                        request_id=held.request_id, attempt=held.attempt, incarnation=self.lease.incarnation
+                        request_id=held.request_id,
+                        attempt=held.attempt,
+                        incarnation=self.lease.incarnation,
+                        holder=self.lease.holder,
                     )
                     self.spawn(self.tell_worker(reply.engine_id, cancel), "cancel-dispatch")
         return adopted
@@ -1026,7 +1059,9 @@ class Router:
             reply = await bus.request_struct(
                 self.nc,
                 self.subjects.worker_adopt(engine_id),
-                AdoptRequest(incarnation=self.lease.incarnation, request_ids=request_ids),
+                AdoptRequest(
+                    incarnation=self.lease.incarnation, request_ids=request_ids, holder=self.lease.holder
+                ),
                 AdoptReply,
                 self.config.dispatch_timeout_s,
             )

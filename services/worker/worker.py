@@ -116,6 +116,7 @@ class Worker:
         self.pins = pins
         self.attempts: dict[str, Attempt] = {}  # request id -> the attempt this worker runs
         self.router_incarnation = 0  # the highest router incarnation seen; lower ones are refused
+        self.router_holder = ""  # the first router of that incarnation heard from ("": none yet)
         # Attempts that ended, kept ENDED_KEPT_S for a router that takes over to adopt: their
         # WorkerDone may have gone to a router that was dead by then. Request id -> what it made.
         self.ended: dict[str, Ended] = {}
@@ -130,13 +131,20 @@ class Worker:
 
     # ------------------------------------------------------------ handlers
 
-    def fence(self, incarnation: int) -> None:
-        """Refuse a router incarnation below the highest seen; remember a higher one."""
+    def fence(self, incarnation: int, holder: str) -> None:
+        """Refuse a router incarnation below the highest seen, and another router (`holder`) of the
+        highest than the first one seen (two can hold one incarnation only if a lease revision
+        was lost); remember a higher one."""
         if incarnation < self.router_incarnation:
             self.metrics.fenced.inc()
             raise ServiceError(
                 "fenced", f"router incarnation {incarnation} is older than {self.router_incarnation}"
             )
+        if incarnation == self.router_incarnation and holder and self.router_holder not in ("", holder):
+            self.metrics.fenced.inc()
+            raise ServiceError("fenced", f"router incarnation {incarnation} is held by another router")
+        if incarnation > self.router_incarnation or not self.router_holder:
+            self.router_holder = holder
         self.router_incarnation = incarnation
 
     async def on_adopt(self, request: AdoptRequest) -> AdoptReply:
@@ -144,7 +152,7 @@ class Worker:
         lease: running attempts with every token so far, and those that ended lately. Fences off
         every lower incarnation. The answer stays within ADOPT_REPLY_BYTES: what does not fit is
         resumed from the log by the router (tokens generated again, nothing lost)."""
-        self.fence(request.incarnation)
+        self.fence(request.incarnation, request.holder)
         self.forget_ended()
         held: list[HeldAttempt] = []
         budget = ADOPT_REPLY_BYTES
@@ -169,14 +177,15 @@ class Worker:
             del self.ended[request_id]
 
     async def on_router_started(self, started: RouterStarted) -> None:
-        self.router_incarnation = max(self.router_incarnation, started.incarnation)
+        if started.incarnation > self.router_incarnation:
+            self.router_incarnation, self.router_holder = started.incarnation, ""
 
     async def on_dispatch(self, dispatch: Dispatch) -> Ack:
         if dispatch.engine_id != self.config.engine_id:
             raise ServiceError("wrong-engine", f"this is {self.config.engine_id}, not {dispatch.engine_id}")
         if dispatch.epoch != self.epoch:
             raise ServiceError("stale-epoch", f"epoch {dispatch.epoch} is not the current {self.epoch}")
-        self.fence(dispatch.incarnation)
+        self.fence(dispatch.incarnation, dispatch.holder)
         version = dispatch.weight_version
         to_map = version is not None and version not in self.engine.weights
         if to_map and self.pins is None:
@@ -216,7 +225,7 @@ class Worker:
         return Ack(detail=f"attempt {dispatch.attempt} queued on {self.config.engine_id}")
 
     async def on_cancel(self, cancel: CancelDispatch) -> Ack:
-        self.fence(cancel.incarnation)
+        self.fence(cancel.incarnation, cancel.holder)
         attempt = self.attempts.get(cancel.request_id)
         if attempt is None or cancel.attempt not in (0, attempt.dispatch.attempt):
             return Ack(detail="nothing to cancel")

@@ -33,9 +33,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import protocol
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import AdoptReply, ErrorReply, HeldAttempt, TokenChunk
+from belayer_rl.shared.protocol import AdoptReply, AdoptRequest, ErrorReply, HeldAttempt, TokenChunk
 from tests.support import Job, poll, reference_tokens
 
 
@@ -62,14 +63,8 @@ async def as_engine(cluster: Supervisor, engine_id: str) -> AsyncIterator[NATS]:
 
 
 def config(tmp_path: Path, **options: object) -> ClusterConfig:
-    return ClusterConfig(
-        state_dir=tmp_path / "state",
-        engines=2,
-        shadows=False,
-        sandboxes=False,
-        heartbeat_timeout_s=60.0,
-        **options,  # type: ignore[arg-type]
-    )
+    options = {"engines": 2, "shadows": False, "sandboxes": False, "heartbeat_timeout_s": 60.0, **options}
+    return ClusterConfig(state_dir=tmp_path / "state", **options)  # type: ignore[arg-type]
 
 
 async def test_a_false_fenced_answer_does_not_unseat_the_router(tmp_path: Path) -> None:
@@ -163,3 +158,32 @@ async def test_a_forged_adopt_answer_cannot_end_another_engines_request(tmp_path
                     tokens += item.tokens
     assert router.pid != old_pid
     assert tokens == expected, "the forged answer's tokens reached the client"
+
+
+async def test_two_routers_of_one_incarnation_are_told_apart(tmp_path: Path) -> None:
+    """Finding 9's fence: were a lease revision lost (a power cut with writes not yet on disk), a
+    second router could take the same incarnation again. Workers then take only the first router
+    they heard of that incarnation: an adopt with the current incarnation but another holder is
+    refused as `fenced`, one from the lease's holder is answered. Sent with the router credential,
+    as a second router would."""
+    async with local_cluster(config(tmp_path, engines=1)) as cluster:
+        async with await Client.connect(cluster.target("cli"), "test-cli") as client:
+            await client.wait_for_engines(1, 120)
+            await client.generate_all("the worker hears the real router", max_tokens=4, seed=1)
+        async with await Client.connect(cluster.target("admin"), "test-admin") as admin:
+            lease = await lease_holder(admin.nc.jetstream(), cluster.subjects)
+        assert lease is not None and lease.holder
+        nc = await nats.connect(
+            cluster.nats_url, allow_reconnect=False, **cluster.access("router").connect_options()
+        )
+        try:
+            answers = {}
+            for holder in ("a-second-router", lease.holder):
+                ask = AdoptRequest(incarnation=lease.incarnation, holder=holder)
+                reply = await nc.request(cluster.subjects.worker_adopt("e0"), protocol.encode(ask), timeout=5)
+                answers[holder] = protocol.decode(protocol.decoder_for(AdoptReply | ErrorReply), reply.data)
+        finally:
+            await nc.close()
+    refused, answered = answers["a-second-router"], answers[lease.holder]
+    assert isinstance(refused, ErrorReply) and refused.code == "fenced", refused
+    assert isinstance(answered, AdoptReply) and answered.engine_id == "e0", answered

@@ -76,6 +76,60 @@ async def test_a_full_log_refuses_new_requests_and_keeps_the_running_ones(
     assert len(skipped) == 10  # the filler records, reported as undecodable and skipped
 
 
+async def test_a_client_hears_of_an_end_only_once_the_log_holds_it(nats_server, tmp_path, seed) -> None:
+    """Trust finding 9: the router told a client its request ended before the LogEnd was appended,
+    so a successor rebuilding from the log could find running what a client saw end. Here the log
+    is filled to its bound while the request runs (its worker stopped): the end cannot be logged,
+    and the client must not hear of it; once the bound is raised, the end is logged and then told.
+    Mutation check: telling the clients in `close` (the old order) fails the first assertion."""
+    rng = random.Random(seed)
+    options = {"engines": 1, "log_max_mb": 1, "heartbeat_timeout_s": 30.0}
+    async with running_cluster(nats_server, tmp_path, **options) as cluster:
+        js = cluster.client.nc.jetstream()
+        worker = await cluster.engine_pid("e0")
+        job = make_job(rng, "durable-end", max_tokens=200)
+        stream = cluster.client.generate(
+            job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=job.temperature,
+            request_id=job.request_id,
+        )  # fmt: skip
+        first = await anext(stream)
+        assert isinstance(first, protocol.TokenChunk)
+        fillers: list[str] = []
+        kill(worker, signal.SIGSTOP)
+        try:
+            for size in (50_000, 5_000, 500, 50, 1):  # another writer's records, up to the bound
+                while True:
+                    subject = NAMES.token_log(f"filler-{len(fillers)}")
+                    try:
+                        await js.publish(subject, b"x" * size)
+                    except nats.js.errors.APIError:
+                        break
+                    fillers.append(subject)
+        finally:
+            kill(worker, signal.SIGCONT)
+        tokens = list(first.tokens)
+
+        async def follow() -> protocol.GenerateEnd | protocol.GenerateError:
+            async for item in stream:
+                if isinstance(item, protocol.TokenChunk):
+                    tokens.extend(item.tokens)
+                else:
+                    return item
+            raise AssertionError("the stream stopped without an end")
+
+        end = asyncio.ensure_future(follow())
+        await asyncio.sleep(3.0)  # the worker has long finished: only the log holds the end up
+        assert not end.done(), "the client heard of an end that the log does not hold"
+        # Room again (nothing may purge the log: its bound is raised instead).
+        stream_config = (await js.stream_info(NAMES.token_log_stream)).config
+        await js.update_stream(dataclasses.replace(stream_config, max_bytes=4 << 20))
+        told = await asyncio.wait_for(end, 30.0)
+        logged, _ = await token_log.read_all(js, NAMES)
+    assert isinstance(told, protocol.GenerateEnd) and told.num_tokens == len(tokens)
+    assert logged[job.request_id].end is not None and logged[job.request_id].tokens == tokens
+    assert tokens == reference_tokens([job])[job.request_id]
+
+
 # ---------------------------------------------------------------- a 3-node cluster
 
 
