@@ -28,3 +28,6 @@ def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) ->
     from belayer_rl.cli import bench_train_recovery
 
     bench_train_recovery.add_parser(kinds)
+    from belayer_rl.cli import bench_sync
+
+    bench_sync.add_parser(kinds)

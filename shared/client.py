@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +40,8 @@ from belayer_rl.shared.protocol import (
     TokenChunk,
 )
 from belayer_rl.shared.subjects import Subjects
+
+log = logging.getLogger("belayer.client")
 
 # Answers after which a call is made again: nobody serves yet (a router restarting), or a router
 # that lost its lease answered before its successor did.
@@ -287,7 +290,14 @@ class Client:
             if self.reconnects != reconnects:
                 reconnects = self.reconnects
                 await self._attach(request_id, position, inbox, patience_s)
-            item = protocol.decode(_stream_decoder, msg.data)
+            try:
+                item = protocol.decode(_stream_decoder, msg.data)
+            except protocol.BadMessage as exc:
+                log.warning("dropped an unreadable message on %s's stream: %s", request_id, exc)
+                continue
+            if item.request_id != request_id:  # not this stream's: whoever sent it, it is no token of ours
+                log.warning("dropped a message of request %s on %s's stream", item.request_id, request_id)
+                continue
             if isinstance(item, GenerateError):
                 raise GenerationError(item)
             if isinstance(item, GenerateEnd):

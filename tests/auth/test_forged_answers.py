@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router.lease import lease_holder
-from belayer_rl.shared import protocol
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import AdoptReply, AdoptRequest, ErrorReply, HeldAttempt, TokenChunk
 from tests.support import Job, poll, reference_tokens
@@ -187,3 +187,51 @@ async def test_two_routers_of_one_incarnation_are_told_apart(tmp_path: Path) -> 
     refused, answered = answers["a-second-router"], answers[lease.holder]
     assert isinstance(refused, ErrorReply) and refused.code == "fenced", refused
     assert isinstance(answered, AdoptReply) and answered.engine_id == "e0", answered
+
+
+async def test_another_requests_chunks_sent_to_a_stream_are_not_taken(tmp_path: Path) -> None:
+    """Finding 10: any `cli` holder may attach to any request and name any inbox as its reply_to,
+    so the router relays request X's tokens and end into the inbox of a stream that follows Y. The
+    client takes only its own request's messages, and Y's tokens stay exact. On the old client, X's
+    end (fewer tokens than Y had) ended Y's stream early."""
+    short = Job("x-short", "another request", max_tokens=8, seed=3)
+    long = Job("y-long", "the stream under attack", max_tokens=300, seed=4)
+    expected = await asyncio.to_thread(reference_tokens, [short, long])
+    async with local_cluster(config(tmp_path, engines=1)) as cluster:
+        async with (
+            await Client.connect(cluster.target("cli"), "victim") as victim,
+            await Client.connect(cluster.target("cli"), "attacker") as attacker,
+            await Client.connect(cluster.target("admin"), "spy") as spy,
+        ):
+            engine = (await victim.wait_for_engines(1, 120)).engines[0]
+            await attacker.generate_all(short.prompt, max_tokens=short.max_tokens, seed=short.seed,
+                                        temperature=0.8, request_id=short.request_id)  # fmt: skip
+            inboxes: list[str] = []
+
+            async def on_inbox(msg: Msg) -> None:  # the inbox that y's tokens go to
+                with contextlib.suppress(protocol.BadMessage):
+                    chunk = protocol.decode(protocol.decoder_for(TokenChunk), msg.data)
+                    if chunk.request_id == long.request_id:
+                        inboxes.append(msg.subject)
+
+            await spy.nc.subscribe("_INBOX.>", cb=on_inbox)
+            await spy.nc.flush()
+            stream = victim.generate(long.prompt, max_tokens=long.max_tokens, seed=long.seed,
+                                     temperature=0.8, request_id=long.request_id)  # fmt: skip
+            first = await anext(stream)
+            assert isinstance(first, TokenChunk) and inboxes
+            tokens = list(first.tokens)
+            while len(tokens) <= short.max_tokens:  # y's position past x's end
+                item = await anext(stream)
+                assert isinstance(item, TokenChunk), item
+                tokens += item.tokens
+            with stopped(engine.pid):
+                attach = protocol.AttachRequest(
+                    request_id=short.request_id, from_position=0, reply_to=inboxes[0]
+                )
+                await bus.request(attacker.nc, cluster.subjects.router_attach, attach, 5.0)
+                await asyncio.sleep(0.5)
+            async for item in stream:
+                if isinstance(item, TokenChunk):
+                    tokens += item.tokens
+    assert tokens == expected[long.request_id]
