@@ -347,6 +347,140 @@ class EngineEvent(msgspec.Struct, frozen=True, kw_only=True, rename="pascal"):
     actor: EventActor
 
 
+# ---------------------------------------------------------------- cgroups, as this process sees them
+
+
+@dataclass(frozen=True)
+class CgroupView:
+    """Where the cgroups named in /proc/<pid>/cgroup lie under this process's /sys/fs/cgroup.
+
+    Those names are relative to the reader's cgroup namespace. A checkpointer in a container with
+    a namespace of its own (Docker's default on cgroup v2 hosts, and so under Compose there) reads
+    a sandbox's cgroup as `/../docker-<id>.scope`, which names nothing under the host's hierarchy
+    mounted at /sys/fs/cgroup. `ns_root` is the namespace's root as a path under that mount
+    ("": the mount's root is it, as on a host without one); v2 names are resolved against it.
+    (cgroup v1 hosts run containers in the host's cgroup namespace: their names are taken as read.)"""
+
+    proc: Path = Path("/proc")
+    mount: Path = Path("/sys/fs/cgroup")
+    ns_root: str = ""
+
+    @classmethod
+    def discover(cls, proc: Path = Path("/proc"), mount: Path = Path("/sys/fs/cgroup")) -> CgroupView:
+        """The view of this process: where its cgroup namespace's root is under the v2 mount. The
+        mount's root, as /proc/self/mountinfo gives it, is relative to the namespace too: `/../..`
+        is two levels above it, and the namespace's root is the directory that many levels down
+        that holds this process's own cgroup."""
+        try:
+            mountinfo = (proc / "self" / "mountinfo").read_text().splitlines()
+            own = next((path for controllers, path in parse_cgroups(proc, "self") if not controllers), None)
+        except OSError:
+            return cls(proc, mount)
+        root = next(
+            (
+                line.split()[3]
+                for line in mountinfo
+                if len(line.split()) > 4 and line.split()[4] == str(mount) and " - cgroup2 " in line
+            ),
+            "/",
+        )
+        climbs = [part for part in root.split("/") if part]
+        if own is None or not climbs or any(part != ".." for part in climbs):
+            return cls(proc, mount)  # the namespace is the mount's root (or a subtree: as read)
+        me = str(os.getpid()) if proc == Path("/proc") else (proc / "self").resolve().name
+        for candidate in sorted(mount.glob("/".join(["*"] * len(climbs)))):
+            holder = candidate / own.lstrip("/") / "cgroup.procs"
+            with contextlib.suppress(OSError):
+                if me in holder.read_text().split():
+                    return cls(proc, mount, "/" + str(candidate.relative_to(mount)))
+        log.warning("the cgroup namespace's root is not found under %s: cgroups taken as read", mount)
+        return cls(proc, mount)
+
+    def groups(self, pid: int) -> list[tuple[list[str], Path]]:
+        """The cgroups holding `pid`: (controllers, directory) per hierarchy; controllers [] is
+        v2's. A v2 name that climbs out of the namespace past the mount is left out."""
+        found: list[tuple[list[str], Path]] = []
+        for controllers, path in parse_cgroups(self.proc, str(pid)) if pid > 0 else []:
+            if controllers:
+                found.append((controllers, Path(path)))
+                continue
+            parts: list[str] = [part for part in self.ns_root.split("/") if part]
+            for part in path.split("/"):
+                if part == "..":
+                    if not parts:
+                        break
+                    parts.pop()
+                elif part not in ("", "."):
+                    parts.append(part)
+            else:
+                found.append(([], self.mount.joinpath(*parts)))
+        return found
+
+    def procs_file(self, pid: int) -> Path | None:
+        """The cgroup.procs of the cgroup holding `pid` (the pids controller on cgroup v1)."""
+        for controllers, path in self.groups(pid):
+            if not controllers:
+                candidate = path / "cgroup.procs"
+            elif "pids" in controllers:
+                candidate = self.mount / "pids" / path.relative_to("/") / "cgroup.procs"
+            else:
+                continue
+            if candidate.exists():
+                return candidate
+        return None
+
+    def oom_files(self, pid: int) -> list[Path]:
+        """Where the kernel counts OOM kills for the memory cgroup holding `pid` (v1 or v2)."""
+        files: list[Path] = []
+        for controllers, path in self.groups(pid):
+            if "memory" in controllers:
+                files.append(self.mount / "memory" / path.relative_to("/") / "memory.oom_control")
+            elif not controllers:
+                files.append(path / "memory.events")
+        return files
+
+    def freezer(self, pid: int) -> Path | None:
+        """The freezer control of the cgroup holding `pid`: v1's freezer.state (THAWED, FREEZING,
+        FROZEN), or else v2's cgroup.freeze (0 or 1); None when neither holds it."""
+        groups = self.groups(pid)
+        for controllers, path in groups:
+            if "freezer" in controllers:
+                return self.mount / "freezer" / path.relative_to("/") / "freezer.state"
+        for controllers, path in groups:
+            if not controllers:
+                return path / "cgroup.freeze"
+        return None
+
+    def frozen(self, pid: int) -> Path | None:
+        """The freezer control of the cgroup holding `pid` when that cgroup is frozen or
+        freezing, else None."""
+        control = self.freezer(pid)
+        if control is None:
+            return None
+        try:
+            value = control.read_text().strip()
+        except OSError:
+            return None
+        frozen = value != "THAWED" if control.name == "freezer.state" else value == "1"
+        return control if frozen else None
+
+
+HOST_CGROUPS = CgroupView()  # a process in the host's cgroup namespace; immutable
+
+
+def parse_cgroups(proc: Path, pid: str) -> list[tuple[list[str], str]]:
+    """/proc/<pid>/cgroup as (controllers, name) per hierarchy; [] when it cannot be read."""
+    try:
+        lines = (proc / pid / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found: list[tuple[list[str], str]] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        found.append(([c for c in controllers.split(",") if c], path))
+    return found
+
+
 # ---------------------------------------------------------------- the engine
 
 P = ParamSpec("P")
@@ -373,9 +507,15 @@ class Engine:
     """One Docker engine: its client, its data root, and the calls the checkpointer makes."""
 
     def __init__(
-        self, docker: aiodocker.Docker, data_root: Path, call_timeout_s: float, dump_stall_s: float
+        self,
+        docker: aiodocker.Docker,
+        data_root: Path,
+        call_timeout_s: float,
+        dump_stall_s: float,
+        cgroups: CgroupView = HOST_CGROUPS,
     ) -> None:
         self.docker = docker
+        self.cgroups = cgroups  # where its containers' cgroups are, seen from this process
         self.data_root = data_root
         self.call_timeout_s = call_timeout_s
         self.dump_stall_s = dump_stall_s
@@ -393,7 +533,8 @@ class Engine:
         except BaseException:
             await docker.close()
             raise
-        return cls(docker, Path(info.docker_root_dir), call_timeout_s, dump_stall_s)
+        cgroups = await asyncio.to_thread(CgroupView.discover)
+        return cls(docker, Path(info.docker_root_dir), call_timeout_s, dump_stall_s, cgroups)
 
     async def close(self) -> None:
         await self.docker.close()
@@ -473,7 +614,7 @@ class Engine:
         ):
             pass
         with contextlib.suppress(aiodocker.DockerError, msgspec.ValidationError):
-            self.oom_files[container_id] = oom_counter_files((await self.state(container_id)).pid)
+            self.oom_files[container_id] = self.cgroups.oom_files((await self.state(container_id)).pid)
 
     @daemon_call
     async def remove(self, container_id: str) -> None:
@@ -488,8 +629,7 @@ class Engine:
             if exc.status != 404:
                 raise
 
-    @staticmethod
-    async def thaw_behind_dockers_back(container_id: str, state: ContainerState) -> bool:
+    async def thaw_behind_dockers_back(self, container_id: str, state: ContainerState) -> bool:
         """Thaw the container's cgroup when it is frozen while Docker holds the container running
         (`state`), and say whether it was. The campaign saw a sandbox so after a dockerd restart:
         Docker's unpause answered "not paused", its kill "did not receive an exit event", and every
@@ -497,7 +637,7 @@ class Engine:
         checkpoint's own freeze."""
         if not state.running or state.paused:
             return False
-        control = await asyncio.to_thread(frozen_cgroup, state.pid)
+        control = await asyncio.to_thread(self.cgroups.frozen, state.pid)
         if control is None:
             return False
         log.warning("container %s is frozen though Docker holds it running: thawing it", container_id[:12])
@@ -533,16 +673,15 @@ class Engine:
         async with self.docker._query(f"containers/{container_id}/unpause", method="POST"):
             pass
 
-    @staticmethod
-    async def strays(init_pid: int, grace_s: float = STRAY_GRACE_S) -> list[str]:
+    async def strays(self, init_pid: int, grace_s: float = STRAY_GRACE_S) -> list[str]:
         """Processes that would make a dump of the container whose init is `init_pid`
         unrestorable (see `outside_time_namespace`), after `grace_s` for those of the last action
         that are still dying."""
         deadline = time.monotonic() + grace_s
-        found = await asyncio.to_thread(outside_time_namespace, init_pid)
+        found = await asyncio.to_thread(outside_time_namespace, init_pid, self.cgroups)
         while found and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-            found = await asyncio.to_thread(outside_time_namespace, init_pid)
+            found = await asyncio.to_thread(outside_time_namespace, init_pid, self.cgroups)
         return found
 
     @daemon_call
@@ -674,7 +813,7 @@ class Engine:
             return EnvironmentFailure("oom-killed", "the container was OOM-killed"), oom_seen
         pid = state.pid
         if container_id not in self.oom_files and pid > 0:  # found while the init lives, kept after
-            self.oom_files[container_id] = oom_counter_files(pid)
+            self.oom_files[container_id] = self.cgroups.oom_files(pid)
         kills = read_oom_kills(self.oom_files.get(container_id, []))
         if kills > oom_seen:  # the more specific verdict first: an OOM kill may also end the init
             return EnvironmentFailure("oom-killed", f"{kills - oom_seen} process(es) OOM-killed"), kills
@@ -698,7 +837,7 @@ class Engine:
             init_pid = (await self.state(container_id)).pid
         except aiodocker.DockerError as exc:
             raise EnvironmentFailure("daemon-error", f"inspect failed: {exc.message}") from None
-        before = await asyncio.to_thread(container_processes, init_pid)
+        before = await asyncio.to_thread(container_processes, init_pid, self.cgroups)
         if not before:
             log.warning(
                 "container %s: its cgroup is not readable: timeouts enforced inside only", container_id[:12]
@@ -803,7 +942,7 @@ class Engine:
         Frozen, nothing can fork meanwhile; the kills land as it thaws."""
         await self.pause(container_id)
         try:
-            newer = await asyncio.to_thread(started_by_the_action, init_pid, before)
+            newer = await asyncio.to_thread(started_by_the_action, init_pid, before, self.cgroups)
             for pid in newer:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -850,10 +989,10 @@ class Engine:
             poll = min(poll * 2, 0.25)
 
 
-def container_processes(init_pid: int) -> set[tuple[int, int]]:
+def container_processes(init_pid: int, cgroups: CgroupView = HOST_CGROUPS) -> set[tuple[int, int]]:
     """Every process in the cgroup of the container whose init is `init_pid`, as (host pid, start
     time in clock ticks): the start time tells a reused pid from the process that had it."""
-    procs = cgroup_procs_file(init_pid)
+    procs = cgroups.procs_file(init_pid)
     if procs is None:
         return set()
     found = set()
@@ -881,7 +1020,7 @@ def time_namespace(pid: int) -> str | None:
     return None
 
 
-def outside_time_namespace(init_pid: int) -> list[str]:
+def outside_time_namespace(init_pid: int, cgroups: CgroupView = HOST_CGROUPS) -> list[str]:
     """The container's live processes that are not in its init's time namespace, as "pid (comm)".
 
     A restore puts the container's processes in a new time namespace; a process Docker execs
@@ -892,7 +1031,7 @@ def outside_time_namespace(init_pid: int) -> list[str]:
     if own is None:
         return []
     strays = []
-    for pid, _ in container_processes(init_pid):
+    for pid, _ in container_processes(init_pid, cgroups):
         if (ns := time_namespace(pid)) is not None and ns != own:
             comm = ""
             with contextlib.suppress(OSError):  # (comm is cut at 15 bytes: maybe mid-character)
@@ -901,12 +1040,14 @@ def outside_time_namespace(init_pid: int) -> list[str]:
     return strays
 
 
-def started_by_the_action(init_pid: int, before: set[tuple[int, int]]) -> list[int]:
+def started_by_the_action(
+    init_pid: int, before: set[tuple[int, int]], cgroups: CgroupView = HOST_CGROUPS
+) -> list[int]:
     """The container's processes that were not there before the action and do not descend from a
     process that was (an earlier action's server forking a worker is that server's business). The
     action's own processes descend from its exec, from outside the container, or were orphaned to
     the container's init: those go."""
-    now = container_processes(init_pid)
+    now = container_processes(init_pid, cgroups)
     old = {pid for pid, _ in before & now} - {init_pid}  # the same processes, not reused pids
     parents = {pid: parent_of(pid) for pid, _ in now}
     doomed = []
@@ -947,73 +1088,8 @@ def kill_session(sid: int) -> None:
             os.kill(int(fields[-1]), signal.SIGKILL)
 
 
-def cgroup_procs_file(pid: int) -> Path | None:
-    """The cgroup.procs of the cgroup holding `pid` (the pids controller on cgroup v1)."""
-    for controllers, path in cgroups_of(pid):
-        if not controllers:
-            candidate = Path("/sys/fs/cgroup" + path) / "cgroup.procs"
-        elif "pids" in controllers:
-            candidate = Path("/sys/fs/cgroup/pids" + path) / "cgroup.procs"
-        else:
-            continue
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def cgroups_of(pid: int) -> list[tuple[list[str], str]]:
-    """The cgroups holding `pid`: (controllers, path) per hierarchy; controllers [] is v2's."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines() if pid > 0 else []
-    except OSError:
-        return []
-    found: list[tuple[list[str], str]] = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        found.append(([c for c in controllers.split(",") if c], path))
-    return found
-
-
-def oom_counter_files(pid: int) -> list[Path]:
-    """Where the kernel counts OOM kills for the memory cgroup holding `pid` (cgroup v1 or v2)."""
-    files: list[Path] = []
-    for controllers, path in cgroups_of(pid):
-        if "memory" in controllers:
-            files.append(Path("/sys/fs/cgroup/memory" + path) / "memory.oom_control")
-        elif not controllers:
-            files.append(Path("/sys/fs/cgroup" + path) / "memory.events")
-    return files
-
-
-def freezer_control(pid: int) -> Path | None:
-    """The freezer control of the cgroup holding `pid`: v1's freezer.state (THAWED, FREEZING,
-    FROZEN), or else v2's cgroup.freeze (0 or 1); None when neither holds it."""
-    groups = cgroups_of(pid)
-    for controllers, path in groups:
-        if "freezer" in controllers:
-            return Path("/sys/fs/cgroup/freezer" + path) / "freezer.state"
-    for controllers, path in groups:
-        if not controllers:
-            return Path("/sys/fs/cgroup" + path) / "cgroup.freeze"
-    return None
-
-
-def frozen_cgroup(pid: int) -> Path | None:
-    """The freezer control of the cgroup holding `pid` when that cgroup is frozen or freezing,
-    else None."""
-    control = freezer_control(pid)
-    if control is None:
-        return None
-    try:
-        value = control.read_text().strip()
-    except OSError:
-        return None
-    frozen = value != "THAWED" if control.name == "freezer.state" else value == "1"
-    return control if frozen else None
-
-
 def thaw_cgroup(control: Path) -> None:
-    """Thaw the cgroup whose freezer control `frozen_cgroup` returned."""
+    """Thaw the cgroup whose freezer control `CgroupView.frozen` returned."""
     control.write_text("THAWED" if control.name == "freezer.state" else "0")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiodocker
 import msgspec
 
-from belayer_rl.services.checkpointer.sandbox import freezer_control, parent_of
+from belayer_rl.services.checkpointer.sandbox import HOST_CGROUPS, parent_of
 from belayer_rl.services.checkpointer.store import (
     MANIFEST,
     FileSum,
@@ -48,7 +48,7 @@ async def init_pid(container_id: str) -> int:
 
 def freeze_behind_dockers_back(pid: int) -> None:
     """Freeze the cgroup holding `pid` through its freezer control, as Docker would, but without it."""
-    control = freezer_control(pid)
+    control = HOST_CGROUPS.freezer(pid)
     assert control is not None, f"no freezer cgroup holds {pid}"
     control.write_text("FROZEN" if control.name == "freezer.state" else "1")
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, frozen_cgroup, has_capability
+from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, HOST_CGROUPS, has_capability
 from belayer_rl.shared import protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
@@ -159,11 +159,11 @@ async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
     await client.exec("iced", "echo kept > /tmp/kept")
     pid = await init_pid(info.container_id)
     freeze_behind_dockers_back(pid)
-    assert frozen_cgroup(pid) is not None
+    assert HOST_CGROUPS.frozen(pid) is not None
     service.kill()
     service.start()
     await service.ready(client)
-    assert frozen_cgroup(pid) is None
+    assert HOST_CGROUPS.frozen(pid) is None
     kept = await client.exec("iced", "cat /tmp/kept", timeout_s=10, expect_step=1)
     assert kept.stdout == "kept\n"
 
