@@ -551,6 +551,11 @@ async def unquarantine(target: Target, engine_id: str) -> protocol.EngineRestart
 
 def cmd_creds(args: argparse.Namespace) -> int:
     cluster_id = cluster_id_of(args)
+    if args.revoke:
+        return revoke(args, cluster_id)
+    if args.out is None:
+        print("belayer creds: --out names the folder for the new credentials", file=sys.stderr)
+        return 2
     engines = tuple(e for e in args.engines.split(",") if e)
     if not all(cluster_id_ok(e) for e in engines):
         print(f"belayer creds: engine ids are lowercase letters, digits, - and _: {engines}", file=sys.stderr)
@@ -559,6 +564,37 @@ def cmd_creds(args: argparse.Namespace) -> int:
     print(f"cluster {cluster_id}: {args.out / 'auth.conf'} (include it from the nats-server config)")
     for name, path in written.items():
         print(f"  {name:<18} {path}")
+    return 0
+
+
+def revoke(args: argparse.Namespace, cluster_id: str) -> int:
+    """A fresh key for one user, written over its `.creds` file and into auth.conf; every other
+    credential stays. The local cluster's nats-server reloads at once (SIGHUP), which closes the
+    revoked key's connections; another server must be told to reload."""
+    running = read_cluster(args.state_dir.resolve())
+    folder = args.out or (Path(running.creds_dir) if running is not None and running.creds_dir else None)
+    if folder is None:
+        print("belayer creds --revoke: no local cluster with credentials; name their folder with --out",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        creds = Credentials.load(folder, Subjects(cluster_id))
+        creds.rotate(args.revoke)
+    except (OSError, ValueError) as exc:
+        print(f"belayer creds --revoke: {exc}", file=sys.stderr)
+        return 2
+    creds.write(folder)
+    print(f"{args.revoke}: a new key in {folder / (args.revoke + '.creds')}; its old one is revoked")
+    server = next((p for p in running.processes if p.name == "nats-server"), None) if running else None
+    if args.out is None and server is not None and pid_alive(server.pid):
+        os.kill(server.pid, signal.SIGHUP)
+        print(
+            f"nats-server (pid {server.pid}) reloaded its authorization: the old key's connections are closed"
+        )
+        print(f"processes of {args.revoke} reconnect with the new key when they restart")
+    else:
+        print("reload the nats-server that includes this auth.conf (SIGHUP; under Compose:"
+              " `docker compose kill -s HUP nats`), then restart what uses the new key")  # fmt: skip
     return 0
 
 
@@ -666,7 +702,13 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     creds = commands.add_parser(
         "creds", help="credentials and nats-server permissions for a cluster (compose, an external NATS)"
     )
-    creds.add_argument("--out", type=Path, required=True, help="folder for auth.conf and <role>.creds")
+    creds.add_argument("--out", type=Path, help="folder for auth.conf and <role>.creds")
+    creds.add_argument(
+        "--revoke",
+        metavar="USER",
+        help="give USER (a role, or engine-<id>) a new key and refuse its old one; the folder is"
+        " --out, or the local cluster's (whose nats-server then reloads at once)",
+    )
     creds.add_argument(
         "--engines", default="e0,e1", help="engine ids, each with its own credential (default e0,e1)"
     )

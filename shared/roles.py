@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import nkeys
@@ -303,6 +303,28 @@ class Credentials:
             else:
                 creds.users.append(User(role, role, new_seed()))
         return creds
+
+    @classmethod
+    def load(cls, folder: Path, subjects: Subjects) -> Credentials:
+        """The users whose seeds `write` left in `folder`, one `<user>.creds` each: a role's name,
+        or engine-<id>. ValueError for a file that names no role."""
+        table = role_table(subjects)
+        users = []
+        for path in sorted(folder.glob("*.creds")):
+            role = "engine" if path.stem.startswith("engine-") else path.stem
+            if role not in table:
+                raise ValueError(f"{path.name}: {path.stem!r} is no role ({', '.join(sorted(table))})")
+            engine = path.stem.removeprefix("engine-") if role == "engine" else ""
+            users.append(User(path.stem, role, path.read_text().strip(), engine=engine))
+        return cls(subjects, tuple(u.engine for u in users if u.engine), users)
+
+    def rotate(self, name: str) -> None:
+        """A fresh key for the user `name`; every other user keeps its own. Once the server has
+        read the new auth.conf, the old key is refused and its connections are closed."""
+        names = [u.name for u in self.users]
+        if name not in names:
+            raise ValueError(f"no user {name!r}; one of {', '.join(names)}")
+        self.users = [replace(u, seed=new_seed()) if u.name == name else u for u in self.users]
 
     def users_entries(self) -> list[dict[str, object]]:
         table = role_table(self.subjects)
