@@ -136,7 +136,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.weights_unpin,
                 s.weights_list,
                 s.weights_handles,
-                s.kv_arena,
+                s.kv_arena("{engine}"),
                 f"$KV.{engines}.{{engine}}",  # its own registry entry, nobody else's
             ),
             subscribe=(
@@ -209,7 +209,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             stats="*",  # its group workers answer stats under their own names
         ),
         "kv-server": Role(  # a flush must name the engine's current epoch: it reads the registry
-            subscribe=(f"{r}.kv.*",), replies=True, reads=(kv_stream(engines),), stats="kv-server"
+            subscribe=(f"{r}.kv.*", s.kv_arenas), replies=True, reads=(kv_stream(engines),), stats="kv-server"
         ),
         "checkpointer": Role(
             publish=(

@@ -209,9 +209,14 @@ class Subjects:
     def weights_ping(self) -> str:
         return f"{self.root}.weights.ping"
 
+    def kv_arena(self, engine_id: str) -> str:
+        """An engine's arena requests: the engine is the subject's, which only its credential
+        may publish on, never the payload's."""
+        return f"{self.root}.kv.arena.{engine_id}"
+
     @property
-    def kv_arena(self) -> str:
-        return f"{self.root}.kv.arena"
+    def kv_arenas(self) -> str:
+        return f"{self.root}.kv.arena.*"
 
     @property
     def kv_flush(self) -> str:

@@ -42,7 +42,9 @@ class KvClient:
             engine_id=engine_id, preset=preset, num_blocks=num_blocks, block_size=block_size, pid=pid,
             watch_pid=watch_pid,
         )  # fmt: skip
-        return await bus.request_struct(self.nc, self.subjects.kv_arena, request, ArenaHandle, timeout_s)
+        return await bus.request_struct(
+            self.nc, self.subjects.kv_arena(engine_id), request, ArenaHandle, timeout_s
+        )
 
     async def flush(self, engine_id: str, epoch: int, timeout_s: float = 30.0) -> Ack:
         """Zero the engine's arena after epoch `epoch`'s main died; returns once every byte is written."""

@@ -163,7 +163,12 @@ class KvServer:
 
     # ------------------------------------------------------------------ handlers
 
-    async def on_arena(self, request: KvArenaRequest) -> ArenaHandle:
+    async def on_arena(self, request: KvArenaRequest, subject: str) -> ArenaHandle:
+        engine_id = subject.rsplit(".", 1)[1]  # the bus lets only that engine's credential ask here
+        if request.engine_id != engine_id:
+            raise ServiceError(
+                "bad-request", f"an arena for {request.engine_id!r} asked on {engine_id!r}'s subject"
+            )
         if request.preset not in PRESETS:
             raise ServiceError("unknown-preset", f"preset {request.preset!r}; one of {list(PRESETS)}")
         async with self._busy:

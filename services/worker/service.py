@@ -87,7 +87,7 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerId
         engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE,
         pid=os.getpid(), watch_pid=config.watch_pid,  # a shadow shares it with the main it watches
     )  # fmt: skip
-    arena = await ask_server(nc, config.subjects.kv_arena, ask, ArenaHandle)
+    arena = await ask_server(nc, config.subjects.kv_arena(config.engine_id), ask, ArenaHandle)
     params = await asyncio.to_thread(segments.map_weights, weights)
     tensor = await asyncio.to_thread(segments.map_arena, arena)
     # Which server instances own what we mapped: a restarted server owns none of it.

@@ -92,6 +92,7 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
         "engine-e0": [
             s.sandbox_rpc("somehost", "create"),  # only the rollout side makes sandboxes
             s.worker_stream("e1"),  # a chunk for another engine
+            s.kv_arena("e1"),  # another engine's KV arena (its CUDA IPC handle on a GPU)
             f"$KV.{s.prefix_pointer_bucket}.t1",  # a prefix pointer: the checkpointer's alone
             f"$KV.{s.engine_registry_bucket}.e1",  # another engine's registry entry
             stream_api % "PURGE",
@@ -381,7 +382,7 @@ async def test_a_service_answers_only_an_inbox(cluster: Supervisor) -> None:
             admin.nc, s.service_stats("router"), StatsRequest(), ServiceStats, 5.0
         )
         async with connected(cluster.nats_url, cluster.access("engine-e0")) as (nc, _):
-            await nc.publish(s.kv_arena, b"{}", reply=pointer_key)
+            await nc.publish(s.kv_arena("e0"), b"{}", reply=pointer_key)
             await nc.flush()
         async with connected(cluster.nats_url, cluster.access("cli")) as (nc, _):
             await nc.publish(s.router_status, protocol.encode(StatusRequest()), reply=s.worker_dispatch("e9"))

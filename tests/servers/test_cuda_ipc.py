@@ -42,7 +42,7 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         request = KvArenaRequest(
             engine_id="e0", preset="small", num_blocks=64, block_size=16, pid=os.getpid()
         )
-        arena_handle = await call(nc, NAMES.kv_arena, request, ArenaHandle)
+        arena_handle = await call(nc, NAMES.kv_arena("e0"), request, ArenaHandle)
         assert weights.cuda is not None and arena_handle.cuda is not None
 
         params = segments.map_weights(weights)

@@ -41,7 +41,8 @@ def arena_request(
 
 
 async def arena(nc, **fields) -> ArenaHandle:  # type: ignore[no-untyped-def]
-    return await call(nc, NAMES.kv_arena, arena_request(**fields), ArenaHandle)
+    request = arena_request(**fields)
+    return await call(nc, NAMES.kv_arena(request.engine_id), request, ArenaHandle)
 
 
 async def test_arena_is_created_once_flushed_for_real_and_released(
@@ -94,13 +95,13 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
     async with running("kv_server", nats_server.url, shm_prefix, tmp_path, "--max-arena-mb", "64") as server:
         await arena(nc)
         raw = {
-            "malformed": (NAMES.kv_arena, b"\xff\xfe"),
+            "malformed": (NAMES.kv_arena("e0"), b"\xff\xfe"),
             "wrong types": (
-                NAMES.kv_arena,
+                NAMES.kv_arena("e0"),
                 encode_json({"type": "kv_arena", "engine_id": "e0", "preset": 1, "num_blocks": "many"}),
             ),
             "zero blocks": (
-                NAMES.kv_arena,
+                NAMES.kv_arena("e0"),
                 encode_json(
                     {
                         "type": "kv_arena",
@@ -117,7 +118,7 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
             ),
             "no epoch": (NAMES.kv_flush, encode_json({"type": "kv_flush", "engine_id": "e0"})),
             "no pid": (
-                NAMES.kv_arena,
+                NAMES.kv_arena("e0"),
                 encode_json(
                     {
                         "type": "kv_arena",
@@ -136,16 +137,19 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
             assert reply.code == "bad-request", name
 
         typed = {
-            "shape mismatch": (NAMES.kv_arena, arena_request(num_blocks=64)),
-            "preset mismatch": (NAMES.kv_arena, arena_request(preset="tiny")),
-            "unknown preset": (NAMES.kv_arena, arena_request(engine_id="e9", preset="huge")),
+            "shape mismatch": (NAMES.kv_arena("e0"), arena_request(num_blocks=64)),
+            "preset mismatch": (NAMES.kv_arena("e0"), arena_request(preset="tiny")),
+            "unknown preset": (NAMES.kv_arena("e9"), arena_request(engine_id="e9", preset="huge")),
             "too large": (
-                NAMES.kv_arena,
+                NAMES.kv_arena("e9"),
                 arena_request(engine_id="e9", preset="base", num_blocks=1 << 16),
             ),
             "flush unknown": (NAMES.kv_flush, KvFlush(engine_id="nope", epoch=0)),
-            "dead asker": (NAMES.kv_arena, arena_request(pid=(1 << 22) + 1)),
+            "dead asker": (NAMES.kv_arena("e0"), arena_request(pid=(1 << 22) + 1)),
             "release unknown": (NAMES.kv_release, KvRelease(engine_id="nope")),
+            # The engine is the subject's: e1's subject (only e1's credential publishes there)
+            # cannot get e0's arena (a CUDA IPC handle on a GPU) by naming e0 in the payload.
+            "another engine's": (NAMES.kv_arena("e1"), arena_request(engine_id="e0")),
         }
         codes = {name: await error_code(nc, subject, message) for name, (subject, message) in typed.items()}
         assert codes == {
@@ -156,6 +160,7 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
             "flush unknown": "unknown-engine",
             "dead asker": "dead-holder",
             "release unknown": "unknown-engine",
+            "another engine's": "bad-request",
         }
         alive = await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)
         assert (alive.pid, alive.engines) == (server.pid, ["e0"])
@@ -224,12 +229,12 @@ async def test_a_live_holder_keeps_the_arena_from_everyone_else(
     try:
         async with running("kv_server", nats_server.url, shm_prefix, tmp_path):
             kv = await bus.declare_jetstream(nc.jetstream(), NAMES)
-            handle = await call(nc, NAMES.kv_arena, arena_request(pid=main.pid), ArenaHandle)
+            handle = await call(nc, NAMES.kv_arena("e0"), arena_request(pid=main.pid), ArenaHandle)
             installed = await registry.install_worker(kv, "e0", main.pid)
             mapped = segments.map_arena(handle)
             mapped.fill_(1.5)  # what the main computed
             behind = await call(
-                nc, NAMES.kv_arena, arena_request(pid=shadow.pid, watch_pid=main.pid), ArenaHandle
+                nc, NAMES.kv_arena("e0"), arena_request(pid=shadow.pid, watch_pid=main.pid), ArenaHandle
             )
             assert behind == handle
             main.send_signal(signal.SIGSTOP)  # stopped is alive
@@ -237,7 +242,7 @@ async def test_a_live_holder_keeps_the_arena_from_everyone_else(
                 "second main": arena_request(pid=intruder.pid),
                 "shadow of another": arena_request(pid=intruder.pid, watch_pid=shadow.pid),
             }
-            codes = {name: await error_code(nc, NAMES.kv_arena, ask) for name, ask in refused.items()}
+            codes = {name: await error_code(nc, NAMES.kv_arena("e0"), ask) for name, ask in refused.items()}
             assert codes == {"second main": "holder-alive", "shadow of another": "holder-alive"}
             late = KvFlush(engine_id="e0", epoch=installed.epoch - 1)
             assert await error_code(nc, NAMES.kv_flush, late) == "stale-epoch"
@@ -250,7 +255,7 @@ async def test_a_live_holder_keeps_the_arena_from_everyone_else(
             assert mapped.abs().sum().item() == 0.0
             mapped.fill_(2.5)  # what the promoted shadow computed
             dead(shadow)
-            again = await call(nc, NAMES.kv_arena, arena_request(pid=intruder.pid), ArenaHandle)
+            again = await call(nc, NAMES.kv_arena("e0"), arena_request(pid=intruder.pid), ArenaHandle)
             assert again == handle and mapped.abs().sum().item() == 0.0  # zeroed before it was handed on
     finally:
         for process in (main, shadow, intruder):
