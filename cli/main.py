@@ -33,7 +33,7 @@ from belayer_rl.shared.bus import Target
 from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import ConfigError, default_state_dir
 from belayer_rl.shared.roles import Credentials
-from belayer_rl.shared.subjects import Subjects, cluster_id_ok, event_kind
+from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects, cluster_id_ok, event_kind
 
 UP_TIMEOUT_S = 120.0
 DOWN_TIMEOUT_S = 90.0  # the local cluster stops its processes one by one, each within its drain timeout
@@ -550,9 +550,12 @@ async def unquarantine(target: Target, engine_id: str) -> protocol.EngineRestart
 
 
 def cmd_creds(args: argparse.Namespace) -> int:
-    cluster_id = cluster_id_of(args)
     if args.revoke:
-        return revoke(args, cluster_id)
+        running = read_cluster(args.state_dir.resolve())
+        return revoke(
+            args, cluster_id_of(args, running.cluster_id if running is not None else DEFAULT_CLUSTER)
+        )
+    cluster_id = cluster_id_of(args)
     if args.out is None:
         print("belayer creds: --out names the folder for the new credentials", file=sys.stderr)
         return 2

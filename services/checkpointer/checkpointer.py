@@ -543,16 +543,8 @@ class Checkpointer:
                 raise ServiceError("wrong-host", f"{why}, and fetching it failed: {exc}") from None
             store = "object-store"
         sb = self.sandboxes.get(current.sandbox)
-        if (
-            sb is not None
-            and sb.record.state != "destroyed"
-            and sb.record.trajectory not in ("", req.trajectory)
-        ):
-            raise ServiceError(
-                "wrong-trajectory",
-                f"sandbox {current.sandbox} runs trajectory {sb.record.trajectory}: restoring"
-                f" {req.trajectory} there would replace it",
-            )
+        if sb is not None:
+            check_owner(sb, req.trajectory)  # at once; again under its lock (a checkpoint may bind it)
         if sb is None or sb.record.state == "destroyed":
             self.check_room()
             sb = Sandbox(self.base_record(req.trajectory, current))
@@ -569,6 +561,7 @@ class Checkpointer:
         """`store`: where the pointed checkpoint came from, "local" or "object-store" (fetched)."""
         started = time.monotonic()
         async with sb.fifo:
+            check_owner(sb, current.trajectory)
             result = await phases.full_restore(self.host, sb.record, current, started)
             self.save(sb)
         self.metrics.restores.labels(result.source, store).inc()
@@ -608,3 +601,14 @@ class Checkpointer:
         for task in list(self.tasks):
             with contextlib.suppress(BaseException):
                 await task
+
+
+def check_owner(sb: Sandbox, trajectory: str) -> None:
+    """Raise ServiceError("wrong-trajectory") when a restore of `trajectory` would replace the live
+    sandbox `sb` of another trajectory (one its name was reused for)."""
+    if sb.record.state != "destroyed" and sb.record.trajectory not in ("", trajectory):
+        raise ServiceError(
+            "wrong-trajectory",
+            f"sandbox {sb.record.sandbox} runs trajectory {sb.record.trajectory}: restoring"
+            f" {trajectory} there would replace it",
+        )

@@ -134,7 +134,7 @@ async def pinned_user(host: Host, record: SandboxRecord) -> str:
     name, _, group = record.spec.user.partition(":")
     if not name:  # the container's default: root, which the policy has allowed
         return ""
-    if name.isdigit() and (not group or group.isdigit()):
+    if name.isdigit() and group.isdigit():
         return numeric_user(record.spec.user, None, None)
     passwd = await host.engine.small_file(record.container_id, "/etc/passwd")
     groups = await host.engine.small_file(record.container_id, "/etc/group") if group else None

@@ -201,23 +201,37 @@ def is_root(user: str) -> bool:
 
 
 def numeric_user(user: str, passwd: bytes | None, group: bytes | None) -> str:
-    """`user` ("name", "uid", "name:group", ...) as "uid" or "uid:gid", looked up in the image's
-    /etc/passwd and /etc/group; ValueError saying why when a name is not there. Actions run under
-    these numbers: a name is resolved by the daemon at every exec from the container's files as
-    they are then, which an earlier action may have rewritten."""
+    """`user` ("name", "uid", "name:group", ...) as "uid:gid" (or "uid" for a uid the image's
+    /etc/passwd does not list, with no group named), looked up in the image's /etc/passwd and
+    /etc/group; ValueError saying why when a name is not there. Actions run under these numbers:
+    a name, and the group of a user named without one, are resolved by the daemon at every exec
+    from the container's files as they are then, which an earlier action may have rewritten.
+    (Numbers alone carry no supplementary groups.)"""
+    entries = [
+        fields
+        for line in (passwd or b"").decode(errors="replace").splitlines()
+        if len(fields := line.split(":")) >= 4 and fields[2].isdigit() and fields[3].isdigit()
+    ]
 
-    def look_up(name: str, table: bytes | None, file: str) -> str:
+    def group_id(name: str) -> str:
         if name.isdigit():
             return str(int(name))
-        for line in (table or b"").decode(errors="replace").splitlines():
+        for line in (group or b"").decode(errors="replace").splitlines():
             fields = line.split(":")
             if len(fields) >= 3 and fields[0] == name and fields[2].isdigit():
                 return str(int(fields[2]))
-        raise ValueError(f"{name!r} is not in the image's /etc/{file}")
+        raise ValueError(f"{name!r} is not in the image's /etc/group")
 
     name, _, group_name = user.partition(":")
-    uid = look_up(name, passwd, "passwd")
-    return f"{uid}:{look_up(group_name, group, 'group')}" if group_name else uid
+    key = 2 if name.isdigit() else 0
+    wanted = str(int(name)) if name.isdigit() else name
+    entry = next((f for f in entries if (str(int(f[2])) if key == 2 else f[0]) == wanted), None)
+    if entry is None and not name.isdigit():
+        raise ValueError(f"{name!r} is not in the image's /etc/passwd")
+    uid = str(int(name)) if entry is None else str(int(entry[2]))
+    if group_name:
+        return f"{uid}:{group_id(group_name)}"
+    return uid if entry is None else f"{uid}:{int(entry[3])}"
 
 
 def with_user(spec: SandboxSpec, user: str) -> SandboxSpec:
@@ -376,14 +390,12 @@ class CgroupView:
             own = next((path for controllers, path in parse_cgroups(proc, "self") if not controllers), None)
         except OSError:
             return cls(proc, mount)
-        root = next(
-            (
-                line.split()[3]
-                for line in mountinfo
-                if len(line.split()) > 4 and line.split()[4] == str(mount) and " - cgroup2 " in line
-            ),
-            "/",
-        )
+        roots = [  # the last mount at that path is the one in sight
+            line.split()[3]
+            for line in mountinfo
+            if len(line.split()) > 4 and line.split()[4] == str(mount) and " - cgroup2 " in line
+        ]
+        root = roots[-1] if roots else "/"
         climbs = [part for part in root.split("/") if part]
         if own is None or not climbs or any(part != ".." for part in climbs):
             return cls(proc, mount)  # the namespace is the mount's root (or a subtree: as read)

@@ -267,18 +267,15 @@ class Lease:
     async def superseded(self) -> bool | None:
         """Whether the lease bucket names a later incarnation than this router's: the only proof
         that a successor exists. A worker's `fenced` answer is checked against it, since anyone
-        holding that engine's credential can send one. None: the bucket is unreadable now."""
+        holding that engine's credential can send one. None: the bucket does not say (unreadable
+        now, or a lease that is missing or does not decode)."""
         try:
             entry = await self.kv.get(KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return False
-        except _STORE_ERRORS:
+        except (nats.js.errors.KeyNotFoundError, *_STORE_ERRORS):
             return None
-        if entry.value is None or entry.revision is None:
-            return False
-        holder = self._decode(entry.value, entry.revision)
+        holder = self._decode(entry.value, entry.revision) if entry.value and entry.revision else None
         if holder is None:
-            return False
+            return None
         return holder.incarnation > self.incarnation or (
             holder.incarnation == self.incarnation and holder.holder not in ("", self.holder)
         )

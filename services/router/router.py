@@ -91,7 +91,7 @@ WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
 WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
 CLAIM_TRIES = 5  # reads of the log at start-up, while a predecessor's last appends still land
 MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts attempts
-END_TELL_TRIES = 20  # a LogEnd queued again this many times at most before its clients are told
+END_RETRY_MAX_S = 5.0  # the longest pause before a LogEnd the writer gave up on is queued again
 END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
 ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number in the incarnation
 # The resume cause of an engine's failure, by WorkerFailed.reason.
@@ -519,21 +519,28 @@ class Router:
         """Tell the request's clients it ended once its LogEnd is durable, never before: a successor
         that rebuilds from the log must not find running a request whose end a client was told
         (with an engine whose resume is not exact, the tail it makes could differ). A LogEnd the
-        writer gave up on is queued again, up to END_TELL_TRIES times; a fenced one is a successor's
-        to end, and the clients' re-attach reaches it."""
+        writer gave up on (a full or unreachable log) is queued again, backing off up to
+        END_RETRY_MAX_S, for as long as the router keeps the request (FINISHED_TTL_S) and holds its
+        lease; a fenced one is a successor's to end, and the clients' re-attach reaches it."""
         assert request.end is not None and request.end_record is not None
-        for _ in range(END_TELL_TRIES):
+        pause = DISPATCH_RETRY_S
+        while True:
             assert request.end_logged is not None
             dropped = await asyncio.shield(request.end_logged)
             if dropped is None:
                 await self.tell_clients(request, request.end)
                 request.watchers.clear()
                 return
-            if dropped.code == "fenced":
+            if dropped.code == "fenced" or not self.lease.held():
                 return
-            await asyncio.sleep(DISPATCH_RETRY_S * 10)
+            if time.monotonic() - request.ended_at > FINISHED_TTL_S:
+                log.error(
+                    "%s ended, but its end could not be logged: its clients are not told", request.request_id
+                )
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, END_RETRY_MAX_S)
             request.end_logged = self.writer.put(request.end_record)
-        log.error("%s ended, but its end could not be logged: its clients are not told", request.request_id)
 
     async def tell_clients(self, request: Request, message: TokenChunk | GenerateEnd | GenerateError) -> None:
         """Relay to every client following the request, only while the lease holds: a router that

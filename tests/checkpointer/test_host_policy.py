@@ -108,10 +108,12 @@ async def test_a_restore_counts_toward_max_sandboxes(
 
 
 def test_numeric_user() -> None:
-    passwd = b"root:x:0:0::/:/bin/sh\ntoor:x:0:0::/:/bin/sh\nagent:x:1000:1000::/:/bin/sh\nbad:x:zz:0\n"
+    passwd = b"root:x:0:0::/:/bin/sh\ntoor:x:0:0::/:/bin/sh\nagent:x:1000:1001::/:/bin/sh\nbad:x:zz:0\n"
     group = b"root:x:0:\nstaff:x:50:\n"
-    assert numeric_user("agent", passwd, group) == "1000"
-    assert numeric_user("toor", passwd, group) == "0"
+    assert numeric_user("agent", passwd, group) == "1000:1001"  # its group pinned too
+    assert numeric_user("1000", passwd, group) == "1000:1001"
+    assert numeric_user("4242", passwd, group) == "4242"  # no entry: the daemon's own default
+    assert numeric_user("toor", passwd, group) == "0:0"
     assert numeric_user("agent:staff", passwd, group) == "1000:50"
     assert numeric_user("007:0050", None, None) == "7:50"
     for missing in ("bad", "nobody", "agent:wheel"):
