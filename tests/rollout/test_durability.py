@@ -22,10 +22,22 @@ from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
 from belayer_rl.shared.protocol import LogChunk, LogStart, PrefixPointer, SamplingParams
 from tests.rollout.test_worker_faults import make_job
-from tests.support import NAMES, kill, poll, reference_tokens, running_cluster
+from tests.support import NAMES, Job, kill, poll, reference_tokens, running_cluster
+
+
+async def started(client: Client, job: Job) -> tuple[AsyncIterator[object], protocol.TokenChunk]:
+    """The stream of a generation of `job`, once it has brought its first chunk."""
+    stream = client.generate(
+        job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=job.temperature,
+        request_id=job.request_id,
+    )  # fmt: skip
+    first = await anext(stream)
+    assert isinstance(first, protocol.TokenChunk)
+    return stream, first
 
 
 async def test_a_full_log_refuses_new_requests_and_keeps_the_running_ones(
@@ -41,12 +53,7 @@ async def test_a_full_log_refuses_new_requests_and_keeps_the_running_ones(
         js = cluster.client.nc.jetstream()
         worker = await cluster.engine_pid("e0")
         job = make_job(rng, "running", max_tokens=400)
-        stream = cluster.client.generate(
-            job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=job.temperature,
-            request_id=job.request_id,
-        )  # fmt: skip
-        first = await anext(stream)
-        assert isinstance(first, protocol.TokenChunk)
+        stream, first = await started(cluster.client, job)
         kill(worker, signal.SIGSTOP)
         try:
             running = [r.request_id for r in (await cluster.client.status()).requests]
@@ -88,12 +95,7 @@ async def test_a_client_hears_of_an_end_only_once_the_log_holds_it(nats_server, 
         js = cluster.client.nc.jetstream()
         worker = await cluster.engine_pid("e0")
         job = make_job(rng, "durable-end", max_tokens=200)
-        stream = cluster.client.generate(
-            job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=job.temperature,
-            request_id=job.request_id,
-        )  # fmt: skip
-        first = await anext(stream)
-        assert isinstance(first, protocol.TokenChunk)
+        stream, first = await started(cluster.client, job)
         fillers: list[str] = []
         kill(worker, signal.SIGSTOP)
         try:
