@@ -789,8 +789,8 @@ class Router:
         """A worker answered `fenced`: it says a later router asked it. Only the lease bucket can
         say so, since anyone holding that engine's credential can send the answer. Confirmed, this
         router steps down (True). Denied, the engine's word is false and its epoch is distrusted;
-        with the bucket unreadable, nothing is decided and the caller asks again later (bounded by
-        its own limit)."""
+        when the bucket does not say (unreadable, or no lease that decodes), nothing is decided and
+        the caller asks again later (bounded by its own limit)."""
         superseded = await self.lease.superseded()
         if superseded:
             self.lease.lost.set()
