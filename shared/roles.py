@@ -8,7 +8,8 @@ only (`_INBOX.<its public key>.>`, shared/access.py), so nobody reads another's 
 replies to requests go back through `allow_responses`, which needs no publish right on inboxes.
 
 The table is data: a later service (policy, trainer, reward) adds its role here. `{engine}` in a
-role's subjects is filled per engine: each engine has its own credential.
+role's subjects is filled per engine: each engine has its own credential, and so has each engine's
+shadow supervisor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from belayer_rl.shared.subjects import Subjects
 # The key that signs checkpoint manifests (services/checkpointer/store.py): 32 random bytes in hex.
 # Not a bus credential, but a secret every checkpointer of the cluster shares, so it is made here.
 CHECKPOINT_KEY_FILE = "checkpoint.key"
+ALL_ENGINES = "*"  # the engine of a user that serves every engine (User.engine)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class Role:
     stats: str = ""  # the service name whose stats endpoint it answers ("*": a worker, named by its pid)
     client: bool = False  # the rollout side: the router may stream into its users' inboxes
     to_clients: bool = False  # may publish into the clients' inboxes (the router)
+    # One user per engine, `<role>-<engine>`, whose subjects' {engine} tokens name that engine.
+    per_engine: bool = False
+    # Also one user `<role>` for every engine: each token that names {engine} is `*` for it.
+    all_engines: bool = False
 
 
 def _js_api(stream: str) -> list[str]:
@@ -149,25 +155,30 @@ def role_table(s: Subjects) -> dict[str, Role]:
             replies=True,
             reads=(kv_stream(engines),),
             stats="*",
+            per_engine=True,
         ),
+        # One credential per engine (a Compose engine container holds only its own), and one for
+        # every engine at once (`belayer up` runs a single supervisor): {engine} is then a wildcard.
         "shadow-supervisor": Role(
             publish=(
-                s.kv_flush,
+                s.kv_flush("{engine}"),
                 s.kv_ping,
                 s.weights_ping,
-                s.event("handover", "*"),
-                s.event("engine_quarantined", "*"),
-                s.event("engine_unstable", "*"),
+                s.event("handover", "{engine}"),
+                s.event("engine_quarantined", "{engine}"),
+                s.event("engine_unstable", "{engine}"),
                 s.event("record_skipped", "*"),
-                s.event("process", "*"),
-                s.event("worker_failed", "*"),
-                f"$KV.{engines}.*",  # quarantines an engine it runs
+                s.event("process", "worker-{engine}-main"),  # its workers' starts and exits
+                s.event("process", "worker-{engine}-shadow"),
+                f"$KV.{engines}.{{engine}}",  # quarantines the engine it runs, no other
             ),
-            subscribe=(s.engine_restart("*"), s.engine_unquarantine("*")),
+            subscribe=(s.engine_restart("{engine}"), s.engine_unquarantine("{engine}")),
             replies=True,
             reads=(kv_stream(engines),),
             lists=(kv_stream(engines),),  # is another engine serving? (before a quarantine)
             stats="shadow-supervisor",
+            per_engine=True,
+            all_engines=True,
         ),
         "weight-server": Role(
             publish=(s.event("weights_published", "*"), f"$O.{weights}.>", "$JS.API.STREAM.NAMES"),
@@ -209,7 +220,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             stats="*",  # its group workers answer stats under their own names
         ),
         "kv-server": Role(  # a flush must name the engine's current epoch: it reads the registry
-            subscribe=(f"{r}.kv.*", s.kv_arenas), replies=True, reads=(kv_stream(engines),), stats="kv-server"
+            subscribe=(f"{r}.kv.*", s.kv_arenas, s.kv_flushes), replies=True, reads=(kv_stream(engines),), stats="kv-server"
         ),
         "checkpointer": Role(
             publish=(
@@ -276,10 +287,10 @@ def role_table(s: Subjects) -> dict[str, Role]:
 
 @dataclass(frozen=True)
 class User:
-    name: str  # the role, or engine-<id>
+    name: str  # the role, or <role>-<engine> (engine-e0, shadow-supervisor-e0)
     role: str
     seed: str
-    engine: str = ""
+    engine: str = ""  # "" for a role without engines, ALL_ENGINES for its every-engine user
 
     @property
     def public_key(self) -> str:
@@ -297,26 +308,26 @@ class Credentials:
     @classmethod
     def generate(cls, subjects: Subjects, engines: tuple[str, ...]) -> Credentials:
         creds = cls(subjects, engines)
-        for role in role_table(subjects):
-            if role == "engine":
-                creds.users += [User(f"engine-{e}", role, new_seed(), engine=e) for e in engines]
-            else:
-                creds.users.append(User(role, role, new_seed()))
+        for name, role in role_table(subjects).items():
+            if role.per_engine:
+                creds.users += [User(f"{name}-{e}", name, new_seed(), engine=e) for e in engines]
+            if role.all_engines:
+                creds.users.append(User(name, name, new_seed(), engine=ALL_ENGINES))
+            elif not role.per_engine:
+                creds.users.append(User(name, name, new_seed()))
         return creds
 
     @classmethod
     def load(cls, folder: Path, subjects: Subjects) -> Credentials:
         """The users whose seeds `write` left in `folder`, one `<user>.creds` each: a role's name,
-        or engine-<id>. ValueError for a file that names no role."""
+        or <role>-<engine> for a role with one user per engine. ValueError for a file that names
+        no role."""
         table = role_table(subjects)
         users = []
         for path in sorted(folder.glob("*.creds")):
-            role = "engine" if path.stem.startswith("engine-") else path.stem
-            if role not in table:
-                raise ValueError(f"{path.name}: {path.stem!r} is no role ({', '.join(sorted(table))})")
-            engine = path.stem.removeprefix("engine-") if role == "engine" else ""
+            role, engine = user_role(path.stem, table)
             users.append(User(path.stem, role, path.read_text().strip(), engine=engine))
-        return cls(subjects, tuple(u.engine for u in users if u.engine), users)
+        return cls(subjects, tuple(u.engine for u in users if u.role == "engine"), users)
 
     def rotate(self, name: str) -> None:
         """A fresh key for the user `name`; every other user keeps its own. Once the server has
@@ -363,7 +374,7 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
     entry: dict[str, object] = {"nkey": user.public_key}
     if role.everything:
         return entry
-    fill = lambda subject: subject.replace("{engine}", user.engine)  # noqa: E731
+    fill = lambda subject: fill_engine(subject, user.engine)  # noqa: E731
     publish = [fill(p) for p in role.publish]
     if role.to_clients:
         publish += client_inboxes
@@ -386,6 +397,24 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
     if role.replies:
         entry["permissions"]["allow_responses"] = True  # type: ignore[index]
     return entry
+
+
+def fill_engine(subject: str, engine: str) -> str:
+    """`subject` for one engine; for ALL_ENGINES, each token that names {engine} becomes `*` (a
+    NATS wildcard matches whole tokens only: `worker-*-main` would be a literal)."""
+    if engine == ALL_ENGINES:
+        return ".".join("*" if "{engine}" in token else token for token in subject.split("."))
+    return subject.replace("{engine}", engine)
+
+
+def user_role(name: str, table: dict[str, Role]) -> tuple[str, str]:
+    """The role and engine of the user `name`: a role's own name, or <role>-<engine>."""
+    if name in table:
+        return name, ALL_ENGINES if table[name].per_engine else ""
+    for role_name, role in table.items():
+        if role.per_engine and name.startswith(f"{role_name}-") and len(name) > len(role_name) + 1:
+            return role_name, name.removeprefix(f"{role_name}-")
+    raise ValueError(f"{name}.creds: {name!r} is no role ({', '.join(sorted(table))}) nor <role>-<engine>")
 
 
 def new_seed() -> str:

@@ -218,9 +218,14 @@ class Subjects:
     def kv_arenas(self) -> str:
         return f"{self.root}.kv.arena.*"
 
+    def kv_flush(self, engine_id: str) -> str:
+        """A flush of the engine's arena: asked by that engine's shadow supervisor, whose
+        credential may publish on its own engine's subject only."""
+        return f"{self.root}.kv.flush.{engine_id}"
+
     @property
-    def kv_flush(self) -> str:
-        return f"{self.root}.kv.flush"
+    def kv_flushes(self) -> str:
+        return f"{self.root}.kv.flush.*"
 
     @property
     def kv_release(self) -> str:

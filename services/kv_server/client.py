@@ -49,7 +49,7 @@ class KvClient:
     async def flush(self, engine_id: str, epoch: int, timeout_s: float = 30.0) -> Ack:
         """Zero the engine's arena after epoch `epoch`'s main died; returns once every byte is written."""
         flush = KvFlush(engine_id=engine_id, epoch=epoch)
-        return await bus.request(self.nc, self.subjects.kv_flush, flush, timeout_s)
+        return await bus.request(self.nc, self.subjects.kv_flush(engine_id), flush, timeout_s)
 
     async def release(self, engine_id: str) -> Ack:
         return await bus.request(

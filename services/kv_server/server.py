@@ -56,6 +56,14 @@ REGISTRY_TIMEOUT_S = 1.5  # a flush's registry read; the supervisor gives the wh
 # ---------------------------------------------------------------------------- state
 
 
+def same_engine(claimed: str, subject: str, what: str) -> None:
+    """The engine is the subject's last token, on which the bus lets only that engine's own
+    credential (its workers, or its shadow supervisor) publish; the payload must agree."""
+    engine_id = subject.rsplit(".", 1)[1]
+    if claimed != engine_id:
+        raise ServiceError("bad-request", f"{what} for {claimed!r} asked on {engine_id!r}'s subject")
+
+
 def exited(pidfd: int) -> bool:
     """Whether the process behind `pidfd` has exited (a pidfd polls readable from then on)."""
     poller = select.poll()
@@ -164,11 +172,7 @@ class KvServer:
     # ------------------------------------------------------------------ handlers
 
     async def on_arena(self, request: KvArenaRequest, subject: str) -> ArenaHandle:
-        engine_id = subject.rsplit(".", 1)[1]  # the bus lets only that engine's credential ask here
-        if request.engine_id != engine_id:
-            raise ServiceError(
-                "bad-request", f"an arena for {request.engine_id!r} asked on {engine_id!r}'s subject"
-            )
+        same_engine(request.engine_id, subject, "an arena")
         if request.preset not in PRESETS:
             raise ServiceError("unknown-preset", f"preset {request.preset!r}; one of {list(PRESETS)}")
         async with self._busy:
@@ -231,7 +235,8 @@ class KvServer:
         arena.holders[request.pid] = pidfd
         arena.held = True
 
-    async def on_flush(self, request: KvFlush) -> Ack:
+    async def on_flush(self, request: KvFlush, subject: str) -> Ack:
+        same_engine(request.engine_id, subject, "a flush")
         self.get(request.engine_id)  # an unknown engine is told so before the registry is asked
         try:  # outside the lock: a slow bus must not hold up other engines' arena requests
             async with asyncio.timeout(REGISTRY_TIMEOUT_S):

@@ -33,7 +33,7 @@ async def setup(rt: Runtime, config: KvServerConfig) -> None:
     nc = await rt.connect()
     await rt.serve(
         Endpoint(rt.subjects.kv_arenas, KvArenaRequest, server.on_arena, with_subject=True),
-        Endpoint(rt.subjects.kv_flush, KvFlush, server.on_flush),
+        Endpoint(rt.subjects.kv_flushes, KvFlush, server.on_flush, with_subject=True),
         Endpoint(rt.subjects.kv_release, KvRelease, server.on_release),
         Endpoint(rt.subjects.kv_ping, ServerPing, server.on_ping),
     )

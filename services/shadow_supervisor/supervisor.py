@@ -502,7 +502,7 @@ class ShadowSupervisor:
             try:  # for the dead main's epoch: the KV server refuses it for any other
                 dead = await self.entry(slot.engine_id)
                 flush = KvFlush(engine_id=slot.engine_id, epoch=dead.epoch if dead is not None else 0)
-                await bus.request(self.nc, self.subjects.kv_flush, flush, 2.0)
+                await bus.request(self.nc, self.subjects.kv_flush(slot.engine_id), flush, 2.0)
             except bus.ServiceError as exc:
                 cold.append(("flush-failed", f"arena flush failed: {exc}"))
         phase("arena_flushed")

@@ -102,6 +102,17 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
             s.event("heartbeat", "e1"),
             s.router_generate,
         ],
+        # A Compose engine container holds only its own engine's supervisor credential: it
+        # flushes, quarantines and announces that engine alone.
+        "shadow-supervisor-e0": [
+            s.kv_flush("e1"),  # zeroing another engine's arena under its live worker
+            f"$KV.{s.engine_registry_bucket}.e1",  # quarantining another engine
+            s.event("handover", "e1"),
+            s.event("engine_quarantined", "e1"),
+            s.event("process", "worker-e1-main"),
+            s.event("process", "router"),  # a forged exit would let a standby take the lease early
+            s.worker_dispatch("e0"),
+        ],
         "cli": [
             s.worker_dispatch("e0"),  # clients go through the router
             f"$KV.{s.prefix_pointer_bucket}.t1",
@@ -135,7 +146,7 @@ async def test_an_unauthenticated_connection_is_refused(cluster: Supervisor) -> 
         )
 
 
-@pytest.mark.parametrize("role", ["engine-e0", "cli", "trainer"])
+@pytest.mark.parametrize("role", ["engine-e0", "shadow-supervisor-e0", "cli", "trainer"])
 async def test_a_wrong_role_is_refused_by_the_server_and_the_cluster_keeps_serving(
     cluster: Supervisor, role: str
 ) -> None:
@@ -224,6 +235,31 @@ async def test_each_engine_credential_serves_only_its_own_engine(cluster: Superv
         await nc.flush()
         with pytest.raises(TimeoutError):
             await refusals.wait_for(s.worker_stream("e0"))
+
+
+async def test_each_engine_supervisor_credential_serves_only_its_own_engine(cluster: Supervisor) -> None:
+    """shadow-supervisor-e0 answers e0's restarts and flushes e0's arena; e1's restarts are not its
+    to hear. The every-engine credential (`belayer up`'s one supervisor) hears both."""
+    s = cluster.subjects
+    async with connected(cluster.nats_url, cluster.access("shadow-supervisor-e0")) as (nc, refusals):
+        await nc.subscribe(s.engine_restart("e1"))
+        await nc.flush()
+        await refusals.wait_for(s.engine_restart("e1"))
+        refusals.errors.clear()
+        await nc.subscribe(s.engine_restart("e0"))
+        await nc.publish(s.kv_flush("e0"), b"{}")
+        await nc.publish(s.event("process", "worker-e0-shadow"), b"{}")
+        await nc.flush()
+        with pytest.raises(TimeoutError):
+            await refusals.wait_for(s.kv_flush("e0"))
+        assert refusals.errors == []
+    async with connected(cluster.nats_url, cluster.access("shadow-supervisor")) as (nc, refusals):
+        for engine in ("e0", "e1"):
+            await nc.subscribe(s.engine_restart(engine))
+            await nc.publish(s.kv_flush(engine), b"{}")
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        assert refusals.errors == []
 
 
 async def test_a_payload_naming_another_engine_is_dropped_by_the_receiver(cluster: Supervisor) -> None:

@@ -58,5 +58,5 @@ async def test_weights_and_arena_travel_as_cuda_ipc_handles(nats_server, nc, shm
         assert torch.all(again == 0.5)
 
         await bus.declare_jetstream(nc.jetstream(), NAMES)  # the registry: no entry for e0, epoch 0
-        await call(nc, NAMES.kv_flush, KvFlush(engine_id="e0", epoch=0), Ack)
+        await call(nc, NAMES.kv_flush("e0"), KvFlush(engine_id="e0", epoch=0), Ack)
         assert arena.abs().sum().item() == 0.0  # the server zeroed the same device memory

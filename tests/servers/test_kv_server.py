@@ -64,7 +64,7 @@ async def test_arena_is_created_once_flushed_for_real_and_released(
         assert torch.equal(second_view, mapped)  # shared, not copied
 
         await bus.declare_jetstream(nc.jetstream(), NAMES)  # the registry: e0 has no entry, epoch 0
-        flushed = await call(nc, NAMES.kv_flush, KvFlush(engine_id="e0", epoch=0), Ack)
+        flushed = await call(nc, NAMES.kv_flush("e0"), KvFlush(engine_id="e0", epoch=0), Ack)
         assert flushed.detail == f"zeroed {mapped.numel() * 4} bytes"
         assert mapped.abs().sum().item() == 0.0
         assert second_view.abs().sum().item() == 0.0
@@ -113,10 +113,10 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
                 ),
             ),
             "bad engine id": (
-                NAMES.kv_flush,
+                NAMES.kv_flush("e0"),
                 encode_json({"type": "kv_flush", "engine_id": "../etc", "epoch": 0}),
             ),
-            "no epoch": (NAMES.kv_flush, encode_json({"type": "kv_flush", "engine_id": "e0"})),
+            "no epoch": (NAMES.kv_flush("e0"), encode_json({"type": "kv_flush", "engine_id": "e0"})),
             "no pid": (
                 NAMES.kv_arena("e0"),
                 encode_json(
@@ -129,7 +129,7 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
                     }
                 ),
             ),
-            "wrong tag": (NAMES.kv_flush, encode_json({"type": "weights_list"})),
+            "wrong tag": (NAMES.kv_flush("e0"), encode_json({"type": "weights_list"})),
             "not an object": (NAMES.kv_ping, encode_json([1, 2, 3])),
         }
         for name, (subject, payload) in raw.items():
@@ -144,12 +144,13 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
                 NAMES.kv_arena("e9"),
                 arena_request(engine_id="e9", preset="base", num_blocks=1 << 16),
             ),
-            "flush unknown": (NAMES.kv_flush, KvFlush(engine_id="nope", epoch=0)),
+            "flush unknown": (NAMES.kv_flush("nope"), KvFlush(engine_id="nope", epoch=0)),
             "dead asker": (NAMES.kv_arena("e0"), arena_request(pid=(1 << 22) + 1)),
             "release unknown": (NAMES.kv_release, KvRelease(engine_id="nope")),
             # The engine is the subject's: e1's subject (only e1's credential publishes there)
             # cannot get e0's arena (a CUDA IPC handle on a GPU) by naming e0 in the payload.
             "another engine's": (NAMES.kv_arena("e1"), arena_request(engine_id="e0")),
+            "another engine's flush": (NAMES.kv_flush("e1"), KvFlush(engine_id="e0", epoch=0)),
         }
         codes = {name: await error_code(nc, subject, message) for name, (subject, message) in typed.items()}
         assert codes == {
@@ -161,6 +162,7 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
             "dead asker": "dead-holder",
             "release unknown": "unknown-engine",
             "another engine's": "bad-request",
+            "another engine's flush": "bad-request",
         }
         alive = await call(nc, NAMES.kv_ping, ServerPing(), KvServerAlive)
         assert (alive.pid, alive.engines) == (server.pid, ["e0"])
@@ -245,13 +247,13 @@ async def test_a_live_holder_keeps_the_arena_from_everyone_else(
             codes = {name: await error_code(nc, NAMES.kv_arena("e0"), ask) for name, ask in refused.items()}
             assert codes == {"second main": "holder-alive", "shadow of another": "holder-alive"}
             late = KvFlush(engine_id="e0", epoch=installed.epoch - 1)
-            assert await error_code(nc, NAMES.kv_flush, late) == "stale-epoch"
+            assert await error_code(nc, NAMES.kv_flush("e0"), late) == "stale-epoch"
             live = KvFlush(engine_id="e0", epoch=installed.epoch)
-            assert await error_code(nc, NAMES.kv_flush, live) == "holder-alive"
+            assert await error_code(nc, NAMES.kv_flush("e0"), live) == "holder-alive"
             assert mapped.min().item() == 1.5  # nothing zeroed the serving main's arena
 
             dead(main)  # a confirmed death: the handover's flush goes through, then the shadow serves
-            assert (await call(nc, NAMES.kv_flush, live, Ack)).detail.startswith("zeroed")
+            assert (await call(nc, NAMES.kv_flush("e0"), live, Ack)).detail.startswith("zeroed")
             assert mapped.abs().sum().item() == 0.0
             mapped.fill_(2.5)  # what the promoted shadow computed
             dead(shadow)
