@@ -9,7 +9,9 @@ when it starts (checkpointer.py, rebuild_pointer).
 Restore: the pointed-at checkpoint, else older ready ones, newest first, else the base image. Each
 candidate is verified against its manifest and its layer checked before anything is created; a
 rejected one is named in the result and deleted, unless its only fault is a MAC this host cannot
-match (another key). Falling back starts a new incarnation.
+match (another key). One whose restores keep failing for no proven reason is quarantined, not
+deleted (Store.quarantine): a fault of the host looks the same. Falling back starts a new
+incarnation.
 
 The phases get the host's parts they use (a Host) and the sandbox's record, which they update as
 they go; they raise EnvironmentFailure for a sandbox whose environment failed. Saving the record,
@@ -358,9 +360,15 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
                     "restore-failed", f"{reason} (failure {failures}; the checkpoint is kept)"
                 ) from None
             host.failed_restores.pop(stored.name, None)
-            log.warning("restore of %s: rejected %s, failed %d times", current.trajectory, reason, failures)
-            rejected.append(f"{reason} ({failures} times)")
-            await asyncio.to_thread(host.store.remove, stored)
+            aside = await asyncio.to_thread(host.store.quarantine, stored)
+            log.warning(
+                "restore of %s: %s failed %d times; quarantined as %s",
+                current.trajectory,
+                reason,
+                failures,
+                aside,
+            )
+            rejected.append(f"{reason} ({failures} times; quarantined, not deleted)")
     if chosen is not None:
         host.failed_restores.pop(chosen[0].checkpoint_id, None)
     if chosen is None:  # the base image, from the start

@@ -40,6 +40,7 @@ from belayer_rl.shared.protocol import CheckpointId, SandboxSpec
 
 FORMAT = "belayer-checkpoint/2"  # /1 had no MAC: decoded, never trusted
 TMP_PREFIX = ".tmp-"
+QUARANTINE_PREFIX = "quarantined-"  # a checkpoint set aside (Store.quarantine)
 MANIFEST = "manifest.json"
 MAC_SUFFIX = ".mac"  # beside each signed file: manifest.mac, trajectory.mac
 MANIFEST_MAC = "manifest.mac"
@@ -299,7 +300,7 @@ class Store:
             return []
         found = []
         for path in folder.iterdir():
-            if path.name.startswith(TMP_PREFIX) or not path.is_dir():
+            if path.name.startswith((TMP_PREFIX, QUARANTINE_PREFIX)) or not path.is_dir():
                 continue
             try:
                 found.append(Stored(path, self.load(path)))
@@ -320,6 +321,21 @@ class Store:
         except FileNotFoundError:
             return
         shutil.rmtree(doomed, ignore_errors=True)
+
+    def quarantine(self, path: Path) -> Path:
+        """Set a checkpoint aside (renamed `quarantined-<id>`): no restore, pointer rebuild or budget
+        sees it again, and nothing deletes it but the end of its trajectory. For one whose restores
+        keep failing for no proven reason: a fault of the host (CRIU, the daemon) looks the same,
+        and must not wipe acknowledged work one checkpoint at a time. An operator gives it back by
+        renaming it to its id."""
+        aside = path.parent / f"{QUARANTINE_PREFIX}{path.name}"
+        path.rename(aside)
+        _fsync_dir(path.parent)
+        return aside
+
+    def quarantined(self, trajectory: str) -> list[Path]:
+        folder = self.trajectory_dir(trajectory)
+        return sorted(folder.glob(f"{QUARANTINE_PREFIX}*")) if folder.is_dir() else []
 
     def remove_trajectory(self, trajectory: str) -> None:
         folder = self.trajectory_dir(trajectory)

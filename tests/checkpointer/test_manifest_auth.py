@@ -142,3 +142,25 @@ def test_the_key_file_is_made_private_once_and_then_read(tmp_path: Path) -> None
     path.write_text("not hex at all\n")
     with pytest.raises(ValueError, match="not hex"):
         checkpoint_key(path, create=False)
+
+
+def test_a_quarantined_checkpoint_is_set_aside_whole_and_given_back_by_a_rename(tmp_path: Path) -> None:
+    """A checkpoint whose restores keep failing for no proven reason (a host fault looks the same)
+    is set aside, not deleted: no restore or budget sees it, its bytes stay, and renaming it back
+    makes it a candidate again, verified as before."""
+    store = Store(tmp_path, KEY)
+    older, newer = sealed(store, "i0-k3-00aa11bb"), sealed(store, "i0-k3-00aa11cc")
+    assert {s.path for s in store.ready("traj")} == {newer, older}
+    used = store.usage()
+    aside = store.quarantine(newer)
+    assert [s.path for s in store.ready("traj")] == [older]  # restores fall back past it ...
+    assert store.quarantined("traj") == [aside] and not newer.exists()
+    assert store.usage() == used  # ... but every byte of it is kept
+    assert store.enforce_budget(1, keep={older}) == []  # nor does the budget delete it
+    assert aside.exists()
+    aside.rename(newer)  # the operator's way back
+    assert store.verify(newer).checkpoint_id == newer.name
+    assert {s.path for s in store.ready("traj")} == {newer, older}
+    store.quarantine(newer)
+    store.remove_trajectory("traj")  # the trajectory's end removes what it set aside
+    assert not store.trajectory_dir("traj").exists()
