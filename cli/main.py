@@ -32,7 +32,7 @@ from belayer_rl.shared import config as flags
 from belayer_rl.shared.bus import Target
 from belayer_rl.shared.client import Client, GenerationError
 from belayer_rl.shared.config import ConfigError, default_state_dir
-from belayer_rl.shared.roles import Credentials
+from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects, cluster_id_ok, event_kind
 
 UP_TIMEOUT_S = 120.0
@@ -222,14 +222,14 @@ def status_report(args: argparse.Namespace) -> StatusReport:
         error = f"router via {url}: {exc}"
         return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=error)
     shadows = read_shadows(state_dir)
-    # Services answer under their runtime names; a worker's carries its engine and pid.
+    # Services answer under their runtime names; a worker under its engine and pid.
     names = [
         p.name
         for p in processes
         if p.name not in ("supervisor", "nats-server") and not p.name.startswith("worker-")
     ]
     names += [
-        f"worker-{e.engine_id}-{pid}"
+        f"worker.{e.engine_id}.{pid}"  # a worker's stats key (services/worker/__main__.py)
         for e in status.engines
         for pid in (e.pid, shadows.get(e.engine_id, 0))
         if pid
@@ -563,10 +563,25 @@ def cmd_creds(args: argparse.Namespace) -> int:
     if not all(cluster_id_ok(e) for e in engines):
         print(f"belayer creds: engine ids are lowercase letters, digits, - and _: {engines}", file=sys.stderr)
         return 2
-    written = Credentials.generate(Subjects(cluster_id), engines).write(args.out)
+    clients = tuple(c for c in args.clients.split(",") if c)
+    if not all(cluster_id_ok(c) for c in clients):
+        print(
+            f"belayer creds: client names are lowercase letters, digits, - and _: {clients}", file=sys.stderr
+        )
+        return 2
+    written = Credentials.generate(Subjects(cluster_id), engines, clients).write(args.out)
     print(f"cluster {cluster_id}: {args.out / 'auth.conf'} (include it from the nats-server config)")
     for name, path in written.items():
-        print(f"  {name:<18} {path}")
+        print(f"  {name:<24} {path}")
+    if args.compose_owners:
+        try:
+            for path, uid in compose_owners(args.out, engines).items():
+                os.chown(path, uid, uid)
+        except PermissionError:
+            print("belayer creds --compose-owners: only root may give files to the services' uids"
+                  " (run it with sudo)", file=sys.stderr)  # fmt: skip
+            return 2
+        print("each secret is owned by the uid of the Compose service that reads it (compose.yaml)")
     return 0
 
 
@@ -709,11 +724,22 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     creds.add_argument(
         "--revoke",
         metavar="USER",
-        help="give USER (a role, or engine-<id>) a new key and refuse its old one; the folder is"
+        help="give USER (a role, or <role>-<engine>) a new key and refuse its old one; the folder is"
         " --out, or the local cluster's (whose nats-server then reloads at once)",
     )
     creds.add_argument(
         "--engines", default="e0,e1", help="engine ids, each with its own credential (default e0,e1)"
+    )
+    creds.add_argument(
+        "--clients",
+        default="",
+        help="names of further rollout-side users (cli-<name>.creds): each follows and cancels only"
+        " the requests it started (default: one, cli)",
+    )
+    creds.add_argument(
+        "--compose-owners",
+        action="store_true",
+        help="give each secret to the uid of the compose.yaml service that reads it (needs root)",
     )
     creds.set_defaults(run=cmd_creds)
 

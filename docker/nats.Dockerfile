@@ -5,9 +5,10 @@ FROM scratch
 LABEL belayer.build=images
 COPY nats-server /usr/local/bin/nats-server
 COPY busybox /bin/busybox
-# The JetStream store: compose.yaml mounts a named volume here, which starts with this owner.
-COPY --chown=10001:10001 data/ /data/
-USER 10001:10001
+# The JetStream store: compose.yaml mounts a named volume here, which starts with this owner,
+# compose.yaml's uid for nats (COMPOSE_UIDS in shared/roles.py).
+COPY --chown=2000:2000 data/ /data/
+USER 2000:2000
 EXPOSE 4222 8222
 ENTRYPOINT ["/usr/local/bin/nats-server"]
 CMD ["--config", "/etc/nats/nats.conf"]

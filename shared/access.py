@@ -30,6 +30,14 @@ class Access:
     cert: Path | None = None  # client certificate and its key, for servers that verify clients
     key: Path | None = None
 
+    @property
+    def client(self) -> str:
+        """Who this is as a client of the router: its credential's user, as `belayer creds` names
+        the file (cli, cli-<name>, trainer, admin). The bus lets it call the router under that name
+        only, and the router lets a client follow or cancel its own requests only. "cli" on an open
+        bus, where nobody is told apart."""
+        return self.creds.stem if self.creds is not None else "cli"
+
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for nats-py's `connect`."""
         options: dict[str, Any] = {}

@@ -77,12 +77,14 @@ class Client:
         nc: NATS,
         *,
         subjects: Subjects = Subjects(),
+        client: str = "cli",
         rpc_timeout_s: float = 5.0,
         stall_s: float = 1.0,
         keepalive_s: float = 5.0,
     ) -> None:
         self.nc = nc
         self.subjects = subjects  # the cluster it talks to
+        self.client = client  # who it is to the router (Access.client): it owns what it starts
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_s = stall_s  # silence after which the stream re-attaches
         # How often a followed request is declared alive; the router cancels a request nobody
@@ -116,7 +118,7 @@ class Client:
                 holder[0].reconnects += 1
 
         nc = await target.connect(name, on_reconnect=on_reconnect)
-        client = cls(nc, subjects=target.subjects, **kwargs)
+        client = cls(nc, subjects=target.subjects, client=target.access.client, **kwargs)
         holder.append(client)
         return client
 
@@ -144,7 +146,9 @@ class Client:
 
     async def cancel(self, request_id: str, *, patience_s: float = 10.0) -> None:
         await self._call(
-            self.subjects.router_cancel, CancelRequest(request_id=request_id), patience_s=patience_s
+            self.subjects.router_cancel(self.client),
+            CancelRequest(request_id=request_id),
+            patience_s=patience_s,
         )
 
     async def status(self, *, patience_s: float = 5.0) -> RouterStatus:
@@ -213,7 +217,7 @@ class Client:
         )
         async with self._subscription(inbox) as queue:
             try:
-                await self._call(self.subjects.router_generate, request, patience_s=patience_s)
+                await self._call(self.subjects.router_generate(self.client), request, patience_s=patience_s)
             except ServiceError as exc:
                 if exc.code != "duplicate-request":  # an earlier try did get through
                     raise
@@ -261,7 +265,7 @@ class Client:
 
     async def _attach(self, request_id: str, position: int, inbox: str, patience_s: float) -> None:
         attach = AttachRequest(request_id=request_id, from_position=position, reply_to=inbox)
-        await self._call(self.subjects.router_attach, attach, patience_s=patience_s)
+        await self._call(self.subjects.router_attach(self.client), attach, patience_s=patience_s)
 
     async def _follow(
         self, request_id: str, inbox: str, queue: asyncio.Queue[Msg | None], position: int, patience_s: float
@@ -275,7 +279,9 @@ class Client:
                 kept_alive_at = time.monotonic()
                 with contextlib.suppress(Exception):  # reconnecting: the next one goes out
                     await bus.publish(
-                        self.nc, self.subjects.router_keepalive, ClientKeepAlive(request_ids=[request_id])
+                        self.nc,
+                        self.subjects.router_keepalive(self.client),
+                        ClientKeepAlive(request_ids=[request_id]),
                     )
             try:
                 msg = await asyncio.wait_for(queue.get(), min(self.stall_s, self.keepalive_s))

@@ -448,6 +448,9 @@ class WeightServerConfig(SharedMemoryServerConfig):
     weights_path: Path | None = same_as(WorkerConfig, "weights_path")
     sweep_interval_s: float = setting(1.0, "seconds between sweeps for the pins of dead holders")
     free_grace_s: float = setting(10.0, "seconds an unpinned version other than the newest is kept")
+    # A main and its shadow, each holding the newest version, the one before it and a few that
+    # requests named: a bound on what one engine (its credential) can keep from being freed.
+    max_pins_per_engine: int = setting(16, "pins one engine's workers may hold at once, over all versions")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -459,6 +462,10 @@ class WeightServerConfig(SharedMemoryServerConfig):
             raise ConfigError(f"--sweep-interval must be > 0, got {self.sweep_interval_s}")
         if not self.free_grace_s >= 0:
             raise ConfigError(f"--free-grace must be >= 0, got {self.free_grace_s}")
+        if self.max_pins_per_engine < 2:
+            raise ConfigError(
+                f"--max-pins-per-engine must be >= 2 (a main and its shadow), got {self.max_pins_per_engine}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,12 +59,13 @@ ErrorCode = Literal[
     "bad-request", "internal", "timeout", "no-responders", "unavailable",
     # router
     "duplicate-request", "unknown-request", "no-workers", "unknown-weight-version", "log-unavailable", "log-full",
+    "too-many-watchers",
     "engine-rejected", "too-many-attempts", "not-leader",
     # worker, and the token log: something from a router incarnation that lost its lease
     "stale-epoch", "stale-attempt", "wrong-engine", "weight-version", "fenced",
     # weight and KV servers
     "unknown-version", "bad-weights", "dead-holder", "unknown-engine", "unknown-preset", "shape-mismatch",
-    "too-large", "no-space", "unknown-object", "holder-alive",
+    "too-large", "no-space", "unknown-object", "holder-alive", "no-access", "pin-quota",
     # trainer groups, and the shadow supervisor's engine restarts
     "update-failed", "engine-quarantined", "restart-failed",
     # a stored record that does not decode (skipped, reported as record_skipped)
@@ -443,6 +444,9 @@ class LogStart(CarriesSampling, tag="log_start", kw_only=True):
     max_tokens: int
     weight_version: WeightVersion | None = None  # as resolved at acceptance; a resume uses it too
     chunk_tokens: int  # k: chunk i of this log covers positions [i*k, (i+1)*k)
+    # The client that started it (Access.client, from the subject it called on): only it may follow
+    # or cancel it. "" in a log written before requests had owners: any client may.
+    owner: Annotated[str, Meta(max_length=128)] = ""
 
 
 class LogDispatch(Message, tag="log_dispatch", kw_only=True):
@@ -1166,6 +1170,8 @@ AnyEvent = (
 # from a dead instance is recognisable (its segments were removed by the restarted server).
 
 HolderId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_:-]{1,128}\Z")]
+# A pin's holder as the weight server lists it: <engine>:<holder>, the engine that pinned it first.
+PinHolder = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}:[A-Za-z0-9_:-]{1,128}\Z")]
 SegmentName = Annotated[str, Meta(max_length=200, pattern=r"^[A-Za-z0-9_.-]*\Z")]
 InstanceId = Annotated[str, Meta(pattern=r"^[0-9a-f]{1,32}\Z")]
 TensorDType = Literal["float32", "float16", "bfloat16", "uint8", "int64"]
@@ -1265,7 +1271,7 @@ class WeightVersionInfo(Message, tag="weight_version_info", kw_only=True):
     version: WeightVersion
     segment: SegmentName
     size: ByteCount
-    holders: list[HolderId]
+    holders: list[PinHolder]
 
 
 class WeightVersions(Message, tag="weight_versions", kw_only=True):

@@ -43,8 +43,11 @@ class Role:
     # Streams it may also list through an ordered consumer of its own (a bucket's keys).
     lists: tuple[str, ...] = ()
     everything: bool = False  # the operator's own credential
-    stats: str = ""  # the service name whose stats endpoint it answers ("*": a worker, named by its pid)
+    stats: str = ""  # the stats key it answers (Runtime.stats_key): a name, or tokens with wildcards
     client: bool = False  # the rollout side: the router may stream into its users' inboxes
+    # Also users `<role>-<name>`, one per client named to `belayer creds --clients`: each owns the
+    # requests it starts ({client} in a subject is the user's name).
+    named_clients: bool = False
     to_clients: bool = False  # may publish into the clients' inboxes (the router)
     # One user per engine, `<role>-<engine>`, whose subjects' {engine} tokens name that engine.
     per_engine: bool = False
@@ -138,8 +141,8 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("heartbeat", "{engine}"),
                 s.event("worker_registered", "{engine}"),
                 s.event("record_skipped", "*"),
-                s.weights_pin,
-                s.weights_unpin,
+                s.weights_pin("{engine}"),
+                s.weights_unpin("{engine}"),
                 s.weights_list,
                 s.weights_handles,
                 s.kv_arena("{engine}"),
@@ -154,7 +157,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             ),
             replies=True,
             reads=(kv_stream(engines),),
-            stats="*",
+            stats="worker.{engine}.*",  # each worker answers as worker.<engine>.<pid>
             per_engine=True,
         ),
         # One credential per engine (a Compose engine container holds only its own), and one for
@@ -182,7 +185,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
         ),
         "weight-server": Role(
             publish=(s.event("weights_published", "*"), f"$O.{weights}.>", "$JS.API.STREAM.NAMES"),
-            subscribe=(f"{r}.weights.*",),
+            subscribe=(f"{r}.weights.*", s.weights_pins, s.weights_unpins),
             replies=True,
             streams=(object_stream(weights),),  # it declares the bucket and deletes what it loaded
             stats="weight-server",
@@ -200,11 +203,11 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("reschedule", "*"),
                 f"{r}.trainer.>",  # calls to its group workers
                 s.engine_restart("*"),  # a rollout rebuild: the engines restarted by the cold path
-                s.router_generate,
-                s.router_attach,
-                s.router_cancel,
+                s.router_generate("{client}"),
+                s.router_attach("{client}"),
+                s.router_cancel("{client}"),
                 s.router_status,
-                s.router_keepalive,
+                s.router_keepalive("{client}"),
                 "$JS.API.STREAM.NAMES",
             ),
             subscribe=(
@@ -217,10 +220,13 @@ def role_table(s: Subjects) -> dict[str, Role]:
             replies=True,
             reads=(object_stream(weights),),
             client=True,  # it generates its samples through the router
-            stats="*",  # its group workers answer stats under their own names
+            stats="trainer.*.*",  # its group workers answer as trainer.<group>.<rank>
         ),
         "kv-server": Role(  # a flush must name the engine's current epoch: it reads the registry
-            subscribe=(f"{r}.kv.*", s.kv_arenas, s.kv_flushes), replies=True, reads=(kv_stream(engines),), stats="kv-server"
+            subscribe=(f"{r}.kv.*", s.kv_arenas, s.kv_flushes),
+            replies=True,
+            reads=(kv_stream(engines),),
+            stats="kv-server",
         ),
         "checkpointer": Role(
             publish=(
@@ -238,9 +244,8 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(f"{r}.sandbox.*.*", s.event("trajectory_ended", "*")),
             replies=True,
             streams=(kv_stream(pointers), object_stream(objects)),
-            # One per Docker host, named checkpointer-<host>: a token NATS wildcards cannot split.
-            # All hosts share this credential, so its own stats subject cannot be named here.
-            stats="*",
+            # One per Docker host, answering as checkpointer.<host>; all hosts share this credential.
+            stats="checkpointer.*",
         ),
         "policy": Role(
             publish=(s.event("policy_decision", "*"),),
@@ -259,11 +264,11 @@ def role_table(s: Subjects) -> dict[str, Role]:
         ),
         "cli": Role(  # a user, the rollout driver: the rollout side
             publish=(
-                s.router_generate,
-                s.router_attach,
-                s.router_cancel,
+                s.router_generate("{client}"),
+                s.router_attach("{client}"),
+                s.router_cancel("{client}"),
                 s.router_status,
-                s.router_keepalive,
+                s.router_keepalive("{client}"),
                 f"{r}.sandbox.*.*",
                 s.policy_decide,
                 s.event("env_step", "*"),
@@ -280,6 +285,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
             subscribe=(s.events_all,),
             reads=(kv_stream(engines), kv_stream(pointers)),
             client=True,
+            named_clients=True,
         ),
         "admin": Role(everything=True, client=True),  # benchmarks and operators: may purge and delete
     }
@@ -306,9 +312,13 @@ class Credentials:
     users: list[User] = field(default_factory=list)
 
     @classmethod
-    def generate(cls, subjects: Subjects, engines: tuple[str, ...]) -> Credentials:
+    def generate(
+        cls, subjects: Subjects, engines: tuple[str, ...], clients: tuple[str, ...] = ()
+    ) -> Credentials:
         creds = cls(subjects, engines)
         for name, role in role_table(subjects).items():
+            if role.named_clients:
+                creds.users += [User(f"{name}-{c}", name, new_seed()) for c in clients]
             if role.per_engine:
                 creds.users += [User(f"{name}-{e}", name, new_seed(), engine=e) for e in engines]
             if role.all_engines:
@@ -374,7 +384,7 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
     entry: dict[str, object] = {"nkey": user.public_key}
     if role.everything:
         return entry
-    fill = lambda subject: fill_engine(subject, user.engine)  # noqa: E731
+    fill = lambda subject: fill_engine(subject, user.engine).replace("{client}", user.name)  # noqa: E731
     publish = [fill(p) for p in role.publish]
     if role.to_clients:
         publish += client_inboxes
@@ -387,7 +397,7 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
     subscribe = [fill(p) for p in role.subscribe]
     subscribe.append(f"{inbox_prefix(user.public_key)}.>")
     if role.stats:  # a service answers the runtime's stats endpoint, its own only
-        subscribe.append(s.service_stats(role.stats))
+        subscribe.append(s.service_stats(fill(role.stats)))
     entry["permissions"] = {
         # An empty allow list would allow everything: a role that publishes nothing of its own
         # (it only replies) gets one subject nobody listens to.
@@ -412,9 +422,14 @@ def user_role(name: str, table: dict[str, Role]) -> tuple[str, str]:
     if name in table:
         return name, ALL_ENGINES if table[name].per_engine else ""
     for role_name, role in table.items():
-        if role.per_engine and name.startswith(f"{role_name}-") and len(name) > len(role_name) + 1:
-            return role_name, name.removeprefix(f"{role_name}-")
-    raise ValueError(f"{name}.creds: {name!r} is no role ({', '.join(sorted(table))}) nor <role>-<engine>")
+        if name.startswith(f"{role_name}-") and len(name) > len(role_name) + 1:
+            if role.per_engine:
+                return role_name, name.removeprefix(f"{role_name}-")
+            if role.named_clients:
+                return role_name, ""
+    raise ValueError(
+        f"{name}.creds: {name!r} is no role ({', '.join(sorted(table))}), <role>-<engine> nor cli-<client>"
+    )
 
 
 def new_seed() -> str:
@@ -422,10 +437,40 @@ def new_seed() -> str:
 
 
 def private_file(path: Path, text: str) -> Path:
-    """Written mode 0600 from the start: a secret is never readable by others, even briefly."""
+    """Written mode 0600 from the start: a secret is never readable by others, even briefly. A
+    file it replaces keeps its owner (a Compose service's uid, `compose_owners`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
+        if path.exists() and (owner := path.stat()).st_uid != os.geteuid():
+            os.fchown(out.fileno(), owner.st_uid, owner.st_gid)
         out.write(text)
     tmp.replace(path)
     return path
+
+
+# Under Compose each service runs as a uid of its own (compose.yaml's `user:` lines, which
+# tests/compose checks against this table), and that uid owns its own secrets only: in the pid
+# namespace the servers and engines share, a process of one container cannot open another's
+# /proc/<pid>/root/run/secrets, nor read the file if it could. Each uid is also its group.
+COMPOSE_UIDS = {
+    "nats": 2000,  # auth.conf
+    "router": 2001,
+    "weight-server": 2002,  # the engines hold its group: they map its weight segments
+    "kv-server": 2003,  # it holds each engine's group: one engine's arena is shared with that engine only
+    "policy": 2004,
+    "trainer": 2005,
+    "checkpointer": 0,  # root-equivalent anyway: it drives the Docker socket
+}
+COMPOSE_FIRST_ENGINE_UID = 2100  # the i-th engine of --engines runs as 2100 + i, its supervisor too
+
+
+def compose_owners(folder: Path, engines: tuple[str, ...]) -> dict[Path, int]:
+    """The uid that owns each file of a credentials folder under Compose. Files no container
+    reads (cli, admin, cluster, the every-engine supervisor) stay the writer's."""
+    by_user = {f"{name}.creds": uid for name, uid in COMPOSE_UIDS.items()}
+    by_user |= {"auth.conf": COMPOSE_UIDS["nats"], CHECKPOINT_KEY_FILE: COMPOSE_UIDS["checkpointer"]}
+    for i, engine in enumerate(engines):
+        for role in ("engine", "shadow-supervisor"):
+            by_user[f"{role}-{engine}.creds"] = COMPOSE_FIRST_ENGINE_UID + i
+    return {folder / name: uid for name, uid in by_user.items() if (folder / name).exists()}

@@ -137,8 +137,11 @@ def type_name(kind: Any) -> str:
 class Runtime:
     """One per process. Built by `run()`; the service's setup receives it."""
 
-    def __init__(self, name: str, config: ServiceConfig) -> None:
+    def __init__(self, name: str, config: ServiceConfig, stats_key: str = "") -> None:
         self.name = name
+        # Where it answers StatsRequest (Subjects.service_stats): its name, or for a process of a
+        # family its name in tokens (worker.<engine>.<pid>), which a role's permission can scope.
+        self.stats_key = stats_key or name
         self.config = config
         self.subjects = config.subjects  # this cluster's names
         self.stopping = asyncio.Event()
@@ -185,7 +188,7 @@ class Runtime:
         )
         nc = await self.unless_stopped(connecting)
         self._nc = nc
-        await self.serve(Endpoint(self.subjects.service_stats(self.name), StatsRequest, self._on_stats))
+        await self.serve(Endpoint(self.subjects.service_stats(self.stats_key), StatsRequest, self._on_stats))
         return nc
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
@@ -465,13 +468,14 @@ async def serve(
     setup: Callable[[Runtime, C], Awaitable[None]],
     *,
     signals_during_setup: bool = True,
+    stats_key: str = "",
 ) -> str:
     """Run one service until a stop request: setup, then wait, then drain.
 
     `signals_during_setup=False` leaves SIGTERM's default action (die at once) in place until the
     setup returns: for a process that has nothing to drain until then, and must go without delay
     when its supervisor goes (a worker still building its engine)."""
-    runtime = Runtime(name, config)
+    runtime = Runtime(name, config, stats_key)
     if signals_during_setup:
         runtime.capture_signals()
     try:
@@ -495,12 +499,15 @@ def run(
     *,
     signals_during_setup: bool = True,
     exits_on: tuple[type[Exception], ...] = (),
+    stats_key: str = "",
 ) -> None:
     """A service's `main`: logging, the event loop, and one clear line instead of a traceback for
     a config error or one of `exits_on` (start-up refusals such as a busy shared-memory prefix)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
-        failure = uvloop.run(serve(name, config, setup, signals_during_setup=signals_during_setup))
+        failure = uvloop.run(
+            serve(name, config, setup, signals_during_setup=signals_during_setup, stats_key=stats_key)
+        )
     except (ConfigError, *exits_on) as exc:
         sys.exit(f"{name}: {exc}")
     if failure:

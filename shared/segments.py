@@ -116,17 +116,30 @@ class Segment:
     """A segment this process created and maps read-write. `close` unmaps it, `unlink` removes
     its name (mappings elsewhere stay valid until they are dropped)."""
 
-    def __init__(self, name: str, manifest: SegmentManifest, *, reserve: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        manifest: SegmentManifest,
+        *,
+        reserve: bool = True,
+        mode: int = 0o600,
+        group: int | None = None,
+    ) -> None:
         """Create /dev/shm/`name` (it must not exist) sized and headed per `manifest`.
 
         `reserve` allocates every page now (posix_fallocate), so a full /dev/shm is an OSError
         here rather than a SIGBUS in whoever first touches a page. Without it (data held on a GPU)
-        only the header is ever written and the rest stays a hole."""
+        only the header is ever written and the rest stays a hole. `mode` and `group` say who else
+        may map it: under Compose each service runs as a uid of its own, and the readers of a
+        segment share a group with its server (compose.yaml)."""
         self.name = name
         self.path = SHM_DIR / name
         self.manifest = manifest
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if group is not None:
+                os.fchown(fd, -1, group)
+            os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
             if reserve:
                 os.posix_fallocate(fd, 0, manifest.size)
             else:

@@ -51,26 +51,25 @@ class Subjects:
 
     # ------------------------------------------------------------ router RPC
 
-    @property
-    def router_generate(self) -> str:
-        return f"{self.root}.router.generate"
+    # A client's calls name the client last: its credential may publish on its own name only, so
+    # the router knows whose request it is (the client's user, Access.client; "*": every client).
 
-    @property
-    def router_attach(self) -> str:
-        return f"{self.root}.router.attach"
+    def router_generate(self, client: str) -> str:
+        return f"{self.root}.router.generate.{client}"
 
-    @property
-    def router_cancel(self) -> str:
-        return f"{self.root}.router.cancel"
+    def router_attach(self, client: str) -> str:
+        return f"{self.root}.router.attach.{client}"
+
+    def router_cancel(self, client: str) -> str:
+        return f"{self.root}.router.cancel.{client}"
 
     @property
     def router_status(self) -> str:
         return f"{self.root}.router.status"
 
-    @property
-    def router_keepalive(self) -> str:
+    def router_keepalive(self, client: str) -> str:
         """ClientKeepAlive: a client still follows these requests."""
-        return f"{self.root}.router.keepalive"
+        return f"{self.root}.router.keepalive.{client}"
 
     def worker_stream(self, engine_id: str) -> str:
         """WorkerChunk / WorkerDone of one engine: the router reads the engine from the subject
@@ -193,13 +192,21 @@ class Subjects:
     def weights_handles(self) -> str:
         return f"{self.root}.weights.handles"
 
-    @property
-    def weights_pin(self) -> str:
-        return f"{self.root}.weights.pin"
+    def weights_pin(self, engine_id: str) -> str:
+        """A pin for one of the engine's workers: the engine is the subject's, on which only its
+        own credential publishes, so its pins count against its own quota and nobody else's."""
+        return f"{self.root}.weights.pin.{engine_id}"
+
+    def weights_unpin(self, engine_id: str) -> str:
+        return f"{self.root}.weights.unpin.{engine_id}"
 
     @property
-    def weights_unpin(self) -> str:
-        return f"{self.root}.weights.unpin"
+    def weights_pins(self) -> str:
+        return f"{self.root}.weights.pin.*"
+
+    @property
+    def weights_unpins(self) -> str:
+        return f"{self.root}.weights.unpin.*"
 
     @property
     def weights_publish(self) -> str:

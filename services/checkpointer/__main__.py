@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="belayer-checkpointer",
         description="Run the checkpointer of one Docker host.",
     )
-    runtime.run(f"checkpointer-{settings.host_id}", settings, setup)
+    host = settings.host_id
+    runtime.run(f"checkpointer-{host}", settings, setup, stats_key=f"checkpointer.{host}")
 
 
 if __name__ == "__main__":

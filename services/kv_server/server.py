@@ -28,6 +28,7 @@ import secrets
 import select
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from nats.js.kv import KeyValue
@@ -62,6 +63,32 @@ def same_engine(claimed: str, subject: str, what: str) -> None:
     engine_id = subject.rsplit(".", 1)[1]
     if claimed != engine_id:
         raise ServiceError("bad-request", f"{what} for {claimed!r} asked on {engine_id!r}'s subject")
+
+
+def sharing_group(pid: int) -> int | None:
+    """The group through which the engine's worker `pid` maps its arena: None when it runs as this
+    server's own uid (the arena stays 0600); otherwise its group, of which this server must be a
+    member (under Compose each engine runs as a uid and group of its own, and the KV server holds
+    each engine's group, compose.yaml). Neither another engine's uid nor its group can open it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        raise ServiceError("dead-holder", f"pid {pid} is not a live process on this host") from None
+    ids = {
+        line.split(":")[0]: line.split()[1:]
+        for line in status.splitlines()
+        if line.startswith(("Uid:", "Gid:"))
+    }
+    uid, gid = int(ids["Uid"][1]), int(ids["Gid"][1])  # effective ids
+    if uid == os.geteuid():
+        return None
+    if gid != os.getegid() and gid not in os.getgroups():
+        raise ServiceError(
+            "no-access",
+            f"pid {pid} runs as uid {uid}, gid {gid}: the KV server (uid {os.geteuid()}) is not in"
+            f" group {gid}, so that worker could not open the arena; give the KV server that group",
+        )
+    return gid
 
 
 def exited(pidfd: int) -> bool:
@@ -128,7 +155,9 @@ class KvServer:
         # The name carries the instance and a serial: a handle of a dead instance, or of a released
         # arena, never maps the arena that replaced it.
         name = f"{self.config.shm_prefix}.kv.{self.instance}.{serial}.{request.engine_id}"
-        segment = segments.Segment(name, manifest, reserve=not on_gpu)
+        group = sharing_group(request.pid)
+        mode = 0o600 if group is None else 0o660
+        segment = segments.Segment(name, manifest, reserve=not on_gpu, mode=mode, group=group)
         try:
             gpu, cuda = None, None
             if on_gpu:

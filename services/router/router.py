@@ -93,6 +93,7 @@ CLAIM_TRIES = 5  # reads of the log at start-up, while a predecessor's last appe
 MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts attempts
 END_RETRY_MAX_S = 5.0  # the longest pause before a LogEnd the writer gave up on is queued again
 END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
+MAX_WATCHERS = 8  # streams one request streams to at once (each attach replays it from its position)
 ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number in the incarnation
 # The resume cause of an engine's failure, by WorkerFailed.reason.
 FAILURE_CAUSE: dict[str, ResumeCause] = {"exit": "worker-exit", "heartbeat-timeout": "heartbeat-timeout"}
@@ -202,7 +203,7 @@ class Router:
 
     # ------------------------------------------------------------ client RPC
 
-    async def on_generate(self, message: GenerateRequest) -> Ack:
+    async def on_generate(self, message: GenerateRequest, subject: str) -> Ack:
         self.lease.check()
         check_inbox(message.reply_to)
         weight_version = message.weight_version or await self.newest_weights()
@@ -228,6 +229,7 @@ class Router:
             sampling=message.sampling,
             weight_version=weight_version,
             chunk_tokens=self.config.chunk_tokens,
+            owner=client_of(subject),
         )
         request = Request(start=start, watchers={message.reply_to})
         self.requests[message.request_id] = self.running[message.request_id] = request
@@ -248,12 +250,15 @@ class Router:
         self.enqueue(request)
         return Ack(detail=f"request {message.request_id} accepted")
 
-    async def on_attach(self, message: AttachRequest) -> Ack:
+    async def on_attach(self, message: AttachRequest, subject: str) -> Ack:
         self.lease.check()
         check_inbox(message.reply_to)
-        request = self.requests.get(message.request_id)
-        if request is None:
-            raise ServiceError("unknown-request", f"no request {message.request_id}")
+        request = self.owned(message.request_id, subject)
+        if message.reply_to not in request.watchers and len(request.watchers) >= MAX_WATCHERS:
+            # Each attach replays every token so far: a bound, or one client floods the router.
+            raise ServiceError(
+                "too-many-watchers", f"request {message.request_id} has {MAX_WATCHERS} streams attached"
+            )
         request.followed_at = time.monotonic()
         if request.replayed_to is not None and message.from_position > request.client_had:
             request.client_had = message.from_position
@@ -271,11 +276,9 @@ class Router:
             request.watchers.add(message.reply_to)
         return Ack(detail=f"attached at {message.from_position} of {len(request.tokens)}")
 
-    async def on_cancel(self, message: CancelRequest) -> Ack:
+    async def on_cancel(self, message: CancelRequest, subject: str) -> Ack:
         self.lease.check()
-        request = self.requests.get(message.request_id)
-        if request is None:
-            raise ServiceError("unknown-request", f"no request {message.request_id}")
+        request = self.owned(message.request_id, subject)
         if request.end is None:
             await self.cancel(request)
             detail = "cancelled"
@@ -306,11 +309,20 @@ class Router:
                 "log-unavailable", f"the request ended, but its end was not logged: {dropped.message}"
             )
 
-    async def on_keepalive(self, message: ClientKeepAlive) -> None:
-        now = time.monotonic()
+    async def on_keepalive(self, message: ClientKeepAlive, subject: str) -> None:
+        now, client = time.monotonic(), client_of(subject)
         for request_id in message.request_ids:
-            if (request := self.requests.get(request_id)) is not None:
+            request = self.requests.get(request_id)
+            if request is not None and request.start.owner in ("", client):
                 request.followed_at = now
+
+    def owned(self, request_id: str, subject: str) -> Request:
+        """The request, if the client that called on `subject` started it. Another client's request
+        is not found: whether it exists is not that client's business."""
+        request = self.requests.get(request_id)
+        if request is None or request.start.owner not in ("", client_of(subject)):
+            raise ServiceError("unknown-request", f"no request {request_id}")
+        return request
 
     async def cancel(self, request: Request) -> None:
         if request.engine_id is not None:
@@ -1150,6 +1162,12 @@ class Router:
         for request in list(self.running.values()):
             if request.end is None and request.engine_id is not None:
                 await self.resume(request, "reconnect")
+
+
+def client_of(subject: str) -> str:
+    """The client a call came from: the last token of its subject, which only that client's
+    credential may publish on (Subjects.router_generate)."""
+    return subject.rsplit(".", 1)[1]
 
 
 def check_inbox(reply_to: str) -> None:

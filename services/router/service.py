@@ -68,11 +68,17 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     rt.spawn(lease.renew(), "lease", essential=True)  # lost to another router: this one stops
     started = await router.rebuild()
     await rt.serve(
-        Endpoint(rt.subjects.router_generate, GenerateRequest, router.on_generate),
-        Endpoint(rt.subjects.router_attach, AttachRequest, router.on_attach),
-        Endpoint(rt.subjects.router_cancel, CancelRequest, router.on_cancel),
+        Endpoint(rt.subjects.router_generate("*"), GenerateRequest, router.on_generate, with_subject=True),
+        Endpoint(rt.subjects.router_attach("*"), AttachRequest, router.on_attach, with_subject=True),
+        Endpoint(rt.subjects.router_cancel("*"), CancelRequest, router.on_cancel, with_subject=True),
         Endpoint(rt.subjects.router_status, StatusRequest, router.on_status),
-        Endpoint(rt.subjects.router_keepalive, ClientKeepAlive, router.on_keepalive, reply=False),
+        Endpoint(
+            rt.subjects.router_keepalive("*"),
+            ClientKeepAlive,
+            router.on_keepalive,
+            reply=False,
+            with_subject=True,
+        ),
     )
     rt.spawn(router.watchdog(), "watchdog", essential=True)
     rt.spawn(router.writer.run(), "log-writer", essential=True)

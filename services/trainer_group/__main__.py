@@ -12,7 +12,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_flags(
         TrainerGroupConfig, argv, prog="belayer-trainer-group", description="Run one trainer group worker."
     )
-    runtime.run(f"trainer-{settings.group}-{settings.rank}", settings, setup)
+    group, rank = settings.group, settings.rank
+    runtime.run(f"trainer-{group}-{rank}", settings, setup, stats_key=f"trainer.{group}.{rank}")
 
 
 if __name__ == "__main__":

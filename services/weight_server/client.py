@@ -52,18 +52,18 @@ class WeightClient:
             self.nc, self.subjects.weights_handles, request, WeightHandles, self.timeout_s
         )
 
-    async def pin(self, holder: str, pid: int, version: str | None = None) -> WeightHandles:
-        """Pin `version` (None: the newest) for `holder`, a live process `pid` on this host, and
-        return its handles: pin, then map_weights, and the version cannot vanish in between."""
+    async def pin(self, engine_id: str, holder: str, pid: int, version: str | None = None) -> WeightHandles:
+        """Pin `version` (None: the newest) for `holder`, a live process `pid` on this host serving
+        `engine_id`, and return its handles: pin, then map_weights, and the version cannot vanish
+        in between."""
         request = WeightsPin(version=version, holder=holder, pid=pid)
         return await bus.request_struct(
-            self.nc, self.subjects.weights_pin, request, WeightHandles, self.timeout_s
+            self.nc, self.subjects.weights_pin(engine_id), request, WeightHandles, self.timeout_s
         )
 
-    async def unpin(self, version: str, holder: str) -> Ack:
-        return await bus.request(
-            self.nc, self.subjects.weights_unpin, WeightsUnpin(version=version, holder=holder), self.timeout_s
-        )
+    async def unpin(self, engine_id: str, version: str, holder: str) -> Ack:
+        request = WeightsUnpin(version=version, holder=holder)
+        return await bus.request(self.nc, self.subjects.weights_unpin(engine_id), request, self.timeout_s)
 
     async def publish(self, path: Path, timeout_s: float = 120.0) -> WeightHandles:
         """Load the weights file at `path` (absolute, on the server's host) as the newest version."""

@@ -76,6 +76,12 @@ def process_start(pid: int) -> int | None:
 # ---------------------------------------------------------------------------- state
 
 
+def pin_key(engine_id: str, holder: str) -> str:
+    """A holder's name within its engine: one engine can neither count against another's quota
+    nor unpin another's pins."""
+    return f"{engine_id}:{holder}"
+
+
 @dataclass
 class Pin:
     pid: int
@@ -128,7 +134,10 @@ class WeightServer:
         check_params(PRESETS[self.config.preset], params)
         specs = [(name, tuple(t.shape), t.dtype) for name, t in params.items()]
         manifest = segments.plan("weights", version, self.instance, specs)
-        segment = segments.Segment(f"{self.config.shm_prefix}.w.{self.instance}.{serial}", manifest)
+        # Readable by the server's group: under Compose, the engines are its members (each runs as
+        # a uid of its own); they map weights read-only.
+        segment_name = f"{self.config.shm_prefix}.w.{self.instance}.{serial}"
+        segment = segments.Segment(segment_name, manifest, mode=0o640)
         try:
             for name, tensor in params.items():
                 segment.tensors[name].copy_(tensor)
@@ -221,17 +230,25 @@ class WeightServer:
     async def on_handles(self, request: WeightsHandlesRequest) -> WeightHandles:
         return self.get(request.version).handles
 
-    async def on_pin(self, request: WeightsPin) -> WeightHandles:
+    async def on_pin(self, request: WeightsPin, subject: str) -> WeightHandles:
+        engine_id = subject.rsplit(".", 1)[1]  # only that engine's credential publishes there
         entry = self.get(request.version)
         start = process_start(request.pid)
         if start is None:
             raise ServiceError("dead-holder", f"pid {request.pid} is not a live process on this host")
-        entry.holders[request.holder] = Pin(request.pid, start)
+        holder = pin_key(engine_id, request.holder)
+        held = sum(key.startswith(f"{engine_id}:") for v in self.versions.values() for key in v.holders)
+        if holder not in entry.holders and held >= self.config.max_pins_per_engine:
+            raise ServiceError(
+                "pin-quota",
+                f"engine {engine_id} holds {held} pins, its most (--max-pins-per-engine): unpin one first",
+            )
+        entry.holders[holder] = Pin(request.pid, start)
         return entry.handles
 
-    async def on_unpin(self, request: WeightsUnpin) -> Ack:
+    async def on_unpin(self, request: WeightsUnpin, subject: str) -> Ack:
         entry = self.get(request.version)
-        if entry.holders.pop(request.holder, None) is None:
+        if entry.holders.pop(pin_key(subject.rsplit(".", 1)[1], request.holder), None) is None:
             return Ack(detail="not pinned")
         self.collect()
         return Ack(detail="unpinned")

@@ -37,8 +37,8 @@ async def setup(rt: Runtime, config: WeightServerConfig) -> None:
     await rt.serve(
         Endpoint(rt.subjects.weights_list, WeightsList, server.on_list),
         Endpoint(rt.subjects.weights_handles, WeightsHandlesRequest, server.on_handles),
-        Endpoint(rt.subjects.weights_pin, WeightsPin, server.on_pin),
-        Endpoint(rt.subjects.weights_unpin, WeightsUnpin, server.on_unpin),
+        Endpoint(rt.subjects.weights_pins, WeightsPin, server.on_pin, with_subject=True),
+        Endpoint(rt.subjects.weights_unpins, WeightsUnpin, server.on_unpin, with_subject=True),
         Endpoint(rt.subjects.weights_publish, WeightsPublish, server.on_publish),
         Endpoint(rt.subjects.weights_ping, ServerPing, server.on_ping),
     )

@@ -82,7 +82,7 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerId
         return engine, WorkerIdle(), pins
     pins = PinnedWeights(nc, config.engine_id, config.subjects)
     pin = WeightsPin(holder=pins.holder, pid=os.getpid())  # the newest version
-    weights = await ask_server(nc, config.subjects.weights_pin, pin, WeightHandles)
+    weights = await ask_server(nc, config.subjects.weights_pin(config.engine_id), pin, WeightHandles)
     ask = KvArenaRequest(
         engine_id=config.engine_id, preset=config.preset, num_blocks=config.num_blocks, block_size=BLOCK_SIZE,
         pid=os.getpid(), watch_pid=config.watch_pid,  # a shadow shares it with the main it watches

@@ -32,6 +32,7 @@ PIN_TIMEOUT_S = 10.0  # a pin maps nothing, but a big version may still be loadi
 class PinnedWeights:
     def __init__(self, nc: NATS, engine_id: str, subjects: Subjects) -> None:
         self.client = WeightClient(nc, PIN_TIMEOUT_S, subjects=subjects)
+        self.engine_id = engine_id
         self.holder = f"{engine_id}:{os.getpid()}"
         self.engine: Engine | None = None
         # Held while a version is pinned and mapped, or checked and unpinned: two requests for one
@@ -43,7 +44,7 @@ class PinnedWeights:
 
     async def pin(self, version: str | None) -> WeightHandles:
         """Pin `version` (None: the newest) for this worker; its handles, to map."""
-        return await self.client.pin(self.holder, os.getpid(), version)
+        return await self.client.pin(self.engine_id, self.holder, os.getpid(), version)
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -64,7 +65,7 @@ class PinnedWeights:
                     params = await asyncio.to_thread(segments.map_weights, handles, on_gpu)
                 except Exception:
                     with contextlib.suppress(ServiceError):
-                        await self.client.unpin(handles.version, self.holder)
+                        await self.client.unpin(self.engine_id, handles.version, self.holder)
                     raise
                 self.engine.add_weights(handles.version, params)  # a step in flight never sees it
                 log.info("mapped weight version %s", handles.version)
@@ -101,7 +102,7 @@ class PinnedWeights:
             if version in self.engine.weights:
                 return  # mapped again since it was dropped: the pin is in use
             try:
-                await self.client.unpin(version, self.holder)
+                await self.client.unpin(self.engine_id, version, self.holder)
             except ServiceError as exc:  # the server's sweep drops our pin when we exit anyway
                 log.warning("unpin of %s failed: %s", version, exc)
                 return

@@ -231,7 +231,7 @@ async def test_another_requests_chunks_sent_to_a_stream_are_not_taken(tmp_path: 
                 attach = protocol.AttachRequest(
                     request_id=short.request_id, from_position=0, reply_to=inboxes[0]
                 )
-                await bus.request(attacker.nc, cluster.subjects.router_attach, attach, 5.0)
+                await bus.request(attacker.nc, cluster.subjects.router_attach(attacker.client), attach, 5.0)
                 await asyncio.sleep(0.5)
             async for item in stream:
                 if isinstance(item, TokenChunk):

@@ -100,7 +100,7 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
             stream_api % "UPDATE",
             f"$JS.API.STREAM.DELETE.KV_{s.engine_registry_bucket}",
             s.event("heartbeat", "e1"),
-            s.router_generate,
+            s.router_generate("cli"),
         ],
         # A Compose engine container holds only its own engine's supervisor credential: it
         # flushes, quarantines and announces that engine alone.
@@ -193,16 +193,16 @@ async def test_the_admin_control_is_not_refused(cluster: Supervisor) -> None:
         assert refusals.errors == []
 
 
-# The name each role's process runs under (its stats subject), as its __main__ names it.
+# The stats key each role's process answers under (Runtime.stats_key), as its __main__ names it.
 SERVICE_NAMES = {
     "router": "router",
-    "engine-e0": "worker-e0-4242",  # and its pid
+    "engine-e0": "worker.e0.4242",  # and its pid
     "shadow-supervisor": "shadow-supervisor",
     "weight-server": "weight-server",
     "kv-server": "kv-server",
-    "checkpointer": "checkpointer-somehost",  # one per Docker host, named after it
+    "checkpointer": "checkpointer.somehost",  # one per Docker host, named after it
     "policy": "policy",
-    "trainer": "trainer-actor-0",  # its group workers: group and rank
+    "trainer": "trainer.actor.0",  # its group workers: group and rank
 }
 
 
@@ -221,6 +221,17 @@ async def test_every_service_may_answer_its_own_stats(cluster: Supervisor) -> No
 
     answers = await asyncio.gather(*(refused(role, name) for role, name in SERVICE_NAMES.items()))
     assert dict(zip(SERVICE_NAMES, answers, strict=True)) == dict.fromkeys(SERVICE_NAMES)
+
+    # ... and no other's: the engine, trainer and checkpointer credentials could subscribe to every
+    # service's stats subject (a wildcard), read what was asked and answer in the router's name.
+    others = {
+        "engine-e0": ["router", "worker.e1.4242", "checkpointer.somehost"],
+        "trainer": ["router", "worker.e0.4242"],
+        "checkpointer": ["router", "trainer.actor.0"],
+    }
+    asked = [(role, name) for role, names in others.items() for name in names]
+    answers = await asyncio.gather(*(refused(role, name) for role, name in asked))
+    assert all(answers), dict(zip(asked, answers, strict=True))
 
 
 async def test_each_engine_credential_serves_only_its_own_engine(cluster: Supervisor) -> None:
@@ -365,7 +376,9 @@ async def test_the_router_takes_only_an_inbox_as_a_reply_subject(cluster: Superv
                 protocol.AttachRequest(request_id="r1", from_position=0, reply_to=s.worker_dispatch("e9")),
             ):
                 subject = (
-                    s.router_generate if isinstance(request, protocol.GenerateRequest) else s.router_attach
+                    s.router_generate("cli")
+                    if isinstance(request, protocol.GenerateRequest)
+                    else s.router_attach("cli")
                 )
                 with pytest.raises(bus.ServiceError) as refused:
                     await bus.request(client.nc, subject, request, 5.0)
@@ -483,3 +496,61 @@ async def test_the_trainer_publishes_weights_over_the_bus_with_its_credential(tm
         assert result.weight_version == handles.version and len(result.tokens) == 4
         server_log = (config.state_dir / "logs" / "nats-server.log").read_text()
         assert "Violation" not in server_log
+
+
+async def test_a_client_follows_and_cancels_only_the_requests_it_started(cluster: Supervisor) -> None:
+    """Finding 10 of the trust review: any rollout-side credential could attach to or cancel any
+    request, and attach without bound (each attach replays every token). A client's calls now
+    carry its name in the subject, which only its credential may publish on; the router keeps the
+    name as the request's owner (in the token log, so a successor knows it too)."""
+    s = cluster.subjects
+    async with (
+        await Client.connect(cluster.target("cli"), "owner") as owner,
+        await Client.connect(cluster.target("trainer"), "other") as other,
+    ):
+        assert (owner.client, other.client) == ("cli", "trainer")
+        stream = owner.generate("mine", max_tokens=300, min_tokens=300, seed=3, temperature=0.8,
+                                request_id="owned")  # fmt: skip
+        assert isinstance(await anext(stream), TokenChunk)
+        attach = protocol.AttachRequest(request_id="owned", from_position=0, reply_to=other.nc.new_inbox())
+        for subject, message in (
+            (s.router_attach("trainer"), attach),
+            (s.router_cancel("trainer"), protocol.CancelRequest(request_id="owned")),
+        ):
+            with pytest.raises(bus.ServiceError) as refused:
+                await bus.request(other.nc, subject, message, 5.0)
+            assert refused.value.code == "unknown-request", subject  # not even told it exists
+        # Nor can it call in the owner's name: the bus refuses the subject.
+        async with connected(cluster.nats_url, cluster.access("trainer")) as (nc, refusals):
+            await nc.publish(
+                s.router_cancel("cli"), protocol.encode(protocol.CancelRequest(request_id="owned"))
+            )
+            await nc.flush()
+            await refusals.wait_for(s.router_cancel("cli"))
+
+        # The owner's own streams are bounded: its stream and seven more, then a typed refusal.
+        for _ in range(7):
+            extra = protocol.AttachRequest(request_id="owned", from_position=0, reply_to=owner.nc.new_inbox())
+            await bus.request(owner.nc, s.router_attach("cli"), extra, 5.0)
+        one_more = protocol.AttachRequest(request_id="owned", from_position=0, reply_to=owner.nc.new_inbox())
+        with pytest.raises(bus.ServiceError) as bounded:
+            await bus.request(owner.nc, s.router_attach("cli"), one_more, 5.0)
+        assert bounded.value.code == "too-many-watchers"
+
+        await owner.cancel("owned")  # the owner may
+        ends = [item async for item in stream if not isinstance(item, TokenChunk)]
+        assert [end.finish_reason for end in ends] == ["cancelled"]
+
+
+def test_each_named_client_gets_a_credential_of_its_own() -> None:
+    """`belayer creds --clients alice`: cli-alice may call the router as cli-alice, and not as cli."""
+    from belayer_rl.shared.roles import Credentials
+    from belayer_rl.shared.subjects import Subjects
+
+    s = Subjects("c")
+    creds = Credentials.generate(s, ("e0",), clients=("alice",))
+    entries = {user.name: entry for user, entry in zip(creds.users, creds.users_entries(), strict=True)}
+    allowed = set(entries["cli-alice"]["permissions"]["publish"]["allow"])  # type: ignore[index]
+    assert s.router_generate("cli-alice") in allowed and s.router_cancel("cli-alice") in allowed
+    assert s.router_generate("cli") not in allowed and s.router_cancel("cli") not in allowed
+    assert s.router_cancel("cli-alice") not in set(entries["cli"]["permissions"]["publish"]["allow"])  # type: ignore[index]

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sysconfig
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +56,6 @@ IMAGE_NAMES = ("BELAYER_BASE_IMAGE", "BELAYER_IMAGE", "BELAYER_NATS_IMAGE")
 REPO = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() == "true"
 ENGINES = ("e0", "e1")
-SERVICE_UID = 10001  # the containers run as this uid: the credentials are chowned to it
 PROMPT = "The belayer holds the rope while the climber"
 MAX_TOKENS = 400  # with the prompt, under the tiny model's 512 positions
 LONG_ENOUGH = 240  # a fault-free run at least this long gives a fault time to land mid-stream
@@ -133,7 +131,6 @@ class Stack:
     creds: Path
     cluster_id: str
     nats_port: int
-    monitor_port: int
     host_id: str
 
     @property
@@ -220,19 +217,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             cluster_id,
             "--engines",
             ",".join(ENGINES),
+            "--compose-owners",  # each service runs as a uid of its own, which owns its secrets
         ],
         check=True,
         capture_output=True,
     )
-    for path in creds.iterdir():  # the services run as SERVICE_UID and read their secrets
-        os.chown(path, SERVICE_UID, SERVICE_UID)
     stack = Stack(
         project=project,
         env={},
         creds=creds,
         cluster_id=cluster_id,
         nats_port=free_port(),
-        monitor_port=free_port(),
         host_id=f"compose-{token}",
     )
     stack.env = {
@@ -245,9 +240,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "BELAYER_CLUSTER_ID": cluster_id,
         "BELAYER_MODEL": "tiny",
         "BELAYER_NATS_PORT": str(stack.nats_port),
-        "BELAYER_NATS_MONITOR_PORT": str(stack.monitor_port),
-        "BELAYER_UID": str(SERVICE_UID),
-        "BELAYER_GID": str(SERVICE_UID),
         "BELAYER_HOST_ID": stack.host_id,
         "BELAYER_ALLOW_ROOT_USER": "true",  # the sandbox test leaves a process running across a checkpoint
         # Only the test's own SIGKILLs should hand over: a 2-core host busy with seven containers
@@ -406,10 +398,20 @@ async def test_every_service_healthy_and_only_nats_published_on_localhost(stack:
     }
     assert {name for name, found in bindings.items() if found} == {"nats"}, bindings
     assert {b["HostIp"] for b in bindings["nats"]} == {"127.0.0.1"}
-    assert {int(b["HostPort"]) for b in bindings["nats"]} == {stack.nats_port, stack.monitor_port}
-
-    url = f"http://127.0.0.1:{stack.monitor_port}/healthz?js-enabled-only=true"
-    assert await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).status) == 200
+    assert {int(b["HostPort"]) for b in bindings["nats"]} == {stack.nats_port}
+    # NATS monitoring, which has no authentication, answers inside its own container only: not on
+    # the host, and not to another container on the compose network.
+    inside = "/bin/busybox wget -q -O - http://127.0.0.1:8222/healthz?js-enabled-only=true"
+    assert '"ok"' in stack.compose("exec", "-T", "nats", *inside.split())
+    probe = "import urllib.request as u; u.urlopen('http://nats:8222/healthz', timeout=5); print('reachable')"
+    across = await asyncio.to_thread(
+        subprocess.run,
+        stack.compose_argv("exec", "-T", "router", "python", "-c", probe),
+        env=stack.env,
+        capture_output=True,
+        text=True,
+    )
+    assert "reachable" not in across.stdout and "Connection refused" in across.stderr, across.stderr[-2000:]
 
     # The bus wants a credential: without one, nats-server refuses the connection.
     with pytest.raises(Exception, match=r"(?i)authorization"):
@@ -427,6 +429,59 @@ async def test_every_service_healthy_and_only_nats_published_on_localhost(stack:
         mounts = {m["Destination"] for m in stack.container(name)["Mounts"]}
         assert ("/var/run/docker.sock" in mounts) == (name == "checkpointer"), (name, mounts)
     assert stack.container("checkpointer")["HostConfig"]["PidMode"] == "host"
+
+
+# Runs inside engine-e0 as its service's uid, in the pid and IPC namespaces the servers and engines
+# share: what a process there can read of every live process's /run/secrets (through
+# /proc/<pid>/root) and of /dev/shm. Prints {path: the first line read, or the error}.
+THIEF = """
+import json, os
+seen = {}
+paths = [f"/proc/{pid}/root/run/secrets" for pid in os.listdir("/proc") if pid.isdigit()]
+for folder in ["/run/secrets", *paths]:
+    try:
+        names = os.listdir(folder)
+    except OSError as exc:
+        seen[folder] = exc.strerror
+        continue
+    for name in names:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                seen[os.path.join(folder, name)] = f.readline().strip()
+        except OSError as exc:
+            seen[os.path.join(folder, name)] = exc.strerror
+for name in os.listdir("/dev/shm"):
+    try:
+        with open(os.path.join("/dev/shm", name), "rb") as f:
+            f.read(1)
+        seen["/dev/shm/" + name] = "read"
+    except OSError as exc:
+        seen["/dev/shm/" + name] = exc.strerror
+print(json.dumps(seen))
+"""
+
+
+async def test_an_engine_container_reads_no_secret_but_its_own(stack: Stack) -> None:
+    """Finding 3 of the trust review: every service ran as one uid, so a process in engine-e0 read
+    engine-e1.creds and kv-server.creds under /proc/*/root/run/secrets. Now each service runs as
+    a uid of its own that owns its secrets only, and no arena of another engine opens."""
+    seen = json.loads(stack.compose("exec", "-T", "engine-e0", "python", "-c", THIEF))
+    secrets_by_text = {path.read_text().strip(): path.name for path in stack.creds.iterdir()}
+    read = {secrets_by_text[text] for path, text in seen.items() if text in secrets_by_text}
+    assert read == {"engine-e0.creds", "shadow-supervisor-e0.creds"}, seen
+    # The other containers' secret folders were there to try: their processes share the pid namespace.
+    refused = [
+        path for path, text in seen.items() if path.startswith("/proc/") and text == "Permission denied"
+    ]
+    assert refused, seen
+    arenas = {path: text for path, text in seen.items() if path.startswith("/dev/shm/belayer.kv.")}
+    assert any(path.endswith(".e1") for path in arenas), arenas  # e1's arena exists ...
+    assert all(text == "Permission denied" for path, text in arenas.items() if path.endswith(".e1")), arenas
+    assert all(text == "read" for path, text in arenas.items() if path.endswith(".e0")), arenas
+    weights = [
+        text for path, text in seen.items() if path.startswith("/dev/shm/belayer.w.") and "lock" not in path
+    ]
+    assert weights and set(weights) == {"read"}, seen  # ... and the weights map, read-only
 
 
 KILL_TRIES = 3  # kills tried before one lands mid-generation (see the test below)

@@ -131,7 +131,7 @@ async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp
             sampling=SamplingParams(seed=job.seed, temperature=job.temperature),
             reply_to=inbox,
         )
-        await bus.request(nc, cluster.client.subjects.router_generate, request, 5.0)
+        await bus.request(nc, cluster.client.subjects.router_generate(cluster.client.client), request, 5.0)
         await poll(lambda: received(40))
         old_router = cluster.pid_of("router")
         if worker_too:
@@ -145,7 +145,7 @@ async def test_router_sigkill_counts_what_the_client_gets_again(nats_server, tmp
         )
         port = await metrics_port(nc, "router")
         attach = AttachRequest(request_id=job.request_id, from_position=had, reply_to=inbox)
-        await bus.request(nc, cluster.client.subjects.router_attach, attach, 5.0)
+        await bus.request(nc, cluster.client.subjects.router_attach(cluster.client.client), attach, 5.0)
         await asyncio.wait_for(ended.wait(), 60)
         after = await scrape(port)
         records = await subject_records(nc.jetstream(), cluster.client.subjects)

@@ -31,7 +31,7 @@ async def test_abandoned_request_is_cancelled_followed_one_completes(nats_server
             abandoned = GenerateRequest(
                 request_id="abandoned", prompt="hello", max_tokens=64, reply_to="_INBOX.gone"
             )
-            await bus.request(cluster.client.nc, NAMES.router_generate, abandoned, 5.0)
+            await bus.request(cluster.client.nc, NAMES.router_generate("cli"), abandoned, 5.0)
             followed = make_job(rng, "followed", max_tokens=64)
             # Its client re-attaches only after a long silence, so keepalives alone show it is there.
             follower = await bus.connect(nats_server.url, "follower")

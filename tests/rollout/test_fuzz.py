@@ -26,15 +26,15 @@ NAMES = Subjects()  # the default cluster's names
 
 INBOX = "_INBOX.fuzz"
 VALID = {
-    NAMES.router_generate: protocol.GenerateRequest(
+    NAMES.router_generate("cli"): protocol.GenerateRequest(
         request_id="fz",
         prompt="hi",
         max_tokens=4,
         sampling=protocol.SamplingParams(seed=1, temperature=0.5),
         reply_to=INBOX,
     ),
-    NAMES.router_attach: protocol.AttachRequest(request_id="fz", from_position=0, reply_to=INBOX),
-    NAMES.router_cancel: protocol.CancelRequest(request_id="nope"),
+    NAMES.router_attach("cli"): protocol.AttachRequest(request_id="fz", from_position=0, reply_to=INBOX),
+    NAMES.router_cancel("cli"): protocol.CancelRequest(request_id="nope"),
     NAMES.router_status: protocol.StatusRequest(),
     NAMES.worker_dispatch("e0"): protocol.Dispatch(
         request_id="fz",
@@ -57,12 +57,12 @@ VALID = {
     NAMES.event("worker_registered", "e0"): protocol.WorkerRegistration(
         engine_id="e0", epoch=99, pid=1, preset="tiny", weight_version="x"
     ),
-    NAMES.router_keepalive: protocol.ClientKeepAlive(request_ids=["fz", "unknown-id"]),
+    NAMES.router_keepalive("cli"): protocol.ClientKeepAlive(request_ids=["fz", "unknown-id"]),
 }
 RPC_TYPES: dict[str, type] = {
-    NAMES.router_generate: protocol.GenerateRequest,
-    NAMES.router_attach: protocol.AttachRequest,
-    NAMES.router_cancel: protocol.CancelRequest,
+    NAMES.router_generate("cli"): protocol.GenerateRequest,
+    NAMES.router_attach("cli"): protocol.AttachRequest,
+    NAMES.router_cancel("cli"): protocol.CancelRequest,
     NAMES.router_status: protocol.StatusRequest,
     NAMES.worker_dispatch("e0"): protocol.Dispatch,
     NAMES.worker_cancel("e0"): protocol.CancelDispatch,
@@ -142,11 +142,11 @@ async def test_hostile_messages_on_every_subject(nats_server, tmp_path, seed) ->
         # Unknown ids on RPC get their own error codes.
         for subject, message, code in [
             (
-                NAMES.router_attach,
+                NAMES.router_attach("cli"),
                 protocol.AttachRequest(request_id="never", reply_to=INBOX),
                 "unknown-request",
             ),
-            (NAMES.router_cancel, protocol.CancelRequest(request_id="never"), "unknown-request"),
+            (NAMES.router_cancel("cli"), protocol.CancelRequest(request_id="never"), "unknown-request"),
             (NAMES.worker_dispatch("e0"), VALID[NAMES.worker_dispatch("e0")], "stale-epoch"),
         ]:
             reply = await nc.request(subject, protocol.encode(message), timeout=5)
@@ -155,7 +155,7 @@ async def test_hostile_messages_on_every_subject(nats_server, tmp_path, seed) ->
         # Oversized for the bus itself: the client refuses to send it, nothing reaches a service.
         too_big = b"x" * (nc.max_payload + 1)
         try:
-            await nc.publish(NAMES.router_generate, too_big)
+            await nc.publish(NAMES.router_generate("cli"), too_big)
             refused = False
         except Exception:
             refused = True

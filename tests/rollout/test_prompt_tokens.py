@@ -47,7 +47,7 @@ async def test_token_prompts_min_tokens_and_bad_token_prompts(nats_server, tmp_p
                 reply_to=client.nc.new_inbox(),
             )
             with pytest.raises(ServiceError) as refused:
-                await bus.request(client.nc, NAMES.router_generate, request, 5)
+                await bus.request(client.nc, NAMES.router_generate("cli"), request, 5)
             assert refused.value.code == "bad-request" and why in str(refused.value)
         # 40,000 characters, under the character bound, but 80,000 bytes of UTF-8: as many tokens,
         # more than a record may hold. Refused at the edge, before any record is written.
@@ -55,7 +55,7 @@ async def test_token_prompts_min_tokens_and_bad_token_prompts(nats_server, tmp_p
             {"type": "generate", "request_id": "wide", "prompt": "é" * 40_000, "max_tokens": 4,
              "reply_to": client.nc.new_inbox()}
         )  # fmt: skip
-        reply = await client.nc.request(NAMES.router_generate, wide, timeout=5)
+        reply = await client.nc.request(NAMES.router_generate("cli"), wide, timeout=5)
         answer = protocol.decode(protocol.decoder_for(protocol.Reply), reply.data)
         assert isinstance(answer, protocol.ErrorReply) and answer.code == "bad-request"
         assert "80000 bytes of UTF-8" in answer.message

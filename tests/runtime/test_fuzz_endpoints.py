@@ -78,7 +78,7 @@ async def test_every_declared_endpoint_survives_hostile_input(nats_server, tmp_p
     async with running_cluster(nats_server, tmp_path, engines=1, shadows=True, sandboxes=True) as cluster:
         nc = cluster.client.nc
         main_pid = await cluster.engine_pid("e0")
-        names = ["router", "weight-server", "kv-server", "shadow-supervisor", f"worker-e0-{main_pid}"]
+        names = ["router", "weight-server", "kv-server", "shadow-supervisor", f"worker.e0.{main_pid}"]
         if IN_CI or "checkpointer" in cluster.supervisor.children:  # off CI, Docker may be missing
             assert "checkpointer" in cluster.supervisor.children, "no checkpointer: is Docker up?"
             names += [f"checkpointer-{hostname_id()}", "policy"]

@@ -29,7 +29,7 @@ WATCH_PID_ENV = "MAPPER_WATCH_PID"
 async def fetch(url: str, engine_id: str, preset: str, num_blocks: int) -> tuple[WeightHandles, ArenaHandle]:
     nc = await bus.connect(url, f"mapper-{os.getpid()}")
     try:
-        weights = await WeightClient(nc).pin(f"mapper-{os.getpid()}", os.getpid())
+        weights = await WeightClient(nc).pin("e0", f"mapper-{os.getpid()}", os.getpid())
         watch_pid = int(os.environ.get(WATCH_PID_ENV, "0"))
         arena = await KvClient(nc).arena(
             engine_id, preset, num_blocks, block_size=16, pid=os.getpid(), watch_pid=watch_pid

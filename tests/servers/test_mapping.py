@@ -77,7 +77,7 @@ async def assert_shared(nc, ready: dict[int, bytes]) -> None:  # type: ignore[no
         [b"ready", weights.segment.encode(), arena.segment.encode()]
     ] * 2
     listed = await call(nc, NAMES.weights_list, WeightsList(), WeightVersions)
-    assert listed.versions[0].holders == sorted(f"mapper-{pid}" for pid in ready)
+    assert listed.versions[0].holders == sorted(f"e0:mapper-{pid}" for pid in ready)
 
     weights_kb = weights.manifest.size // 1024
     arena_kb = arena.manifest.size // 1024
@@ -145,7 +145,7 @@ async def test_an_engine_on_mapped_weights_and_arena_matches_one_that_owns_them(
         running("weight_server", url, shm_prefix, tmp_path, "--preset", "tiny"),
         running("kv_server", url, shm_prefix, tmp_path),
     ):
-        weights = await WeightClient(nc).pin("engine-e0", os.getpid())
+        weights = await WeightClient(nc).pin("e0", "engine-e0", os.getpid())
         arena = await KvClient(nc).arena("e0", "tiny", num_blocks=64, block_size=16, pid=os.getpid())
         mapped = Engine(
             config, segments.map_weights(weights), segments.map_arena(arena), weight_version=weights.version

@@ -47,7 +47,7 @@ async def versions(nc) -> WeightVersions:
 
 async def pin(nc, holder: str, pid: int, version: str | None = None) -> WeightHandles:
     return await call(
-        nc, NAMES.weights_pin, WeightsPin(version=version, holder=holder, pid=pid), WeightHandles
+        nc, NAMES.weights_pin("e0"), WeightsPin(version=version, holder=holder, pid=pid), WeightHandles
     )
 
 
@@ -88,7 +88,7 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         assert new.version == new_version != V0
         listed = await versions(nc)
         assert listed.newest == new_version
-        assert [(v.version, v.holders) for v in listed.versions] == [(V0, ["worker-a"]), (new_version, [])]
+        assert [(v.version, v.holders) for v in listed.versions] == [(V0, ["e0:worker-a"]), (new_version, [])]
         mapped_new = segments.map_weights(new)
         assert all(torch.equal(mapped_new[name], new_params[name]) for name in new_params)
         await poll(lambda: asyncio.sleep(0, announced or None), timeout_s=10)
@@ -99,7 +99,7 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         assert again.segment == new.segment
 
         # The newest version stays even unpinned; the old one goes once its last holder lets go.
-        unpinned = await call(nc, NAMES.weights_unpin, WeightsUnpin(version=V0, holder="worker-a"), Ack)
+        unpinned = await call(nc, NAMES.weights_unpin("e0"), WeightsUnpin(version=V0, holder="worker-a"), Ack)
         assert unpinned.detail == "unpinned"
         listed = await versions(nc)
         assert [v.version for v in listed.versions] == [new_version]
@@ -116,7 +116,7 @@ async def test_pin_publish_unpin_frees_old_version(nats_server, nc, shm_prefix, 
         assert await client.why_not_owned(new) is None
 
         not_pinned = await call(
-            nc, NAMES.weights_unpin, WeightsUnpin(version=new_version, holder="worker-a"), Ack
+            nc, NAMES.weights_unpin("e0"), WeightsUnpin(version=new_version, holder="worker-a"), Ack
         )
         assert not_pinned.detail == "not pinned"
         newest = await call(nc, NAMES.weights_handles, WeightsHandlesRequest(), WeightHandles)
@@ -170,19 +170,19 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
         await dead.wait()
 
         raw = {
-            "malformed": (NAMES.weights_pin, b"{not json"),
+            "malformed": (NAMES.weights_pin("e0"), b"{not json"),
             "empty": (NAMES.weights_handles, b""),
             "wrong types": (
-                NAMES.weights_pin,
+                NAMES.weights_pin("e0"),
                 encode_json({"type": "weights_pin", "holder": 5, "pid": "x"}),
             ),
-            "wrong tag": (NAMES.weights_pin, encode_json({"type": "kv_flush", "engine_id": "e0"})),
+            "wrong tag": (NAMES.weights_pin("e0"), encode_json({"type": "kv_flush", "engine_id": "e0"})),
             "bad holder": (
-                NAMES.weights_pin,
+                NAMES.weights_pin("e0"),
                 encode_json({"type": "weights_pin", "holder": "a b/c", "pid": os.getpid()}),
             ),
             "negative pid": (
-                NAMES.weights_pin,
+                NAMES.weights_pin("e0"),
                 encode_json({"type": "weights_pin", "holder": "h", "pid": -1}),
             ),
             "bad version": (
@@ -198,11 +198,11 @@ async def test_bad_input_gets_error_replies_and_the_server_keeps_serving(
         typed = {
             "unknown version handles": (NAMES.weights_handles, WeightsHandlesRequest(version="sha256:0")),
             "unknown version pin": (
-                NAMES.weights_pin,
+                NAMES.weights_pin("e0"),
                 WeightsPin(version="nope", holder="h", pid=os.getpid()),
             ),
-            "unknown version unpin": (NAMES.weights_unpin, WeightsUnpin(version="nope", holder="h")),
-            "dead holder": (NAMES.weights_pin, WeightsPin(holder="h", pid=dead.pid)),
+            "unknown version unpin": (NAMES.weights_unpin("e0"), WeightsUnpin(version="nope", holder="h")),
+            "dead holder": (NAMES.weights_pin("e0"), WeightsPin(holder="h", pid=dead.pid)),
             "relative path": (NAMES.weights_publish, WeightsPublish(path="weights.pt")),
             "missing file": (NAMES.weights_publish, WeightsPublish(path=str(tmp_path / "none.pt"))),
             "not weights": (NAMES.weights_publish, WeightsPublish(path=str(garbage))),
@@ -337,3 +337,40 @@ async def published_over_the_bus(nc, server, tmp_path: Path) -> None:  # type: i
     both = encode_json({"type": "weights_publish", "path": "/x", "object_name": "y"})
     assert (await error_of(nc, NAMES.weights_publish, both)).code == "bad-request"
     assert server.process.returncode is None
+
+
+async def test_one_engine_holds_at_most_its_quota_of_pins_and_only_its_own(
+    nats_server, nc, shm_prefix, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Finding 6 of the trust review: pins took holder and pid from the payload, so one engine could
+    pin every version under made-up holders (pid 1 lives for ever) until /dev/shm filled, and unpin
+    another engine's pins. Now a pin counts against the quota of the engine whose subject it came
+    on (only that engine's credential publishes there), and holders are that engine's own."""
+    async with running(
+        "weight_server", nats_server.url, shm_prefix, tmp_path, "--preset", "tiny",
+        "--max-pins-per-engine", "2",
+    ):  # fmt: skip
+        versions = [V0]
+        for seed in (7, 8):
+            path, _, version = weights_file(tmp_path, seed=seed)
+            versions.append((await publish(nc, path)).version)
+        for version in versions[:2]:  # e0's two pins (pid 1: init, alive for ever)
+            await pin(nc, f"made-up-{version}", 1, version)
+        forged = WeightsPin(version=versions[2], holder="made-up-3", pid=1)
+        assert await error_code(nc, NAMES.weights_pin("e0"), forged) == "pin-quota"
+        # Pinning again what it holds is no new pin; another engine's quota is its own.
+        await pin(nc, f"made-up-{V0}", 1, V0)
+        e1 = WeightsPin(version=versions[2], holder="e1-main", pid=os.getpid())
+        assert (await call(nc, NAMES.weights_pin("e1"), e1, WeightHandles)).version == versions[2]
+        # e0 cannot unpin e1's holder: the name is looked up among e0's own.
+        theirs = WeightsUnpin(version=versions[2], holder="e1-main")
+        assert (await call(nc, NAMES.weights_unpin("e0"), theirs, Ack)).detail == "not pinned"
+        listed = {
+            v.version: v.holders
+            for v in (await call(nc, NAMES.weights_list, WeightsList(), WeightVersions)).versions
+        }
+        assert listed[versions[2]] == ["e1:e1-main"]
+        # Once e0 lets one go, it may pin another.
+        mine = WeightsUnpin(version=V0, holder=f"made-up-{V0}")
+        assert (await call(nc, NAMES.weights_unpin("e0"), mine, Ack)).detail == "unpinned"
+        assert (await call(nc, NAMES.weights_pin("e0"), forged, WeightHandles)).version == versions[2]

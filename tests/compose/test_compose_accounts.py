@@ -1,0 +1,67 @@
+"""compose.yaml's accounts against shared/roles.py's COMPOSE_UIDS, without Docker.
+
+`belayer creds --compose-owners` gives each secret to a uid from COMPOSE_UIDS; compose.yaml runs each
+service as a uid of its own. The two must agree, or a service could not read its own secret (or
+could read another's). Also: no two services that hold different secrets share a uid, only the
+checkpointer holds capabilities, and the KV server and engines hold the groups their shared
+memory needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from belayer_rl.shared.roles import COMPOSE_FIRST_ENGINE_UID, COMPOSE_UIDS, Credentials, compose_owners
+from belayer_rl.shared.subjects import Subjects
+
+COMPOSE_FILE = Path(__file__).resolve().parents[2] / "compose.yaml"
+
+
+def services() -> dict[str, dict]:  # type: ignore[type-arg]
+    return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+
+
+def engines() -> tuple[str, ...]:
+    return tuple(name.removeprefix("engine-") for name in services() if name.startswith("engine-"))
+
+
+def uid_of(service: dict) -> int:  # type: ignore[type-arg]
+    uid, gid = service["user"].split(":")
+    assert uid == gid, service["user"]  # each uid is its own group
+    return int(uid)
+
+
+def test_each_service_runs_as_the_owner_of_each_secret_it_reads(tmp_path: Path) -> None:
+    spec = yaml.safe_load(COMPOSE_FILE.read_text())
+    files = {name: Path(entry["file"]).name for name, entry in spec["secrets"].items()}
+    Credentials.generate(Subjects("default"), engines()).write(tmp_path)
+    owners = {path.name: uid for path, uid in compose_owners(tmp_path, engines()).items()}
+    holders: dict[int, set[str]] = {}
+    for name, service in services().items():
+        uid = uid_of(service)
+        for secret in service.get("secrets", []):
+            assert owners[files[secret["source"]]] == uid, (name, secret["source"])
+            holders.setdefault(uid, set()).add(files[secret["source"]])
+    assert owners["auth.conf"] == uid_of(services()["nats"])
+    # The router and its standby share a uid and a secret; no other two services share a uid.
+    uids = [uid_of(s) for name, s in services().items() if name != "router-standby"]
+    assert len(uids) == len(set(uids)), uids
+    assert holders[COMPOSE_FIRST_ENGINE_UID] == {"engine-e0.creds", "shadow-supervisor-e0.creds"}
+
+
+def test_only_the_checkpointer_keeps_capabilities_and_shared_memory_has_its_groups() -> None:
+    for name, service in services().items():
+        if name == "checkpointer":
+            assert service["cap_drop"] == [] and uid_of(service) == COMPOSE_UIDS["checkpointer"] == 0
+        else:
+            assert service["cap_drop"] == ["ALL"], name
+            assert "no-new-privileges:true" in service["security_opt"], name
+            assert uid_of(service) != 0, name
+    weights = str(COMPOSE_UIDS["weight-server"])
+    engine_uids = {str(uid_of(services()[f"engine-{e}"])) for e in engines()}
+    assert engine_uids == {str(COMPOSE_FIRST_ENGINE_UID + i) for i in range(len(engines()))}
+    assert set(services()["kv-server"]["group_add"]) == engine_uids
+    for engine in engines():
+        assert services()[f"engine-{engine}"]["group_add"] == [weights], engine
