@@ -463,7 +463,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 async def generate(target: Target, args: argparse.Namespace) -> dict[str, object]:
-    async with Client(await target.connect("belayer-generate"), subjects=target.subjects) as client:
+    nc = await target.connect("belayer-generate")
+    async with Client(nc, subjects=target.subjects, client=target.access.client) as client:
         result = await client.generate_all(
             args.prompt,
             max_tokens=args.max_tokens,
@@ -574,9 +575,14 @@ def cmd_creds(args: argparse.Namespace) -> int:
     for name, path in written.items():
         print(f"  {name:<24} {path}")
     if args.compose_owners:
+        # What no container reads (cli.creds, admin.creds, the folder) goes to whoever ran sudo:
+        # the next step is their own `belayer --nats-creds creds/cli.creds ...`.
+        invoker = int(os.environ.get("SUDO_UID", os.geteuid())), int(os.environ.get("SUDO_GID", os.getegid()))
+        owners = compose_owners(args.out, engines)
         try:
-            for path, uid in compose_owners(args.out, engines).items():
-                os.chown(path, uid, uid)
+            for path in [args.out, *args.out.iterdir()]:
+                uid, gid = (owners[path], owners[path]) if path in owners else invoker
+                os.chown(path, uid, gid)
         except PermissionError:
             print("belayer creds --compose-owners: only root may give files to the services' uids"
                   " (run it with sudo)", file=sys.stderr)  # fmt: skip

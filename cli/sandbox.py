@@ -107,7 +107,9 @@ async def main_async(args: argparse.Namespace) -> int:
     target = resolve_target(args)
     nc = await target.connect("belayer-sandbox")
     try:
-        reply = await call(args, SandboxClient(nc, args.host, subjects=target.subjects))
+        reply = await call(
+            args, SandboxClient(nc, args.host, subjects=target.subjects, client=target.access.client)
+        )
     except ServiceError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

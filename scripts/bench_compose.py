@@ -105,7 +105,6 @@ async def one_run(creds: Path, cluster_id: str, timeout_s: float) -> dict[str, f
         "BELAYER_CLUSTER_ID": cluster_id,
         "BELAYER_MODEL": "tiny",
         "BELAYER_NATS_PORT": str(nats_port),
-        "BELAYER_NATS_MONITOR_PORT": str(free_port()),
         "BELAYER_HOST_ID": project,
     }
     compose = [script("docker-compose"), "-f", str(REPO / "compose.yaml"), "-p", project]
@@ -164,6 +163,7 @@ def main() -> None:
                 cluster_id,
                 "--engines",
                 "e0,e1",
+                "--compose-owners",
             ],
             check=True,
             capture_output=True,

@@ -59,7 +59,6 @@ ErrorCode = Literal[
     "bad-request", "internal", "timeout", "no-responders", "unavailable",
     # router
     "duplicate-request", "unknown-request", "no-workers", "unknown-weight-version", "log-unavailable", "log-full",
-    "too-many-watchers",
     "engine-rejected", "too-many-attempts", "not-leader",
     # worker, and the token log: something from a router incarnation that lost its lease
     "stale-epoch", "stale-attempt", "wrong-engine", "weight-version", "fenced",

@@ -241,7 +241,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 # back (get, list): the stream names, nothing more.
                 "$JS.API.STREAM.NAMES",
             ),
-            subscribe=(f"{r}.sandbox.*.*", s.event("trajectory_ended", "*")),
+            subscribe=(f"{r}.sandbox.*.*.*", s.event("trajectory_ended", "*")),
             replies=True,
             streams=(kv_stream(pointers), object_stream(objects)),
             # One per Docker host, answering as checkpointer.<host>; all hosts share this credential.
@@ -269,7 +269,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.router_cancel("{client}"),
                 s.router_status,
                 s.router_keepalive("{client}"),
-                f"{r}.sandbox.*.*",
+                f"{r}.sandbox.*.*.{{client}}",
                 s.policy_decide,
                 s.event("env_step", "*"),
                 s.event("llm_response", "*"),
@@ -280,7 +280,10 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.weights_handles,
                 s.weights_publish,
                 s.engine_unquarantine("*"),  # `belayer engines unquarantine`: the operator's call
+                # every service's stats (`belayer status`): a name, or a family's tokens
                 f"{r}.svc.*.stats",
+                f"{r}.svc.*.*.stats",
+                f"{r}.svc.*.*.*.stats",
             ),
             subscribe=(s.events_all,),
             reads=(kv_stream(engines), kv_stream(pointers)),
@@ -420,7 +423,10 @@ def fill_engine(subject: str, engine: str) -> str:
 def user_role(name: str, table: dict[str, Role]) -> tuple[str, str]:
     """The role and engine of the user `name`: a role's own name, or <role>-<engine>."""
     if name in table:
-        return name, ALL_ENGINES if table[name].per_engine else ""
+        role = table[name]
+        if role.per_engine and not role.all_engines:
+            raise ValueError(f"{name}.creds: role {name!r} has one user per engine, {name}-<engine>")
+        return name, ALL_ENGINES if role.per_engine else ""
     for role_name, role in table.items():
         if name.startswith(f"{role_name}-") and len(name) > len(role_name) + 1:
             if role.per_engine:

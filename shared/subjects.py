@@ -160,12 +160,14 @@ class Subjects:
 
     # ------------------------------------------------------------ sandboxes
 
-    def sandbox_rpc(self, host_id: str, verb: str) -> str:
-        """`belayer.<cluster>.sandbox.<host>.<verb>`, verb one of SANDBOX_VERBS."""
-        return f"{self.root}.sandbox.{host_id}.{verb}"
+    def sandbox_rpc(self, host_id: str, verb: str, client: str) -> str:
+        """`belayer.<cluster>.sandbox.<host>.<verb>.<client>`, verb one of SANDBOX_VERBS. The client
+        last, as on the router's subjects: a sandbox, and its trajectory, are the client's that
+        made it."""
+        return f"{self.root}.sandbox.{host_id}.{verb}.{client}"
 
     def sandbox_rpc_all(self, host_id: str) -> str:
-        return f"{self.root}.sandbox.{host_id}.*"
+        return f"{self.root}.sandbox.{host_id}.*.*"
 
     @property
     def prefix_pointer_bucket(self) -> str:

@@ -332,14 +332,40 @@ class Checkpointer:
 
     # ------------------------------------------------------------ create / exec / destroy
 
-    async def on_create(self, req: SandboxCreate) -> SandboxInfo:
+    async def check_client(self, request: protocol.SandboxRequest, client: str) -> None:
+        """Only the client that made a sandbox may act on it or on its trajectory; to another, the
+        sandbox does not exist. One with no owner (made before sandboxes had owners, or restored
+        here from another host's manifest, which names none) is anyone's."""
+        if isinstance(request, SandboxExec | SandboxCheckpoint | SandboxDestroy):
+            sb = self.sandboxes.get(request.sandbox)
+            if sb is not None and sb.record.owner not in ("", client):
+                raise ServiceError(
+                    "no-sandbox", f"no sandbox {request.sandbox!r} on host {self.config.host_id}"
+                )
+        if isinstance(request, SandboxRestore | TrajectoryEnd):
+            owner = await asyncio.to_thread(self.trajectory_owner, request.trajectory)
+            if owner not in ("", client):
+                raise ServiceError("not-allowed", f"trajectory {request.trajectory} is another client's")
+
+    def trajectory_owner(self, trajectory: str) -> str:
+        """The owner of the sandbox bound to `trajectory` here, else of its signed base record."""
+        for sb in self.sandboxes.values():
+            if sb.record.trajectory == trajectory and sb.record.state != "destroyed":
+                return sb.record.owner
+        try:
+            path = self.store.trajectory_dir(trajectory) / TRAJECTORY
+            return msgspec.json.decode(self.store.read_signed(path), type=SandboxRecord).owner
+        except (CorruptCheckpoint, msgspec.DecodeError):
+            return ""
+
+    async def on_create(self, req: SandboxCreate, owner: str = "") -> SandboxInfo:
         name = req.sandbox or f"sb-{secrets.token_hex(6)}"
         if name in self.sandboxes and self.sandboxes[name].record.state != "destroyed":
             raise ServiceError("exists", f"sandbox {name!r} exists")
         if why := self.host.policy.refusal(req.spec):
             raise ServiceError("not-allowed", f"sandbox {name}: {why}")
         self.check_room()
-        sb = Sandbox(SandboxRecord(sandbox=name, spec=req.spec, container_id="", image_id=""))
+        sb = Sandbox(SandboxRecord(sandbox=name, spec=req.spec, container_id="", image_id="", owner=owner))
         self.sandboxes[name] = sb  # the name is taken before the first wait
         async with sb.fifo:
             try:
@@ -519,7 +545,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------ full_restore
 
-    async def on_restore(self, req: SandboxRestore) -> RestoreResult:
+    async def on_restore(self, req: SandboxRestore, owner: str = "") -> RestoreResult:
         current, _ = await pointer.read(self.kv, req.trajectory)
         if current is None:  # lost by the broker? this host's checkpoints may still name it
             current = await self.rebuild_pointer(req.trajectory, None)
@@ -548,6 +574,8 @@ class Checkpointer:
         if sb is None or sb.record.state == "destroyed":
             self.check_room()
             sb = Sandbox(self.base_record(req.trajectory, current))
+            # A record from another host's manifest names no owner: the client restoring it here.
+            sb.record.owner = sb.record.owner or owner
             self.sandboxes[current.sandbox] = sb
         task = asyncio.create_task(self.restore(sb, current, store))
         self.tasks.add(task)

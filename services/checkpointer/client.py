@@ -29,13 +29,16 @@ RPC_SLACK_S = 10.0  # on top of the operation's own timeout
 
 
 class SandboxClient:
-    def __init__(self, nc: NATS, host_id: str, *, subjects: Subjects = Subjects()) -> None:
+    def __init__(
+        self, nc: NATS, host_id: str, *, subjects: Subjects = Subjects(), client: str = "cli"
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.host_id = host_id
+        self.client = client  # who it is (Access.client): the sandboxes it makes are its own
 
     def _subject(self, verb: str) -> str:
-        return self.subjects.sandbox_rpc(self.host_id, verb)
+        return self.subjects.sandbox_rpc(self.host_id, verb, self.client)
 
     async def create(self, spec: SandboxSpec, sandbox: str = "", timeout_s: float = 60.0) -> SandboxInfo:
         return await bus.request_struct(

@@ -31,3 +31,6 @@ class SandboxRecord(msgspec.Struct, kw_only=True):
     # cannot know whether the action ran, so the sandbox is failed rather than given it twice.
     acting: bool = False
     failure: str = ""  # why it is "failed", for the errors that refuse it
+    # The client that made it (the last token of its create's subject): only that client may act
+    # on it or its trajectory. "" for one made before sandboxes had owners: anyone's.
+    owner: str = ""

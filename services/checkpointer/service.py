@@ -47,9 +47,15 @@ def router(checkpointer: Checkpointer) -> Callable[[SandboxRequest, str], Awaita
     }
 
     async def route(request: SandboxRequest, subject: str) -> Message:
+        *_, verb, client = subject.split(".")  # only that client's credential publishes there
         kind = type(request)
-        if VERBS[kind] != subject.rsplit(".", 1)[-1]:
+        if VERBS[kind] != verb:
             raise protocol.BadMessage(f"a {kind.__name__} does not belong on {subject}")
+        await c.check_client(request, client)
+        if isinstance(request, protocol.SandboxCreate):
+            return await c.on_create(request, owner=client)
+        if isinstance(request, protocol.SandboxRestore):
+            return await c.on_restore(request, owner=client)
         return await handlers[kind](request)
 
     return route

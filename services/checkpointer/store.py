@@ -323,12 +323,16 @@ class Store:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def quarantine(self, path: Path) -> Path:
-        """Set a checkpoint aside (renamed `quarantined-<id>`): no restore, pointer rebuild or budget
-        sees it again, and nothing deletes it but the end of its trajectory. For one whose restores
-        keep failing for no proven reason: a fault of the host (CRIU, the daemon) looks the same,
-        and must not wipe acknowledged work one checkpoint at a time. An operator gives it back by
-        renaming it to its id."""
+        """Set a checkpoint aside (renamed `quarantined-<id>`): no restore or pointer rebuild sees it
+        again, nor the disk budget (which would evict good checkpoints to keep it), and nothing
+        deletes it but the end of its trajectory. For one whose restores keep failing for no proven
+        reason: a fault of the host (CRIU, the daemon) looks the same, and must not wipe
+        acknowledged work one checkpoint at a time. An operator gives it back by renaming it to its
+        id. A copy of a checkpoint already set aside (fetched again from the object store) goes."""
         aside = path.parent / f"{QUARANTINE_PREFIX}{path.name}"
+        if aside.exists():
+            self.remove(path)
+            return aside
         path.rename(aside)
         _fsync_dir(path.parent)
         return aside
@@ -367,10 +371,11 @@ class Store:
         return removed
 
     def usage(self) -> int:
-        """Bytes held by published checkpoints; folders being written or removed meanwhile are skipped."""
+        """Bytes held by published checkpoints; folders being written or removed meanwhile, and those
+        quarantined (the operator's to free), are skipped."""
         total = 0
         for folder, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(TMP_PREFIX)]
+            dirs[:] = [d for d in dirs if not d.startswith((TMP_PREFIX, QUARANTINE_PREFIX))]
             for name in files:
                 with contextlib.suppress(OSError):
                     total += os.lstat(os.path.join(folder, name)).st_size

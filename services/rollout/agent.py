@@ -167,7 +167,7 @@ class Services:
         nc, names = llm.nc, llm.subjects
         return cls(
             llm,
-            SandboxClient(nc, host_id, subjects=names),
+            SandboxClient(nc, host_id, subjects=names, client=llm.client),
             PolicyClient(nc, subjects=names, timeout_s=policy_timeout_s),
             nc,
             names,

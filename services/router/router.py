@@ -93,7 +93,7 @@ CLAIM_TRIES = 5  # reads of the log at start-up, while a predecessor's last appe
 MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts attempts
 END_RETRY_MAX_S = 5.0  # the longest pause before a LogEnd the writer gave up on is queued again
 END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
-MAX_WATCHERS = 8  # streams one request streams to at once (each attach replays it from its position)
+MAX_WATCHERS = 8  # inboxes one request streams to at once: the newest that attached
 ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number in the incarnation
 # The resume cause of an engine's failure, by WorkerFailed.reason.
 FAILURE_CAUSE: dict[str, ResumeCause] = {"exit": "worker-exit", "heartbeat-timeout": "heartbeat-timeout"}
@@ -119,7 +119,8 @@ class Request:
     progress_at: float = 0.0  # monotonic time of its attempt's dispatch or last new token
     end: GenerateEnd | GenerateError | None = None
     ended_at: float = 0.0
-    watchers: set[str] = field(default_factory=set)  # client inboxes
+    # Client inboxes, oldest first (a dict keeps order): at most MAX_WATCHERS, the newest.
+    watchers: dict[str, None] = field(default_factory=dict)
     followed_at: float = field(default_factory=time.monotonic)  # a client's last sign of interest
     refused_by: dict[tuple[str, int], str] = field(default_factory=dict)  # (engine, epoch) -> why
     # Since when, and why first, it waits for the first token of a resumed attempt (metrics).
@@ -231,7 +232,7 @@ class Router:
             chunk_tokens=self.config.chunk_tokens,
             owner=client_of(subject),
         )
-        request = Request(start=start, watchers={message.reply_to})
+        request = Request(start=start, watchers={message.reply_to: None})
         self.requests[message.request_id] = self.running[message.request_id] = request
         try:
             await self.writer.append_now(start)  # durable before the client hears "accepted"
@@ -254,11 +255,6 @@ class Router:
         self.lease.check()
         check_inbox(message.reply_to)
         request = self.owned(message.request_id, subject)
-        if message.reply_to not in request.watchers and len(request.watchers) >= MAX_WATCHERS:
-            # Each attach replays every token so far: a bound, or one client floods the router.
-            raise ServiceError(
-                "too-many-watchers", f"request {message.request_id} has {MAX_WATCHERS} streams attached"
-            )
         request.followed_at = time.monotonic()
         if request.replayed_to is not None and message.from_position > request.client_had:
             request.client_had = message.from_position
@@ -273,7 +269,13 @@ class Router:
         if request.end is not None and self.end_is_durable(request):
             await bus.publish(self.nc, message.reply_to, request.end)
         else:  # running, or its end is told once it is durable (tell_end)
-            request.watchers.add(message.reply_to)
+            request.watchers.pop(message.reply_to, None)  # the newest goes last
+            request.watchers[message.reply_to] = None
+            while len(request.watchers) > MAX_WATCHERS:  # each token goes to each: a bound
+                # The oldest is dropped, not the newest refused: inboxes are never said to be gone,
+                # and a client that re-attaches with a new one must not be shut out of its own
+                # request. A dropped stream that is still followed re-attaches when it stalls.
+                del request.watchers[next(iter(request.watchers))]
         return Ack(detail=f"attached at {message.from_position} of {len(request.tokens)}")
 
     async def on_cancel(self, message: CancelRequest, subject: str) -> Ack:

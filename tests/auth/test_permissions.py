@@ -20,6 +20,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.weight_server.client import WeightClient
@@ -90,7 +91,7 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
     stream_api = f"$JS.API.STREAM.%s.{s.token_log_stream}"
     return {
         "engine-e0": [
-            s.sandbox_rpc("somehost", "create"),  # only the rollout side makes sandboxes
+            s.sandbox_rpc("somehost", "create", "cli"),  # only the rollout side makes sandboxes
             s.worker_stream("e1"),  # a chunk for another engine
             s.kv_arena("e1"),  # another engine's KV arena (its CUDA IPC handle on a GPU)
             f"$KV.{s.prefix_pointer_bucket}.t1",  # a prefix pointer: the checkpointer's alone
@@ -123,7 +124,7 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
         ],
         "trainer": [
             s.worker_dispatch("e0"),
-            s.sandbox_rpc("somehost", "create"),
+            s.sandbox_rpc("somehost", "create", "trainer"),
             f"$JS.API.STREAM.DELETE.OBJ_{s.weights_object_bucket}",  # it puts weights, never deletes
             f"$JS.API.STREAM.PURGE.OBJ_{s.weights_object_bucket}",
             stream_api % "PURGE",
@@ -502,7 +503,8 @@ async def test_a_client_follows_and_cancels_only_the_requests_it_started(cluster
     """Finding 10 of the trust review: any rollout-side credential could attach to or cancel any
     request, and attach without bound (each attach replays every token). A client's calls now
     carry its name in the subject, which only its credential may publish on; the router keeps the
-    name as the request's owner (in the token log, so a successor knows it too)."""
+    name as the request's owner (in the token log, so a successor knows it too). A request streams
+    to its newest 8 inboxes."""
     s = cluster.subjects
     async with (
         await Client.connect(cluster.target("cli"), "owner") as owner,
@@ -528,18 +530,28 @@ async def test_a_client_follows_and_cancels_only_the_requests_it_started(cluster
             await nc.flush()
             await refusals.wait_for(s.router_cancel("cli"))
 
-        # The owner's own streams are bounded: its stream and seven more, then a typed refusal.
-        for _ in range(7):
-            extra = protocol.AttachRequest(request_id="owned", from_position=0, reply_to=owner.nc.new_inbox())
-            await bus.request(owner.nc, s.router_attach("cli"), extra, 5.0)
-        one_more = protocol.AttachRequest(request_id="owned", from_position=0, reply_to=owner.nc.new_inbox())
-        with pytest.raises(bus.ServiceError) as bounded:
-            await bus.request(owner.nc, s.router_attach("cli"), one_more, 5.0)
-        assert bounded.value.code == "too-many-watchers"
+        # The streams of one request are bounded: the newest 8 inboxes that attached hear it.
+        heard: dict[str, list[bytes]] = {}
 
+        async def on_message(msg: Msg) -> None:
+            heard[msg.subject].append(msg.data)
+
+        inboxes = [owner.nc.new_inbox() for _ in range(10)]
+        for inbox in inboxes:
+            heard[inbox] = []
+            await owner.nc.subscribe(inbox, cb=on_message)
+            extra = protocol.AttachRequest(request_id="owned", from_position=0, reply_to=inbox)
+            await bus.request(owner.nc, s.router_attach("cli"), extra, 5.0)
         await owner.cancel("owned")  # the owner may
-        ends = [item async for item in stream if not isinstance(item, TokenChunk)]
-        assert [end.finish_reason for end in ends] == ["cancelled"]
+        await owner.nc.flush()
+        await asyncio.sleep(0.5)
+
+        def ended(inbox: str) -> bool:
+            return any(b'"type":"end"' in data for data in heard[inbox])
+
+        # Mutation check: with no bound, all 10 (and the owner's first stream) would hear the end.
+        assert [ended(inbox) for inbox in inboxes] == [False, False] + [True] * 8
+        await stream.aclose()
 
 
 def test_each_named_client_gets_a_credential_of_its_own() -> None:

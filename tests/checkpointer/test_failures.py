@@ -376,6 +376,6 @@ async def test_malformed_requests_get_error_replies(client: SandboxClient, servi
         ("create", protocol.encode(SandboxList())),  # a valid message on the wrong verb
         ("exec", b'{"type":"sandbox_exec","v":99,"sandbox":"a","command":"true"}'),
     ]:
-        reply = await client.nc.request(NAMES.sandbox_rpc(service.host_id, verb), payload, timeout=5)
+        reply = await client.nc.request(NAMES.sandbox_rpc(service.host_id, verb, "cli"), payload, timeout=5)
         assert protocol.decode(decoder, reply.data).code == "bad-request"
     assert (await client.list()).sandboxes == []  # still serving

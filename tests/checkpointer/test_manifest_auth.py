@@ -151,13 +151,18 @@ def test_a_quarantined_checkpoint_is_set_aside_whole_and_given_back_by_a_rename(
     store = Store(tmp_path, KEY)
     older, newer = sealed(store, "i0-k3-00aa11bb"), sealed(store, "i0-k3-00aa11cc")
     assert {s.path for s in store.ready("traj")} == {newer, older}
-    used = store.usage()
+    used, size = store.usage(), sum(f.stat().st_size for f in newer.rglob("*") if f.is_file())
     aside = store.quarantine(newer)
     assert [s.path for s in store.ready("traj")] == [older]  # restores fall back past it ...
     assert store.quarantined("traj") == [aside] and not newer.exists()
-    assert store.usage() == used  # ... but every byte of it is kept
-    assert store.enforce_budget(1, keep={older}) == []  # nor does the budget delete it
+    # ... but every byte of it is kept, outside the budget: it evicts neither it nor others for it.
+    assert sum(f.stat().st_size for f in aside.rglob("*") if f.is_file()) == size
+    assert store.usage() == used - size
+    assert store.enforce_budget(store.usage(), keep={older}) == []
     assert aside.exists()
+    # A second copy of it (fetched again from the object store, failing again) is dropped.
+    again = sealed(store, "i0-k3-00aa11cc")
+    assert store.quarantine(again) == aside and not again.exists()
     aside.rename(newer)  # the operator's way back
     assert store.verify(newer).checkpoint_id == newer.name
     assert {s.path for s in store.ready("traj")} == {newer, older}

@@ -52,3 +52,41 @@ async def test_a_restore_does_not_replace_another_trajectorys_sandbox(
         await client.restore("t", timeout_s=60)
     assert refused.value.code == "wrong-trajectory" and "trajectory u" in refused.value.message
     assert (await client.exec("x", "cat /tmp/f")).stdout == "u\n"  # still u's, and still running
+
+
+async def test_another_client_cannot_touch_a_clients_sandbox_or_end_its_trajectory(
+    client: SandboxClient, image: str
+) -> None:
+    """Finding 10 of the trust review: any rollout-side credential could end any trajectory,
+    deleting its checkpoints. The client's name is the last token of each call's subject (only its
+    credential may publish there), and the sandbox, its trajectory's signed record included, keep
+    it. To another client the sandbox does not exist and the trajectory is not its to restore or end."""
+    other = SandboxClient(client.nc, client.host_id, subjects=client.subjects, client="cli-other")
+    await client.create(SandboxSpec(image=image), sandbox="mine")
+    await client.exec("mine", "echo mine > /tmp/f")
+    await client.checkpoint("mine", "t-owned", 1, context_tokens=[1, 2])
+    calls = {
+        "exec": other.exec("mine", "cat /tmp/f"),
+        "checkpoint": other.checkpoint("mine", "t-owned", 2, context_tokens=[1, 2, 3]),
+        "destroy": other.destroy("mine"),
+        "restore": other.restore("t-owned", timeout_s=60),
+        "end": other.end("t-owned"),
+    }
+    codes = {}
+    for name, call in calls.items():
+        with pytest.raises(ServiceError) as refused:
+            await call
+        codes[name] = refused.value.code
+    assert codes == {
+        "exec": "no-sandbox", "checkpoint": "no-sandbox", "destroy": "no-sandbox",
+        "restore": "not-allowed", "end": "not-allowed",
+    }  # fmt: skip
+    assert (await client.exec("mine", "cat /tmp/f")).stdout == "mine\n"  # untouched, still step 2
+    # With no live sandbox, the trajectory's signed record still names its owner.
+    await client.destroy("mine")
+    with pytest.raises(ServiceError) as refused:
+        await other.end("t-owned")
+    assert refused.value.code == "not-allowed"
+    restored = await client.restore("t-owned", timeout_s=60)
+    assert restored.context_tokens == [1, 2]
+    await client.end("t-owned")  # the owner may

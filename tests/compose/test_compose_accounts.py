@@ -9,8 +9,12 @@ memory needs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from belayer_rl.shared.roles import COMPOSE_FIRST_ENGINE_UID, COMPOSE_UIDS, Credentials, compose_owners
@@ -65,3 +69,22 @@ def test_only_the_checkpointer_keeps_capabilities_and_shared_memory_has_its_grou
     assert set(services()["kv-server"]["group_add"]) == engine_uids
     for engine in engines():
         assert services()[f"engine-{engine}"]["group_add"] == [weights], engine
+
+
+def test_compose_owners_gives_each_secret_to_its_service_and_the_rest_to_the_sudo_user(
+    tmp_path: Path,
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to other uids needs root (CI runs as root)")
+    out = tmp_path / "creds"
+    env = {**os.environ, "SUDO_UID": "1234", "SUDO_GID": "1235"}
+    belayer = "import sys; from belayer_rl.cli.main import main; main(sys.argv[1:])"
+    argv = [sys.executable, "-c", belayer, "creds", "--out", str(out), "--compose-owners"]
+    subprocess.run(argv, env=env, check=True, capture_output=True)
+    owners = {path.name: (path.stat().st_uid, path.stat().st_gid) for path in out.iterdir()}
+    assert owners["router.creds"] == (2001, 2001) and owners["auth.conf"] == (2000, 2000)
+    assert owners["engine-e1.creds"] == owners["shadow-supervisor-e1.creds"] == (2101, 2101)
+    assert owners["checkpoint.key"] == (0, 0)
+    assert owners["cli.creds"] == owners["admin.creds"] == (1234, 1235)
+    assert (out.stat().st_uid, out.stat().st_mode & 0o777) == (1234, 0o700)
+    assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {0o600}

@@ -59,10 +59,10 @@ async def test_every_bad_message_moves_the_error_metric_by_one(nats_server, tmp_
         nc = cluster.client.nc
         workers = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=120)
         names = ["router", "weight-server", "kv-server", "shadow-supervisor"]
-        shadow = f"worker-e0-{workers['shadow']}"
-        names += [f"worker-e0-{workers['main']}", shadow]
+        shadow = f"worker.e0.{workers['shadow']}"
+        names += [f"worker.e0.{workers['main']}", shadow]
         if IN_CI or "checkpointer" in cluster.supervisor.children:  # off CI, Docker may be missing
-            names.append(f"checkpointer-{hostname_id()}")
+            names.append(f"checkpointer.{hostname_id()}")
         stats: dict[str, ServiceStats] = {name: await stats_of(nc, name) for name in names}
         ports = {name: s.metrics_port for name, s in stats.items()}
         assert all(port > 0 for port in ports.values()), ports

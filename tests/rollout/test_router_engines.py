@@ -60,21 +60,22 @@ async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_se
             asyncio.create_task(t) for t in (router.lease.renew(), router.writer.run(), router.watchdog())
         ]
         try:
-            inbox = router.nc.new_inbox()
+            inbox, cli = router.nc.new_inbox(), router.subjects.router_generate("cli")
             for name in ("early-1", "early-2", "late", "running"):
                 await router.on_generate(
                     GenerateRequest(
                         request_id=name, prompt="ab", max_tokens=4, weight_version="w", reply_to=inbox
-                    )
+                    ),
+                    cli,
                 )
 
             def running_are_the_unended() -> bool:
                 return router.running.keys() == {r for r, req in router.requests.items() if req.end is None}
 
             for name in ("early-1", "early-2"):
-                await router.on_cancel(CancelRequest(request_id=name))
+                await router.on_cancel(CancelRequest(request_id=name), cli)
             await asyncio.sleep(0.8)
-            await router.on_cancel(CancelRequest(request_id="late"))
+            await router.on_cancel(CancelRequest(request_id="late"), cli)
             assert running_are_the_unended() and set(router.running) == {"running"}
 
             await asyncio.sleep(1.2)  # past the TTL of the early ones, not of the late one

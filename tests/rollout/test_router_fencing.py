@@ -204,7 +204,9 @@ async def test_a_request_a_later_router_claimed_is_answered_not_leader(nats_serv
             sampling=SamplingParams(seed=1), reply_to=cluster.client.nc.new_inbox(),
         )  # fmt: skip
         with pytest.raises(ServiceError) as refused:
-            await bus.request(cluster.client.nc, cluster.client.subjects.router_generate(cluster.client.client), request, 5)
+            await bus.request(
+                cluster.client.nc, cluster.client.subjects.router_generate(cluster.client.client), request, 5
+            )
         assert refused.value.code == "not-leader", refused.value
         assert f"router incarnation {later} claimed claimed-later" in refused.value.message
         # The router serves on: another request completes.

@@ -81,7 +81,7 @@ async def test_every_declared_endpoint_survives_hostile_input(nats_server, tmp_p
         names = ["router", "weight-server", "kv-server", "shadow-supervisor", f"worker.e0.{main_pid}"]
         if IN_CI or "checkpointer" in cluster.supervisor.children:  # off CI, Docker may be missing
             assert "checkpointer" in cluster.supervisor.children, "no checkpointer: is Docker up?"
-            names += [f"checkpointer-{hostname_id()}", "policy"]
+            names += [f"checkpointer.{hostname_id()}", "policy"]
         before = {name: await stats_of(nc, name) for name in names}
         pids_before = {name: child.pid for name, child in cluster.supervisor.children.items()}
         declared = {concrete(e.subject): e.reply for stats in before.values() for e in stats.endpoints}
