@@ -582,7 +582,7 @@ def cmd_creds(args: argparse.Namespace) -> int:
         try:
             for path in [args.out, *args.out.iterdir()]:
                 uid, gid = (owners[path], owners[path]) if path in owners else invoker
-                os.chown(path, uid, gid)
+                os.lchown(path, uid, gid)  # a link in the folder is not followed
         except PermissionError:
             print("belayer creds --compose-owners: only root may give files to the services' uids"
                   " (run it with sudo)", file=sys.stderr)  # fmt: skip

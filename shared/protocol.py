@@ -621,7 +621,7 @@ def encoded_text(data: bytes, max_bytes: int) -> tuple[str, bool]:
 
 
 # ---------------------------------------------------------------- sandboxes
-# The checkpointer's contract: RPC on `belayer.<cluster>.sandbox.<host>.<verb>`, events under
+# The checkpointer's contract: RPC on `belayer.<cluster>.sandbox.<host>.<verb>.<client>`, events under
 # `belayer.<cluster>.evt.`, prefix pointers in a JetStream KV bucket. Outputs of actions are text (UTF-8,
 # undecodable bytes replaced) and capped; a cap that was hit is flagged, never silent.
 
@@ -850,6 +850,9 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
     k: Step
     context_digest: Digest = ""
     context_len: Annotated[int, Meta(ge=0)] = 0
+    # The client that owns the trajectory (the last token of its sandbox calls): every host reads
+    # it here, and only checkpointers write this bucket. "" in a pointer written before owners.
+    owner: Annotated[str, Meta(max_length=128)] = ""
 
 
 # ---------------------------------------------------------------- checkpoint policy

@@ -265,7 +265,7 @@ class Checkpointer:
             adopted = PrefixPointer(
                 trajectory=trajectory, host_id=manifest.host_id, sandbox=manifest.sandbox,
                 checkpoint_id=manifest.checkpoint_id, incarnation=manifest.incarnation, k=manifest.k,
-                context_digest=manifest.context_digest, context_len=manifest.context_len,
+                context_digest=manifest.context_digest, context_len=manifest.context_len, owner=manifest.owner,
             )  # fmt: skip
             moved, now = await pointer.advance(self.kv, adopted)
             if moved:
@@ -333,9 +333,13 @@ class Checkpointer:
     # ------------------------------------------------------------ create / exec / destroy
 
     async def check_client(self, request: protocol.SandboxRequest, client: str) -> None:
-        """Only the client that made a sandbox may act on it or on its trajectory; to another, the
-        sandbox does not exist. One with no owner (made before sandboxes had owners, or restored
-        here from another host's manifest, which names none) is anyone's."""
+        """Only the client that made a sandbox may act on it, and only the client that owns a
+        trajectory may checkpoint, restore or end it; to another, the sandbox does not exist. A
+        trajectory belongs to the client whose sandbox first checkpointed it. A sandbox or
+        trajectory with no owner (from before owners) is anyone's.
+
+        Nothing here waits for an action, checkpoint or destroy: they take the sandbox's FIFO in
+        arrival order, so a checkpoint's trajectory owner is checked under it (full_checkpoint)."""
         if isinstance(request, SandboxExec | SandboxCheckpoint | SandboxDestroy):
             sb = self.sandboxes.get(request.sandbox)
             if sb is not None and sb.record.owner not in ("", client):
@@ -343,18 +347,25 @@ class Checkpointer:
                     "no-sandbox", f"no sandbox {request.sandbox!r} on host {self.config.host_id}"
                 )
         if isinstance(request, SandboxRestore | TrajectoryEnd):
-            owner = await asyncio.to_thread(self.trajectory_owner, request.trajectory)
+            owner = await self.trajectory_owner(request.trajectory)
             if owner not in ("", client):
                 raise ServiceError("not-allowed", f"trajectory {request.trajectory} is another client's")
 
-    def trajectory_owner(self, trajectory: str) -> str:
-        """The owner of the sandbox bound to `trajectory` here, else of its signed base record."""
+    async def trajectory_owner(self, trajectory: str) -> str:
+        """The owner of the sandbox bound to `trajectory` here, else the pointer's (which every host
+        reads, and only checkpointers write), else this host's signed base record's; "" when none
+        says."""
         for sb in self.sandboxes.values():
             if sb.record.trajectory == trajectory and sb.record.state != "destroyed":
                 return sb.record.owner
+        with contextlib.suppress(protocol.PoisonedRecord):  # unreadable: the signed record decides
+            current, _ = await pointer.read(self.kv, trajectory)
+            if current is not None:
+                return current.owner
+        path = self.store.trajectory_dir(trajectory) / TRAJECTORY
         try:
-            path = self.store.trajectory_dir(trajectory) / TRAJECTORY
-            return msgspec.json.decode(self.store.read_signed(path), type=SandboxRecord).owner
+            signed = await asyncio.to_thread(self.store.read_signed, path)
+            return msgspec.json.decode(signed, type=SandboxRecord).owner
         except (CorruptCheckpoint, msgspec.DecodeError):
             return ""
 
@@ -571,6 +582,8 @@ class Checkpointer:
         sb = self.sandboxes.get(current.sandbox)
         if sb is not None:
             check_owner(sb, req.trajectory)  # at once; again under its lock (a checkpoint may bind it)
+            if sb.record.state != "destroyed" and sb.record.owner not in ("", owner):
+                raise ServiceError("not-allowed", f"sandbox {current.sandbox} is another client's")
         if sb is None or sb.record.state == "destroyed":
             self.check_room()
             sb = Sandbox(self.base_record(req.trajectory, current))
@@ -618,8 +631,9 @@ class Checkpointer:
                     "no-checkpoint", f"trajectory {trajectory}: no sandbox settings: {exc}"
                 ) from None
             base = SandboxRecord(
-                sandbox=current.sandbox, spec=manifest.spec, container_id="", image_id=manifest.image_id
-            )
+                sandbox=current.sandbox, spec=manifest.spec, container_id="", image_id=manifest.image_id,
+                owner=manifest.owner,
+            )  # fmt: skip
         base.sandbox = current.sandbox
         return base
 

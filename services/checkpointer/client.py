@@ -1,5 +1,5 @@
 """A typed client of one checkpointer (one Docker host): what the rollout driver, the CLI, the
-bench and the tests call. Each call is one request on `belayer.<cluster>.sandbox.<host>.<verb>`; failures
+bench and the tests call. Each call is one request on `belayer.<cluster>.sandbox.<host>.<verb>.<client>`; failures
 arrive as ServiceError with the checkpointer's code ("env-failure", "wrong-step", ...)."""
 
 from __future__ import annotations

@@ -171,6 +171,8 @@ async def full_checkpoint(
     if r.trajectory and r.trajectory != req.trajectory:
         raise ServiceError("wrong-trajectory", f"sandbox {r.sandbox} belongs to trajectory {r.trajectory}")
     current, _ = await pointer.read(host.kv, req.trajectory)
+    if current is not None and current.owner not in ("", r.owner):  # the caller owns r (check_client)
+        raise ServiceError("not-allowed", f"trajectory {req.trajectory} is another client's")
     if (
         not r.trajectory
         and current is not None
@@ -264,7 +266,7 @@ async def _checkpoint_phases(
         checkpoint_id=checkpoint_id, trajectory=req.trajectory, sandbox=r.sandbox, host_id=host.host_id,
         incarnation=incarnation, k=req.k, spec=r.spec, image_id=r.image_id, criu_name=CRIU_NAME,
         context_digest=digest(context), context_len=len(context.tokens), freeze_s=freeze_s, dump_s=dump_s,
-        created_at=0.0, files=[],  # filled in by seal
+        created_at=0.0, files=[], owner=r.owner,  # files: filled in by seal
     )  # fmt: skip
     try:
         manifest = await asyncio.to_thread(host.store.seal, staging, draft)
@@ -278,7 +280,7 @@ async def _checkpoint_phases(
     new = PrefixPointer(
         trajectory=req.trajectory, host_id=host.host_id, sandbox=r.sandbox, checkpoint_id=checkpoint_id,
         incarnation=incarnation, k=req.k, context_digest=manifest.context_digest,
-        context_len=manifest.context_len,
+        context_len=manifest.context_len, owner=r.owner,
     )  # fmt: skip
     try:
         moved, now = await pointer.advance(host.kv, new)

@@ -2,7 +2,7 @@
 the runtime runs (shared/runtime.py).
 
 Owns the sandbox containers of its host (services/checkpointer/checkpointer.py). RPC arrives on
-`belayer.<cluster>.sandbox.<host>.<verb>` through one subscription, so requests are seen in the order they
+`belayer.<cluster>.sandbox.<host>.<verb>.<client>` through one subscription, so requests are seen in the order they
 were sent; each runs as its own task (a long action on one sandbox does not hold up another) and
 takes its place in its sandbox's FIFO before its first wait. A drain lets running actions and
 checkpoints finish within --drain-timeout.

@@ -94,6 +94,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     freeze_s: float
     dump_s: float
     files: list[FileSum]
+    owner: str = ""  # the client whose sandbox it is (signed with the rest): "" before owners
 
     @property
     def order(self) -> tuple[int, int]:
@@ -375,7 +376,9 @@ class Store:
         quarantined (the operator's to free), are skipped."""
         total = 0
         for folder, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith((TMP_PREFIX, QUARANTINE_PREFIX))]
+            # Inside a trajectory's folder only: a trajectory may be named quarantined-<x>.
+            aside = (TMP_PREFIX, QUARANTINE_PREFIX) if Path(folder).parent == self.root else (TMP_PREFIX,)
+            dirs[:] = [d for d in dirs if not d.startswith(aside)]
             for name in files:
                 with contextlib.suppress(OSError):
                     total += os.lstat(os.path.join(folder, name)).st_size

@@ -106,7 +106,7 @@ class RecordingSandboxes(SandboxClient):
     def __init__(
         self, base: SandboxClient, shift: int = 0, contexts: dict[int, list[int]] | None = None
     ) -> None:
-        super().__init__(base.nc, base.host_id, subjects=base.subjects)
+        super().__init__(base.nc, base.host_id, subjects=base.subjects, client=base.client)
         self.shift = shift
         self.contexts = contexts or {}
         self.sent: dict[int, list[int]] = {}

@@ -166,6 +166,12 @@ def test_a_quarantined_checkpoint_is_set_aside_whole_and_given_back_by_a_rename(
     aside.rename(newer)  # the operator's way back
     assert store.verify(newer).checkpoint_id == newer.name
     assert {s.path for s in store.ready("traj")} == {newer, older}
+    # A trajectory may be named like a quarantined folder: its checkpoints still count.
+    before = store.usage()
+    odd = store.staging("quarantined-x", "i0-k1-00aa11dd")
+    (odd / "layer.tar").write_bytes(b"\0" * 100)
+    odd.rename(odd.parent / "i0-k1-00aa11dd")
+    assert store.usage() == before + 100
     store.quarantine(newer)
     store.remove_trajectory("traj")  # the trajectory's end removes what it set aside
     assert not store.trajectory_dir("traj").exists()

@@ -14,6 +14,8 @@ from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import SandboxSpec
 
+from .conftest import Service
+
 
 async def test_another_sandbox_cannot_checkpoint_a_trajectory(client: SandboxClient, image: str) -> None:
     await client.create(SandboxSpec(image=image), sandbox="owner")
@@ -55,7 +57,7 @@ async def test_a_restore_does_not_replace_another_trajectorys_sandbox(
 
 
 async def test_another_client_cannot_touch_a_clients_sandbox_or_end_its_trajectory(
-    client: SandboxClient, image: str
+    client: SandboxClient, image: str, service: Service
 ) -> None:
     """Finding 10 of the trust review: any rollout-side credential could end any trajectory,
     deleting its checkpoints. The client's name is the last token of each call's subject (only its
@@ -82,11 +84,28 @@ async def test_another_client_cannot_touch_a_clients_sandbox_or_end_its_trajecto
         "restore": "not-allowed", "end": "not-allowed",
     }  # fmt: skip
     assert (await client.exec("mine", "cat /tmp/f")).stdout == "mine\n"  # untouched, still step 2
-    # With no live sandbox, the trajectory's signed record still names its owner.
+    # Nor may its own sandbox checkpoint under the trajectory's id.
+    await other.create(SandboxSpec(image=image), sandbox="theirs")
+    await other.exec("theirs", "true")
+    with pytest.raises(ServiceError) as refused:
+        await other.checkpoint("theirs", "t-owned", 1, context_tokens=[6])
+    assert refused.value.code == "not-allowed"
+
+    # With no live sandbox and no signed record here (a host the trajectory never ran on), the
+    # pointer, which every host reads and only checkpointers write, still names the owner.
     await client.destroy("mine")
+    record = service.state_dir / "checkpoints" / "t-owned" / "trajectory.json"
+    record.unlink()
     with pytest.raises(ServiceError) as refused:
         await other.end("t-owned")
     assert refused.value.code == "not-allowed"
+    # A sandbox of the other client under the pointer's name is not replaced by the owner's restore.
+    await other.create(SandboxSpec(image=image), sandbox="mine")
+    with pytest.raises(ServiceError) as refused:
+        await client.restore("t-owned", timeout_s=60)
+    assert refused.value.code == "not-allowed" and "another client's" in refused.value.message
+    await other.destroy("mine")
     restored = await client.restore("t-owned", timeout_s=60)
     assert restored.context_tokens == [1, 2]
+    assert (await client.exec("mine", "cat /tmp/f")).stdout == "mine\n"  # the owner's again
     await client.end("t-owned")  # the owner may
