@@ -31,3 +31,6 @@ def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) ->
     from belayer_rl.cli import bench_sync
 
     bench_sync.add_parser(kinds)
+    from belayer_rl.cli import bench_takeover
+
+    bench_takeover.add_parser(kinds)

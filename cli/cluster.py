@@ -112,6 +112,8 @@ class ClusterConfig:
     chunk_tokens: int = same_as(RouterConfig, "chunk_tokens")
     replicas: int = same_as(RouterConfig, "replicas")
     log_max_mb: int = same_as(RouterConfig, "log_max_mb")
+    log_client_share: float = same_as(RouterConfig, "log_client_share")
+    ended_keep_s: float = same_as(RouterConfig, "ended_keep_s")
     lease_ttl_s: float = same_as(RouterConfig, "lease_ttl_s")
     progress_deadline_s: float = same_as(RouterConfig, "progress_deadline_s")
     debug_accept_stale: bool = same_as(RouterConfig, "debug_accept_stale")
@@ -219,6 +221,8 @@ class Supervisor:
             handover_grace_s=HANDOVER_GRACE_S if c.shadows else 0.0,
             replicas=c.replicas,
             log_max_mb=c.log_max_mb,
+            log_client_share=c.log_client_share,
+            ended_keep_s=c.ended_keep_s,
             lease_ttl_s=c.lease_ttl_s,
             progress_deadline_s=c.progress_deadline_s,
             debug_accept_stale=c.debug_accept_stale,

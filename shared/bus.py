@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
+    ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
@@ -192,14 +193,22 @@ async def publish(nc: NATS, subject: str, message: Message) -> None:
 
 
 async def declare_jetstream(
-    js: JetStreamContext, names: Subjects, *, replicas: int = 1, max_bytes: int = TOKEN_LOG_MAX_BYTES
+    js: JetStreamContext,
+    names: Subjects,
+    *,
+    replicas: int = 1,
+    max_bytes: int = TOKEN_LOG_MAX_BYTES,
+    ended_keep_s: float = DEDUPE_WINDOW_S,
 ) -> KeyValue:
-    """Declare the token-log stream and the engine registry bucket; idempotent. Returns the bucket.
+    """Declare the token-log stream, the request index and the engine registry bucket; idempotent.
+    Returns the bucket.
 
     Durable by construction: file storage and `replicas` copies (3 on a NATS cluster). A full log
     refuses new records (discard NEW) rather than evicting the oldest, which may be the LogStart
     of a request still running; the router stops taking requests before it is full (`log-full`).
-    Nothing may delete or purge records out from under a request."""
+    No record is deleted one by one. The router purges a request's subject once the request has
+    been over for `ended_keep_s` (services/router/retention.py); the dedupe window is no longer,
+    so a request id used again after that never has its records taken for an old request's."""
     config = StreamConfig(
         name=names.token_log_stream,
         subjects=[names.token_log_all],
@@ -209,9 +218,9 @@ async def declare_jetstream(
         max_age=TOKEN_LOG_MAX_AGE_S,
         max_bytes=max_bytes,
         discard=DiscardPolicy.NEW,
-        duplicate_window=DEDUPE_WINDOW_S,
+        duplicate_window=min(DEDUPE_WINDOW_S, ended_keep_s),
         deny_delete=True,
-        deny_purge=True,
+        deny_purge=False,
     )
     try:
         await js.add_stream(config)
@@ -230,6 +239,20 @@ async def declare_jetstream(
             )  # fmt: skip
             config = dataclasses.replace(config, discard=DiscardPolicy.OLD)
         await js.update_stream(config)
+    index = StreamConfig(
+        name=names.request_index_stream,
+        subjects=[names.request_open_all, names.request_closed_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=TOKEN_LOG_MAX_AGE_S,  # what a purge missed goes with the log's own records
+        max_msgs_per_subject=1,
+        deny_delete=True,
+    )
+    try:
+        await js.add_stream(index)
+    except nats.js.errors.BadRequestError:
+        await js.update_stream(index)
     try:
         registry = await js.key_value(names.engine_registry_bucket)
     except nats.js.errors.BucketNotFoundError:
@@ -265,6 +288,32 @@ async def engine_registry(js: JetStreamContext, names: Subjects, wait_s: float =
         lambda: js.key_value(names.engine_registry_bucket),
         attempts=int(wait_s / 0.25),
     )
+
+
+async def each_message(
+    js: JetStreamContext, stream: str, subject: str, subjects: Collection[str] | None = None
+) -> AsyncIterator[Msg]:
+    """Every message of `stream` on `subject` (or on each of `subjects`), in stream order, up to the
+    last one there when it started; read by a one-off ordered consumer. The stream is named:
+    looking it up by subject needs $JS.API.STREAM.NAMES, which few roles may use."""
+    sub = await js.subscribe(
+        subject,
+        stream=stream,
+        ordered_consumer=True,
+        inactive_threshold=READER_IDLE_S,
+        config=None if subjects is None else ConsumerConfig(filter_subjects=list(subjects)),
+    )
+    try:
+        info = await sub.consumer_info()
+        if info.num_pending + (info.delivered.consumer_seq or 0) == 0:  # (some may be on their way)
+            return
+        while True:
+            msg = await sub.next_msg(timeout=READER_IDLE_S)
+            yield msg
+            if msg.metadata.num_pending == 0:  # (the last sequence may have been purged)
+                break
+    finally:
+        await sub.unsubscribe()
 
 
 def log_msg_id(request_id: str, index: int | str) -> str:

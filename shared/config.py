@@ -320,6 +320,15 @@ class RouterConfig(ServiceConfig):
     )
     replicas: int = setting(1, "copies of each stream and bucket this service declares (3 on a NATS cluster)")
     log_max_mb: int = setting(1024, "the token log's bound; past nine tenths of it new requests are refused")
+    log_client_share: float = setting(
+        0.25,
+        "the most of the token log's room the requests of one client (credential) may hold; past it"
+        " only that client's new requests are refused",
+    )
+    ended_keep_s: float = setting(
+        600.0,
+        "seconds an ended request stays attachable; then its records leave the token log",
+    )
     progress_deadline_s: float = setting(
         30.0, "seconds an attempt may go without a new token before it is resumed (a lost end, say)"
     )
@@ -340,6 +349,9 @@ class RouterConfig(ServiceConfig):
         super().__post_init__()
         positive("--replicas", self.replicas)
         positive("--log-max-mb", self.log_max_mb)
+        positive("--ended-keep", self.ended_keep_s)
+        if not 0 < self.log_client_share <= 1:
+            raise ConfigError(f"--log-client-share must be in (0, 1], got {self.log_client_share}")
         positive("--chunk-tokens", self.chunk_tokens)
         positive("--lease-ttl", self.lease_ttl_s)
         positive("--progress-deadline", self.progress_deadline_s)

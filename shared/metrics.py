@@ -194,6 +194,19 @@ class RouterMetrics:
             " another engine's name, no LogDispatch names it, or not a continuation of the log.",
             ["reason"],
         )
+        self.log_client_bytes = m.gauge(
+            "belayer_router_log_client_bytes",
+            "Bytes of the token log each client's requests hold, as of its latest request's end.",
+            ["client"],
+        )
+        self.log_share_refused = m.counter(
+            "belayer_router_log_share_refused_total",
+            "New requests refused because their client held its share of the token log.",
+            ["client"],
+        )
+        self.log_purged = m.counter(
+            "belayer_router_log_purged_total", "Ended requests whose records left the token log."
+        )
         self.next_token = m.histogram(
             "belayer_router_resume_next_token_seconds",
             "From a failure being noticed to the first token of the resumed attempt, by first cause.",

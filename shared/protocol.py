@@ -37,6 +37,7 @@ MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
 MAX_BEAT_ATTEMPTS = 4096  # attempt ids one heartbeat lists
 
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
+ClientName = Annotated[str, Meta(max_length=128)]  # Access.client: a credential's name
 EngineId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 16)]
 MAX_PROMPT_BYTES = 1 << 16  # = the most tokens a Tokens list holds
@@ -445,7 +446,7 @@ class LogStart(CarriesSampling, tag="log_start", kw_only=True):
     chunk_tokens: int  # k: chunk i of this log covers positions [i*k, (i+1)*k)
     # The client that started it (Access.client, from the subject it called on): only it may follow
     # or cancel it. "" in a log written before requests had owners: any client may.
-    owner: Annotated[str, Meta(max_length=128)] = ""
+    owner: ClientName = ""
 
 
 class LogDispatch(Message, tag="log_dispatch", kw_only=True):
@@ -497,6 +498,30 @@ class LogTakeover(Message, tag="log_takeover", kw_only=True):
 LogRecord = LogStart | LogDispatch | LogChunk | LogEnd | LogTakeover
 
 
+class LogOpen(Message, tag="log_open", kw_only=True):
+    """The request index (services/router/retention.py): the request's records may be in the token
+    log and it has not ended. Written before its LogStart, so a successor router finds every running
+    request here without reading the log of every request ever made."""
+
+    request_id: RequestId
+    owner: ClientName
+
+
+class LogClosed(Message, tag="log_closed", kw_only=True):
+    """The request index: the request ended, and its records up to `end_sequence` leave the token
+    log once it has been over for the router's --ended-keep. `size` (bytes) counts against its
+    owner's share of the log until then."""
+
+    request_id: RequestId
+    owner: ClientName
+    end_sequence: int
+    size: ByteCount
+    ended_at: float  # unix seconds
+
+
+IndexEntry = LogOpen | LogClosed
+
+
 class EngineEntry(Message, tag="engine", kw_only=True):
     """Engine registry value: who serves the engine now. `epoch` changes only by compare-and-set."""
 
@@ -541,7 +566,7 @@ class BadMessage(ValueError):
     """A payload that is not a valid message for its subject. The text says why."""
 
 
-StoreName = Literal["token-log", "engine-registry", "prefix-pointers"]
+StoreName = Literal["token-log", "request-index", "engine-registry", "prefix-pointers"]
 
 
 class PoisonedRecord(BadMessage):
@@ -852,7 +877,7 @@ class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
     context_len: Annotated[int, Meta(ge=0)] = 0
     # The client that owns the trajectory (the last token of its sandbox calls): every host reads
     # it here, and only checkpointers write this bucket. "" in a pointer written before owners.
-    owner: Annotated[str, Meta(max_length=128)] = ""
+    owner: ClientName = ""
 
 
 # ---------------------------------------------------------------- checkpoint policy

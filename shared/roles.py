@@ -120,6 +120,8 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("router_started", "*"),
                 s.event("record_skipped", "*"),
                 s.token_log_all,
+                s.request_open_all,
+                s.request_closed_all,
                 f"$KV.{lease}.>",  # its lease: taken, renewed, released
             ),
             subscribe=(
@@ -131,7 +133,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.event("process", "*"),  # a standby takes a lease whose holder exited at once
             ),
             replies=True,
-            streams=(tokens, kv_stream(engines), kv_stream(lease)),
+            streams=(tokens, s.request_index_stream, kv_stream(engines), kv_stream(lease)),
             stats="router",
             to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
         ),

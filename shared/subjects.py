@@ -142,6 +142,25 @@ class Subjects:
         return f"{self.root}.log.tokens.{request_id}"
 
     @property
+    def request_index_stream(self) -> str:
+        """Which requests the token log holds: LogOpen and LogClosed, one per request (retention.py)."""
+        return f"BELAYER_REQUESTS_{self.cluster_id}"
+
+    @property
+    def request_open_all(self) -> str:
+        return f"{self.root}.log.open.*"
+
+    def request_open(self, request_id: str) -> str:
+        return f"{self.root}.log.open.{request_id}"
+
+    @property
+    def request_closed_all(self) -> str:
+        return f"{self.root}.log.closed.*"
+
+    def request_closed(self, request_id: str) -> str:
+        return f"{self.root}.log.closed.{request_id}"
+
+    @property
     def router_lease_bucket(self) -> str:
         """One key: the lease of the active router (services/router/lease.py)."""
         return f"belayer_router_{self.cluster_id}"

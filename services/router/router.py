@@ -29,12 +29,15 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import Lease, LeaseLost
+from belayer_rl.services.router.retention import Retention
 from belayer_rl.services.router.token_log import LogWriter
 from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.access import INBOX
@@ -82,9 +85,7 @@ from belayer_rl.shared.runtime import Skipped, Spawn
 
 log = logging.getLogger("belayer.router")
 
-FINISHED_TTL_S = 600.0  # finished requests stay attachable in memory this long
-# A rebuilt router may read a whole log of ended requests, all ended "now": it forgets them a pass
-# at a time, so the loop never stalls on a million at once.
+# Ended requests are forgotten a pass at a time, so the loop never stalls on a million at once.
 MAX_FORGOTTEN_PER_PASS = 10_000
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
 WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
@@ -180,11 +181,13 @@ class Router:
         self.js = js
         self.kv = kv
         self.lease = lease
-        self.writer = LogWriter(js, self.subjects)
+        usage = token_log.Usage()
+        self.retention = Retention(js, self.subjects, config, usage, self.metrics, skipped)
+        self.writer = LogWriter(js, self.subjects, usage, self.retention.ended)
         self.log_room = token_log.Room(js, self.subjects)
         # Every request this router knows, by id; the running ones again, and the ended ones in the
         # order they ended. A training run ends hundreds of requests a second and keeps each
-        # for FINISHED_TTL_S: the watchdog walks the running ones and drops the oldest ended
+        # for --ended-keep: the watchdog walks the running ones and drops the oldest ended
         # ones, never all of them.
         self.requests: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -232,9 +235,11 @@ class Router:
             chunk_tokens=self.config.chunk_tokens,
             owner=client_of(subject),
         )
+        self.retention.check_share(start)  # one client's requests hold at most its share of the log
         request = Request(start=start, watchers={message.reply_to: None})
         self.requests[message.request_id] = self.running[message.request_id] = request
         try:
+            await self.retention.open(start.request_id, start.owner)  # a successor finds it there
             await self.writer.append_now(start)  # durable before the client hears "accepted"
             # The append may have outlived the lease (a pause): then a successor, which did not
             # read this request, serves it; the client's retry reaches it.
@@ -244,6 +249,8 @@ class Router:
             self.requests.pop(message.request_id, None)
             self.running.pop(message.request_id, None)
             self.writer.last.pop(message.request_id, None)
+            if exc.code != "fenced":  # (a request of the same id is in the log, or none is)
+                await self.retention.unopen(message.request_id)
             if exc.code == "fenced":  # a later router claimed the request: the client asks it
                 raise ServiceError("not-leader", exc.message) from None
             raise
@@ -254,7 +261,7 @@ class Router:
     async def on_attach(self, message: AttachRequest, subject: str) -> Ack:
         self.lease.check()
         check_inbox(message.reply_to)
-        request = self.owned(message.request_id, subject)
+        request = await self.owned(message.request_id, subject)
         request.followed_at = time.monotonic()
         if request.replayed_to is not None and message.from_position > request.client_had:
             request.client_had = message.from_position
@@ -280,7 +287,7 @@ class Router:
 
     async def on_cancel(self, message: CancelRequest, subject: str) -> Ack:
         self.lease.check()
-        request = self.owned(message.request_id, subject)
+        request = await self.owned(message.request_id, subject)
         if request.end is None:
             await self.cancel(request)
             detail = "cancelled"
@@ -318,12 +325,41 @@ class Router:
             if request is not None and request.start.owner in ("", client):
                 request.followed_at = now
 
-    def owned(self, request_id: str, subject: str) -> Request:
+    async def owned(self, request_id: str, subject: str) -> Request:
         """The request, if the client that called on `subject` started it. Another client's request
         is not found: whether it exists is not that client's business."""
-        request = self.requests.get(request_id)
+        request = self.requests.get(request_id) or await self.load(request_id)
         if request is None or request.start.owner not in ("", client_of(subject)):
             raise ServiceError("unknown-request", f"no request {request_id}")
+        return request
+
+    async def load(self, request_id: str) -> Request | None:
+        """A request this router does not hold, read from the token log: one that ended before this
+        router took over (attachable until it leaves the log), or a running one whose start a
+        stale predecessor logged after the takeover read the index (claimed and resumed, as at a
+        takeover). None when the log holds no start of it."""
+        try:
+            entry = await token_log.read_request(self.js, self.subjects, request_id)
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            raise ServiceError(
+                "log-unavailable", f"could not read {request_id} from the token log: {exc}"
+            ) from exc
+        if entry is None or request_id in self.requests:
+            return self.requests.get(request_id)
+        if entry.end is None and not await self.claim({request_id: entry}):
+            raise ServiceError(
+                "log-unavailable", f"{request_id} moved in the token log as it was read; ask again"
+            )
+        if request_id in self.requests:  # loaded by another call meanwhile
+            return self.requests[request_id]
+        self.writer.usage.release(request_id)
+        self.writer.usage.count(request_id, entry.start.owner, entry.size)
+        if entry.end is not None:
+            return self.remember_ended(entry)
+        await self.retention.open(request_id, entry.start.owner)
+        request = self.rebuilt_running(entry)
+        self.requests[request_id] = self.running[request_id] = request
+        self.enqueue(request)
         return request
 
     async def cancel(self, request: Request) -> None:
@@ -534,7 +570,7 @@ class Router:
         that rebuilds from the log must not find running a request whose end a client was told
         (with an engine whose resume is not exact, the tail it makes could differ). A LogEnd the
         writer gave up on (a full or unreachable log) is queued again, backing off up to
-        END_RETRY_MAX_S, for as long as the router keeps the request (FINISHED_TTL_S) and holds its
+        END_RETRY_MAX_S, for as long as the router keeps the request (--ended-keep) and holds its
         lease; a fenced one is a successor's to end, and the clients' re-attach reaches it."""
         assert request.end is not None and request.end_record is not None
         pause = DISPATCH_RETRY_S
@@ -547,7 +583,7 @@ class Router:
                 return
             if dropped.code == "fenced" or not self.lease.held():
                 return
-            if time.monotonic() - request.ended_at > FINISHED_TTL_S:
+            if time.monotonic() - request.ended_at > self.config.ended_keep_s:
                 log.error(
                     "%s ended, but its end could not be logged: its clients are not told", request.request_id
                 )
@@ -903,7 +939,7 @@ class Router:
                     silent = now - engine.last_beat
                     await self.engine_failed(engine, "heartbeat-timeout", f"silent for {silent:.2f}s")
             for _ in range(MAX_FORGOTTEN_PER_PASS):
-                if not self.ended or now - self.ended[0].ended_at <= FINISHED_TTL_S:
+                if not self.ended or now - self.ended[0].ended_at <= self.config.ended_keep_s:
                     break
                 request = self.ended.popleft()
                 if self.requests.get(request.request_id) is request:  # not one forgotten already
@@ -961,34 +997,33 @@ class Router:
     # ------------------------------------------------------------ restart and reconnect
 
     async def rebuild(self) -> RouterStarted:
-        """Rebuild every request from the token log; in-flight ones are claimed and resumed.
+        """Rebuild the requests the index says are running from the token log; they are claimed
+        and resumed. Those that ended before are read when a client asks for them (`load`).
         Called once the lease is held."""
         self.next_attempt = self.lease.incarnation << ATTEMPT_BITS
         self.writer.incarnation = self.lease.incarnation
         self.adopting = []  # from here on, what the workers stream waits until they are asked
         for _ in range(CLAIM_TRIES):
-            logged, skipped = await token_log.read_all(self.js, self.subjects)
+            indexed = await self.retention.open_ids()
+            logged, skipped = await token_log.read_all(self.js, self.subjects, indexed)
             if await self.claim(logged):
                 break
         else:
             raise ServiceError("unavailable", f"the token log kept moving through {CLAIM_TRIES} reads")
         for poisoned in skipped:
             await self.skipped(poisoned)
+        unreadable = {poisoned.key for poisoned in skipped}  # left where they are, met again
+        for request_id in indexed - logged.keys():
+            if self.subjects.token_log(request_id) not in unreadable:  # opened; its start never landed
+                await self.retention.unopen(request_id)
         running: list[Request] = []
         for request_id, entry in logged.items():
-            request = Request(start=entry.start, tokens=entry.tokens)
-            request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
+            self.writer.usage.count(request_id, entry.start.owner, entry.size)
             if entry.end is None:
-                request.resumes = 1
-                request.replayed_to = len(entry.tokens)  # its clients may have had more
-                self.interrupt(request, "router-restart")
-                running.append(request)
-            else:
-                self.requests[request_id] = request
-                request.resumes = entry.end.resumes
-                request.end = _end_message(entry.start, entry.end)
-                request.ended_at = time.monotonic()
-                self.ended.append(request)
+                running.append(self.rebuilt_running(entry))
+            else:  # it ended before its index entry was closed
+                self.remember_ended(entry)
+                self.retention.ended(request_id, entry.last_sequence)
         # Ask the workers before placing the running requests: an engine the answers install
         # would otherwise dispatch them from the log at once.
         adopted = await self.adopt(running, {rid: entry.dispatches for rid, entry in logged.items()})
@@ -1133,6 +1168,26 @@ class Router:
         request.progress_at = time.monotonic()
         request.waiting_since = None
         self.log_full_chunks(request)
+
+    def rebuilt_running(self, entry: token_log.LoggedRequest) -> Request:
+        request = Request(start=entry.start, tokens=entry.tokens)
+        request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
+        request.resumes = 1
+        request.replayed_to = len(entry.tokens)  # its clients may have had more
+        self.interrupt(request, "router-restart")
+        return request
+
+    def remember_ended(self, entry: token_log.LoggedRequest) -> Request:
+        """An ended request read from the log: attachable for --ended-keep from now."""
+        assert entry.end is not None
+        request = Request(start=entry.start, tokens=entry.tokens)
+        request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
+        request.resumes = entry.end.resumes
+        request.end = _end_message(entry.start, entry.end)
+        request.ended_at = time.monotonic()
+        self.requests[entry.start.request_id] = request
+        self.ended.append(request)
+        return request
 
     async def claim(self, logged: dict[str, token_log.LoggedRequest]) -> bool:
         """Write a LogTakeover on every running request's subject, after the last record read

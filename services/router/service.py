@@ -1,7 +1,8 @@
 """The router as a service: what it listens to and what it starts; `setup` is what
 the runtime runs (shared/runtime.py).
 
-Owns request routing and the token log (services/router/router.py). Listens to the workers'
+Owns request routing and the token log (services/router/router.py), and the log's retention: the
+request index and each client's share (retention.py). Listens to the workers'
 streams, heartbeats, registrations, failures and quarantines; serves generate, attach, cancel,
 status and keepalives. A drain stops intake and flushes the token log, so a successor resumes every
 request from it.
@@ -34,7 +35,11 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     kv = await bus.with_retries(
         "declare jetstream",
         lambda: bus.declare_jetstream(
-            js, rt.subjects, replicas=config.replicas, max_bytes=config.log_max_mb << 20
+            js,
+            rt.subjects,
+            replicas=config.replicas,
+            max_bytes=config.log_max_mb << 20,
+            ended_keep_s=config.ended_keep_s,
         ),
     )
     lease = Lease(
@@ -82,6 +87,7 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     )
     rt.spawn(router.watchdog(), "watchdog", essential=True)
     rt.spawn(router.writer.run(), "log-writer", essential=True)
+    rt.spawn(router.retention.run(), "log-retention", essential=True)
     rt.on_drain(router.writer.drain)  # intake stopped: let the token log catch up
     rt.on_drain(lease.release)  # then a standby takes over at once
     await rt.publish(rt.subjects.event("router_started", str(started.router_pid)), started)

@@ -19,9 +19,11 @@ subject is refused by the store itself (`fenced`), however late the predecessor 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -40,12 +42,16 @@ MAX_PUBLISH_TRIES = 60  # about two minutes of a server that does not answer
 LOG_FULL_CODE = 10077  # JetStream's store failure; "maximum bytes exceeded" when full (discard NEW)
 WRONG_LAST_SEQUENCE_CODE = 10071  # an expected-last-subject-sequence that is not the subject's last
 ROOM_CHECK_S = 1.0  # how long a reading of the log's size is trusted
+RECORD_OVERHEAD = 96  # what the store keeps per record beside subject and payload (headers, framing)
+MAX_FILTER_SUBJECTS = 500  # subjects one reader's consumer filters on; more are read in turns
 
 
 def record_id(record: LogRecord) -> str:
+    """The record's dedupe id. A LogStart's is new at each call: a request id may be used again
+    once its old records are purged, and an old start must never pass for a new one."""
     match record:
         case LogStart():
-            return bus.log_msg_id(record.request_id, "start")
+            return bus.log_msg_id(record.request_id, f"start.{uuid.uuid4().hex}")
         case LogChunk():
             return bus.log_msg_id(record.request_id, f"{record.index}.{len(record.tokens)}")
         case LogEnd():
@@ -57,21 +63,68 @@ def record_id(record: LogRecord) -> str:
             return bus.log_msg_id(record.request_id, f"dispatch.{record.incarnation}.{record.attempt}")
 
 
+def stored_size(subject: str, data: bytes) -> int:
+    """About what the store keeps for one record: its subject, payload, headers and framing."""
+    return len(subject) + len(data) + RECORD_OVERHEAD
+
+
+class Usage:
+    """The bytes of the token log each client's requests hold: every record this router appended
+    or read back, until the request's records are purged (retention.py)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[str, int]] = {}  # request id -> (owner, bytes)
+        self.clients: collections.Counter[str] = collections.Counter()  # owner -> bytes
+
+    def add(self, record: LogRecord, size: int) -> None:
+        owner = record.owner if isinstance(record, LogStart) else self.owner(record.request_id)
+        self.count(record.request_id, owner, size)
+
+    def count(self, request_id: str, owner: str, size: int) -> None:
+        held = self.requests[request_id][1] if request_id in self.requests else 0
+        self.requests[request_id] = (owner, held + size)
+        self.clients[owner] += size
+
+    def owner(self, request_id: str) -> str:
+        return self.requests[request_id][0] if request_id in self.requests else ""
+
+    def held(self, request_id: str) -> int:
+        return self.requests[request_id][1] if request_id in self.requests else 0
+
+    def release(self, request_id: str) -> None:
+        """Its records left the log."""
+        if request_id not in self.requests:
+            return
+        owner, held = self.requests.pop(request_id)
+        self.clients[owner] -= held
+        if self.clients[owner] <= 0:
+            del self.clients[owner]
+
+
 def written_by(record: LogRecord) -> int:
     """The router incarnation a record names (a LogStart names none)."""
     return 0 if isinstance(record, LogStart) else record.incarnation
 
 
 async def append(
-    js: JetStreamContext, names: Subjects, record: LogRecord, after: int, *, incarnation: int
+    js: JetStreamContext,
+    names: Subjects,
+    record: LogRecord,
+    after: int,
+    *,
+    incarnation: int,
+    usage: Usage | None = None,
 ) -> int:
     """Append one record after the subject's record at stream sequence `after` (0: the subject
     holds none yet) and wait for the server's ack; returns the record's sequence. Retries
     (bounded) through reconnects. Raises ServiceError("fenced") when a later router incarnation
-    than `incarnation` wrote on the subject since: it claimed the request."""
+    than `incarnation` wrote on the subject since: it claimed the request; and
+    ServiceError("duplicate-request") when a LogStart finds its subject holding another request's
+    records. What the store took is counted in `usage`."""
     subject = names.token_log(record.request_id)
     data = protocol.encode(record)
     msg_id = record_id(record)
+    size = stored_size(subject, data)
     failure: Exception | None = None
     for attempt in range(1, MAX_PUBLISH_TRIES + 1):
         if attempt > 1:
@@ -83,7 +136,11 @@ async def append(
             # landed on an earlier try whose ack was lost (a server that dedupes before it checks
             # the expected sequence), or an older one (a tail chunk an earlier router wrote), in
             # which case the subject's last record is still the one at `after`.
-            return max(after, ack.seq) if ack.duplicate else ack.seq
+            if ack.duplicate:
+                return max(after, ack.seq)
+            if usage is not None:
+                usage.add(record, size)
+            return ack.seq
         except nats.js.errors.APIError as exc:
             if exc.err_code == LOG_FULL_CODE and "maximum" in (exc.description or ""):  # no retry frees space
                 raise bus.ServiceError("log-full", f"token log full: {exc.description}") from exc
@@ -98,6 +155,8 @@ async def append(
                 failure = read_failure  # unreadable for now: ask again
                 continue
             if last.headers is not None and last.headers.get("Nats-Msg-Id") == msg_id:
+                if usage is not None:
+                    usage.add(record, size)
                 return last.seq
             try:
                 writer = written_by(protocol.decode(_record_decoder, last.data or b""))
@@ -107,6 +166,10 @@ async def append(
                 raise bus.ServiceError(
                     "fenced",
                     f"router incarnation {writer} claimed {record.request_id}; this is {incarnation}",
+                ) from exc
+            if isinstance(record, LogStart):  # the subject is another request's (or an earlier one's)
+                raise bus.ServiceError(
+                    "duplicate-request", f"request {record.request_id} exists; attach to it"
                 ) from exc
             after = last.seq  # our own records, or older ones: follow the last
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
@@ -118,9 +181,13 @@ class LogWriter:
     """Appends records in the order they were queued, in one owned background task. Each request's
     records follow the last one this router wrote or read on its subject (`last`)."""
 
-    def __init__(self, js: JetStreamContext, names: Subjects) -> None:
+    def __init__(
+        self, js: JetStreamContext, names: Subjects, usage: Usage, on_end: Callable[[str, int], None]
+    ) -> None:
         self.names = names
         self.js = js
+        self.usage = usage
+        self.on_end = on_end  # (request id, its LogEnd's sequence): the request index moves it
         self.incarnation = 0  # the router's, once it holds the lease
         # Each record with the future its appending resolves: None once appended, else why not.
         self.queue: asyncio.Queue[tuple[LogRecord, asyncio.Future[bus.ServiceError | None]]] = asyncio.Queue()
@@ -142,7 +209,12 @@ class LogWriter:
         """Append outside the queue and wait for it (a LogStart, a LogTakeover): for a request with
         nothing of it queued."""
         self.last[record.request_id] = await append(
-            self.js, self.names, record, self.last.get(record.request_id, 0), incarnation=self.incarnation
+            self.js,
+            self.names,
+            record,
+            self.last.get(record.request_id, 0),
+            incarnation=self.incarnation,
+            usage=self.usage,
         )
 
     async def run(self) -> None:
@@ -155,7 +227,7 @@ class LogWriter:
                 await self.append_now(record)
                 self.appended += 1
                 if isinstance(record, LogEnd):
-                    self.last.pop(record.request_id, None)  # nothing follows an end
+                    self.on_end(record.request_id, self.last.pop(record.request_id))  # nothing follows
                 appended.set_result(None)
             except bus.ServiceError as exc:
                 appended.set_result(exc)
@@ -237,6 +309,7 @@ class LoggedRequest:
     incarnation: int = 0  # the highest router incarnation that claimed it (LogTakeover)
     # (engine, epoch, attempt) of every LogDispatch: the attempts a router placed or carried on.
     dispatches: set[tuple[str, int, int]] = field(default_factory=set)
+    size: int = 0  # what its records take in the store (Usage)
 
     def place(self, chunk: LogChunk) -> None:
         """Reconcile by position: a chunk extends the log only where it continues it."""
@@ -252,45 +325,68 @@ class StoredRecord:
     sequence: int
     record: LogRecord | None  # None: it does not decode, for `error`
     error: str = ""
+    size: int = 0  # stored_size
 
 
-async def each_record(js: JetStreamContext, names: Subjects) -> AsyncIterator[StoredRecord]:
-    """Every record in the stream, in stream order."""
-    info = await js.stream_info(names.token_log_stream)
-    if info.state.messages == 0:
+async def each_record(
+    js: JetStreamContext, names: Subjects, subjects: Collection[str] | None = None
+) -> AsyncIterator[StoredRecord]:
+    """Every record in the stream, or on `subjects` alone, in stream order."""
+    if subjects is not None and not subjects:
         return
-    # The stream is named: looking it up by subject needs $JS.API.STREAM.NAMES, which the router may not use.
-    sub = await js.subscribe(
-        names.token_log_all,
-        stream=names.token_log_stream,
-        ordered_consumer=True,
-        inactive_threshold=bus.READER_IDLE_S,
-    )
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5.0)
-            sequence = msg.metadata.sequence.stream
-            try:
-                yield StoredRecord(msg.subject, sequence, protocol.decode(_record_decoder, msg.data))
-            except protocol.BadMessage as exc:
-                yield StoredRecord(msg.subject, sequence, None, str(exc))
-            if msg.metadata.num_pending == 0:  # (the last sequence may have been purged)
-                break
-    finally:
-        await sub.unsubscribe()
+    async for msg in bus.each_message(js, names.token_log_stream, names.token_log_all, subjects):
+        sequence = msg.metadata.sequence.stream
+        size = stored_size(msg.subject, msg.data)
+        try:
+            record = protocol.decode(_record_decoder, msg.data)
+        except protocol.BadMessage as exc:
+            yield StoredRecord(msg.subject, sequence, None, str(exc), size)
+        else:
+            yield StoredRecord(msg.subject, sequence, record, size=size)
 
 
 async def read_all(
-    js: JetStreamContext, names: Subjects
+    js: JetStreamContext, names: Subjects, request_ids: Collection[str] | None = None
 ) -> tuple[dict[str, LoggedRequest], list[protocol.PoisonedRecord]]:
-    """Every request in the stream, rebuilt from its records, and the records that do not decode
-    (skipped: a record that stops every router start would stop the cluster)."""
+    """Every request in the stream (or those of `request_ids`), rebuilt from its records, and the
+    records that do not decode (skipped: a record that stops every router start would stop the
+    cluster). A requested id with no LogStart in the log is not in the answer."""
+    if request_ids is None:
+        return await read_requests(js, names, None)
+    requests: dict[str, LoggedRequest] = {}
+    skipped: list[protocol.PoisonedRecord] = []
+    ids = sorted(request_ids)
+    for first in range(0, len(ids), MAX_FILTER_SUBJECTS):
+        subjects = [names.token_log(request_id) for request_id in ids[first : first + MAX_FILTER_SUBJECTS]]
+        some, poisoned = await read_requests(js, names, subjects)
+        requests.update(some)
+        skipped += poisoned
+    return requests, skipped
+
+
+async def read_request(js: JetStreamContext, names: Subjects, request_id: str) -> LoggedRequest | None:
+    """One request from its records, or None when the log holds no start of it. Costs one
+    look-up when it holds nothing on the subject."""
+    try:
+        await js.get_last_msg(names.token_log_stream, names.token_log(request_id))
+    except nats.js.errors.NotFoundError:
+        return None
+    requests, _ = await read_requests(js, names, [names.token_log(request_id)])
+    return requests.get(request_id)
+
+
+async def read_requests(
+    js: JetStreamContext, names: Subjects, subjects: Collection[str] | None
+) -> tuple[dict[str, LoggedRequest], list[protocol.PoisonedRecord]]:
     requests: dict[str, LoggedRequest] = {}
     skipped: list[protocol.PoisonedRecord] = []
     last_sequence: dict[str, int] = {}  # subject -> its last record's stream sequence
-    async for stored in each_record(js, names):
+    size: collections.Counter[str] = collections.Counter()  # request id -> bytes of its records
+    async for stored in each_record(js, names, subjects):
         last_sequence[stored.subject] = stored.sequence
         record = stored.record
+        if record is not None:
+            size[record.request_id] += stored.size
         if record is None:
             skipped.append(
                 protocol.PoisonedRecord("token-log", stored.subject, stored.sequence, stored.error)
@@ -309,4 +405,5 @@ async def read_all(
                 entry.incarnation = max(entry.incarnation, record.incarnation)
     for request_id, entry in requests.items():
         entry.last_sequence = last_sequence[names.token_log(request_id)]
+        entry.size = size[request_id]
     return requests, skipped

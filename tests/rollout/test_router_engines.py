@@ -7,26 +7,26 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 
-from belayer_rl.services.router import router as router_module
 from belayer_rl.services.router.lease import Lease, lease_bucket
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.protocol import CancelRequest, GenerateRequest
 from belayer_rl.shared.runtime import Runtime
-from belayer_rl.shared.subjects import Subjects
 
 
 @contextlib.asynccontextmanager
-async def in_process_router(nats_server) -> AsyncIterator[Router]:  # type: ignore[no-untyped-def]
+async def in_process_router(nats_server, **settings: object) -> AsyncIterator[Router]:  # type: ignore[no-untyped-def]
     """A router on the test's nats-server, in this process; its lease not yet taken."""
     nc = await bus.connect(nats_server.url, "test-router")
     try:
         js = nc.jetstream()
-        kv = await bus.declare_jetstream(js, Subjects())
-        config = RouterConfig(nats_url=nats_server.url)
+        config = RouterConfig(nats_url=nats_server.url, **settings)  # type: ignore[arg-type]
+        kv = await bus.declare_jetstream(
+            js, config.subjects, max_bytes=config.log_max_mb << 20, ended_keep_s=config.ended_keep_s
+        )
         runtime = Runtime("test-router", config)
-        lease = Lease(await lease_bucket(js, Subjects(), 1), config.lease_ttl_s)
+        lease = Lease(await lease_bucket(js, config.subjects, 1), config.lease_ttl_s)
         yield Router(config, nc, js, kv, lease, runtime.spawn, runtime.record_skipped)
     finally:
         await nc.close()
@@ -48,13 +48,12 @@ async def test_heartbeat_and_registration_together_install_the_engine_once(nats_
         assert router.engines["e0"].epoch == epoch and router.engines["e0"].alive
 
 
-async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_server, monkeypatch) -> None:
+async def test_ended_requests_are_forgotten_oldest_first_after_their_ttl(nats_server) -> None:
     """A training run ends hundreds of requests a second. The router keeps each ended one for
-    FINISHED_TTL_S (a client may still attach), then forgets it, oldest first, while the running
+    --ended-keep (a client may still attach), then forgets it, oldest first, while the running
     ones stay known and watched. Mutations caught: forgetting every ended request at once, never
     forgetting, and an ended request left among the running ones (which the watchdog walks)."""
-    monkeypatch.setattr(router_module, "FINISHED_TTL_S", 1.5)
-    async with in_process_router(nats_server) as router:
+    async with in_process_router(nats_server, ended_keep_s=1.5) as router:
         await router.lease.acquire()
         tasks = [
             asyncio.create_task(t) for t in (router.lease.renew(), router.writer.run(), router.watchdog())

@@ -1,8 +1,9 @@
 """Stored records that do not decode: a service skips them, reports each once (a record_skipped
 event and belayer_records_skipped_total{store}) and starts.
 
-The records are real: written into the cluster's own token-log stream and engine registry on a
-real nats-server before the cluster starts, as a buggy or hostile writer would leave them. Before
+The records are real: written into the cluster's own token-log stream (each under an entry of the
+request index that says it runs, which is what a takeover reads) and engine registry on a real
+nats-server before the cluster starts, as a buggy or hostile writer would leave them. Before
 the fix an engine-registry entry that did not decode made every worker of the engine fail its
 install, so the engine never served; token-log records were skipped with a log line only. The
 mutation check is the same cluster started on clean stores, which reports nothing.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from belayer_rl.shared import bus, registry
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import RecordSkipped
+from belayer_rl.shared.protocol import LogOpen, RecordSkipped, encode
 from belayer_rl.shared.subjects import Subjects
 from tests.metrics.scrape import metrics_port, scrape
 from tests.rollout.test_worker_faults import make_job, run
@@ -33,8 +34,11 @@ async def poison(nats: NatsServer) -> int:
     try:
         js = nc.jetstream()
         kv = await bus.declare_jetstream(js, NAMES)
-        await js.publish(NAMES.token_log("deep"), DEEP)
-        await js.publish(NAMES.token_log("cut"), TRUNCATED)
+        for request_id, record in (("deep", DEEP), ("cut", TRUNCATED)):  # indexed as running
+            await js.publish(
+                NAMES.request_open(request_id), encode(LogOpen(request_id=request_id, owner="cli"))
+            )
+            await js.publish(NAMES.token_log(request_id), record)
         for _ in range(3):  # epochs 1, 2 and 3: the bad entry hides them
             await registry.install_worker(kv, "e0", 1)
         return await kv.put("e0", DEEP_ENTRY)
