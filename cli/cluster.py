@@ -29,7 +29,7 @@ import msgspec
 import uvloop
 from nats.aio.client import Client as NATS
 
-from belayer_rl.shared import bus
+from belayer_rl.shared import bus, files
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.bus import Target
@@ -416,10 +416,7 @@ class Supervisor:
             cluster_id=self.config.cluster_id,
             creds_dir=str(self.creds_dir or ""),
         )
-        path = self.config.state_dir / "cluster.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(state))
-        tmp.replace(path)
+        files.write_whole(self.config.state_dir / "cluster.json", msgspec.json.encode(state))
 
 
 # ---------------------------------------------------------------- the `belayer up` daemon

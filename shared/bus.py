@@ -226,6 +226,10 @@ async def declare_jetstream(
         await js.add_stream(config)
     except nats.js.errors.BadRequestError:
         existing = await js.stream_info(names.token_log_stream)
+        if existing.config.deny_purge:
+            # A log of an earlier version: JetStream never lifts a deny-purge. Its ended requests
+            # age out instead of being purged (the router says so when it starts).
+            config = dataclasses.replace(config, deny_purge=True)
         if (
             existing.config.discard == DiscardPolicy.OLD
             and existing.state.bytes >= LOG_ROOM_FRACTION * max_bytes
@@ -246,6 +250,8 @@ async def declare_jetstream(
         storage=StorageType.FILE,
         num_replicas=replicas,
         max_age=TOKEN_LOG_MAX_AGE_S,  # what a purge missed goes with the log's own records
+        max_bytes=max_bytes,  # (an entry is smaller than its request's records in the log)
+        discard=DiscardPolicy.NEW,
         max_msgs_per_subject=1,
         deny_delete=True,
     )

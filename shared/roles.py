@@ -22,6 +22,7 @@ from pathlib import Path
 
 import nkeys
 
+from belayer_rl.shared import files
 from belayer_rl.shared.access import inbox_prefix, public_key
 from belayer_rl.shared.subjects import Subjects
 
@@ -447,14 +448,7 @@ def new_seed() -> str:
 def private_file(path: Path, text: str) -> Path:
     """Written mode 0600 from the start: a secret is never readable by others, even briefly. A
     file it replaces keeps its owner (a Compose service's uid, `compose_owners`)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        if path.exists() and (owner := path.stat()).st_uid != os.geteuid():
-            os.fchown(out.fileno(), owner.st_uid, owner.st_gid)
-        out.write(text)
-    tmp.replace(path)
-    return path
+    return files.write_whole(path, text.encode(), mode=0o600, keep_owner=True)
 
 
 # Under Compose each service runs as a uid of its own (compose.yaml's `user:` lines, which

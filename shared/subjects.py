@@ -28,6 +28,12 @@ def cluster_id_ok(cluster_id: str) -> bool:
     return re.fullmatch(CLUSTER_ID_PATTERN, cluster_id) is not None
 
 
+def sender(subject: str) -> str:
+    """Who sent a message on a subject that ends in its sender's name (an engine, a client): the bus
+    lets only that sender's credential publish there, whatever the payload says."""
+    return subject.rsplit(".", 1)[1]
+
+
 def event_kind(subject: str) -> str:
     """The kind of an event subject, `belayer.<cluster>.evt.<kind>...` ("" for any other subject)."""
     tokens = subject.split(".")

@@ -43,7 +43,7 @@ from belayer_rl.services.checkpointer.sandbox import (
     host_trouble,
 )
 from belayer_rl.services.checkpointer.store import TRAJECTORY, CorruptCheckpoint, Store, checkpoint_key
-from belayer_rl.shared import bus, protocol
+from belayer_rl.shared import bus, files, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CheckpointerConfig, ConfigError
 from belayer_rl.shared.metrics import CheckpointerMetrics, Metrics
@@ -144,11 +144,8 @@ class Checkpointer:
     # ------------------------------------------------------------ records
 
     def save(self, sb: Sandbox) -> None:
-        path = self.records_dir / f"{sb.record.sandbox}.json"
-        tmp = path.with_suffix(".part")
         try:
-            tmp.write_bytes(msgspec.json.encode(sb.record))
-            tmp.replace(path)
+            files.write_whole(self.records_dir / f"{sb.record.sandbox}.json", msgspec.json.encode(sb.record))
         except OSError as exc:
             raise host_trouble(exc) or exc from None
 

@@ -21,6 +21,7 @@ from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.metrics import CheckpointerMetrics
 from belayer_rl.shared.protocol import Message, SandboxRequest
 from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.subjects import sender
 
 VERBS: dict[type[Message], str] = {
     protocol.SandboxCreate: "create",
@@ -47,7 +48,7 @@ def router(checkpointer: Checkpointer) -> Callable[[SandboxRequest, str], Awaita
     }
 
     async def route(request: SandboxRequest, subject: str) -> Message:
-        *_, verb, client = subject.split(".")  # only that client's credential publishes there
+        verb, client = subject.split(".")[-2], sender(subject)
         kind = type(request)
         if VERBS[kind] != verb:
             raise protocol.BadMessage(f"a {kind.__name__} does not belong on {subject}")

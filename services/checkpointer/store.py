@@ -36,10 +36,11 @@ from pathlib import Path
 
 import msgspec
 
+from belayer_rl.shared import files
 from belayer_rl.shared.protocol import CheckpointId, SandboxSpec
 
 FORMAT = "belayer-checkpoint/2"  # /1 had no MAC: decoded, never trusted
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = files.TMP_PREFIX
 QUARANTINE_PREFIX = "quarantined-"  # a checkpoint set aside (Store.quarantine)
 MANIFEST = "manifest.json"
 MAC_SUFFIX = ".mac"  # beside each signed file: manifest.mac, trajectory.mac
@@ -163,14 +164,6 @@ def mac_path(path: Path) -> Path:
     return path.with_suffix(MAC_SUFFIX)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() or p.is_symlink())
 
@@ -211,25 +204,20 @@ class Store:
         manifest = msgspec.structs.replace(draft, files=sums, created_at=time.time())
         self.write_signed(staging / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest)))
         for folder in sorted({p.parent for p in _files(staging)} | {staging}, key=lambda p: -len(p.parts)):
-            _fsync_dir(folder)
+            files.fsync_dir(folder)
         return manifest
 
     def publish(self, staging: Path, manifest: Manifest) -> Path:
         """Rename the sealed folder into place: the checkpoint exists whole or not at all."""
         final = staging.parent / manifest.checkpoint_id
         staging.rename(final)
-        _fsync_dir(final.parent)
+        files.fsync_dir(final.parent)
         return final
 
     def write_signed(self, path: Path, data: bytes) -> None:
         """Write `data` to `path` and its MAC beside it, each fsynced and renamed into place."""
         for target, body in ((path, data), (mac_path(path), mac(self.key, data))):
-            tmp = target.with_name(target.name + ".part")
-            with tmp.open("wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(target)
+            files.write_whole(target, body, durable=True)
 
     def read_signed(self, path: Path) -> bytes:
         """The bytes of `path`, once the MAC beside it proves a holder of this store's key wrote them."""
@@ -335,7 +323,7 @@ class Store:
             self.remove(path)
             return aside
         path.rename(aside)
-        _fsync_dir(path.parent)
+        files.fsync_dir(path.parent)
         return aside
 
     def quarantined(self, trajectory: str) -> list[Path]:
@@ -375,11 +363,11 @@ class Store:
         """Bytes held by published checkpoints; folders being written or removed meanwhile, and those
         quarantined (the operator's to free), are skipped."""
         total = 0
-        for folder, dirs, files in os.walk(self.root):
+        for folder, dirs, names in os.walk(self.root):
             # Inside a trajectory's folder only: a trajectory may be named quarantined-<x>.
             aside = (TMP_PREFIX, QUARANTINE_PREFIX) if Path(folder).parent == self.root else (TMP_PREFIX,)
             dirs[:] = [d for d in dirs if not d.startswith(aside)]
-            for name in files:
+            for name in names:
                 with contextlib.suppress(OSError):
                     total += os.lstat(os.path.join(folder, name)).st_size
         return total

@@ -46,6 +46,7 @@ from belayer_rl.shared.protocol import (
     KvServerAlive,
     ServerPing,
 )
+from belayer_rl.shared.subjects import sender
 
 log = logging.getLogger("belayer.kv_server")
 
@@ -60,7 +61,7 @@ REGISTRY_TIMEOUT_S = 1.5  # a flush's registry read; the supervisor gives the wh
 def same_engine(claimed: str, subject: str, what: str) -> None:
     """The engine is the subject's last token, on which the bus lets only that engine's own
     credential (its workers, or its shadow supervisor) publish; the payload must agree."""
-    engine_id = subject.rsplit(".", 1)[1]
+    engine_id = sender(subject)
     if claimed != engine_id:
         raise ServiceError("bad-request", f"{what} for {claimed!r} asked on {engine_id!r}'s subject")
 

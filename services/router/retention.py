@@ -40,6 +40,8 @@ log = logging.getLogger("belayer.router.retention")
 _entry_decoder = protocol.decoder_for(IndexEntry)
 INDEX_TIMEOUT_S = 2.0  # one write or purge of the index
 RETRY_S = 1.0  # a purge that failed is tried again after this long
+BATCH = 256  # closes or purges of the index and the log in flight at once
+LOAD_TRIES = 8  # reads of a predecessor's closed entries, backing off, before they are left to age out
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Retention:
         self.share = int(config.log_client_share * bus.LOG_ROOM_FRACTION * (config.log_max_mb << 20))
         self.ends: asyncio.Queue[tuple[str, int]] = asyncio.Queue()  # (request id, LogEnd's sequence)
         self.due: collections.deque[Due] = collections.deque()  # in the order they come due
+        self.purgeable = True  # False for a log of an earlier version, which forbids purges
 
     # ------------------------------------------------------------ a request's life
 
@@ -82,18 +85,21 @@ class Retention:
                 f" ({self.keep_s:.0f}s after they end; raise --log-client-share or --log-max-mb)",
             )
 
-    async def open(self, request_id: str, owner: str) -> None:
+    async def open(self, request_id: str, owner: str) -> int:
         """Index the request as running: before its LogStart, so no running request is unindexed.
-        Raises ServiceError("log-unavailable")."""
+        Returns the entry's sequence in the index. Raises ServiceError("log-unavailable")."""
         entry = LogOpen(request_id=request_id, owner=owner)
-        await self.write(self.names.request_open(request_id), entry)
+        return await self.write(self.names.request_open(request_id), entry)
 
-    async def unopen(self, request_id: str) -> None:
-        """Its LogStart was not written after all (best effort: a stale entry is closed by the next
-        router that reads it)."""
+    async def unopen(self, request_id: str, sequence: int | None = None) -> None:
+        """Drop the request's open entry: up to `sequence` (the one `open` wrote, and nothing a later
+        request of the same id wrote since), or whatever is there. Best effort: a stale entry is
+        dropped by the next router that reads it and finds no start."""
         try:
             await self.js.purge_stream(
-                self.names.request_index_stream, subject=self.names.request_open(request_id)
+                self.names.request_index_stream,
+                subject=self.names.request_open(request_id),
+                seq=None if sequence is None else sequence + 1,
             )
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             log.warning("could not drop the index entry of %s: %s", request_id, exc)
@@ -106,23 +112,46 @@ class Retention:
 
     async def run(self) -> None:
         """Reads the closed entries a predecessor left, then closes what ends and purges what is
-        due, until cancelled."""
-        try:
-            await self.load_closed()
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-            # They stay until the log's max age; everything from here on is purged on time.
-            log.error("could not read the closed requests of the index: %s", exc)
+        due, a batch at a time, until cancelled."""
+        info = await self.js.stream_info(self.names.token_log_stream)
+        self.purgeable = not info.config.deny_purge
+        if not self.purgeable:
+            log.error(
+                "the token log %s was made by an earlier version, which forbids purges: ended requests"
+                " stay in it until they age out (24 h). To purge them, delete the stream while the"
+                " cluster is stopped (what runs in it is lost); the router makes it again.",
+                self.names.token_log_stream,
+            )
+        for attempt in range(LOAD_TRIES):
+            try:
+                await self.load_closed()
+                break
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                log.warning("could not read the closed requests of the index (%s); trying again", exc)
+                await asyncio.sleep(min(RETRY_S * 2**attempt, 30.0))
+        else:  # they stay until the log's max age; everything from here on is purged on time
+            log.error("gave up reading the closed requests of the index")
         while True:
             await self.purge_due()  # first: under a steady stream of ends no wait ever times out
             wait = max(0.0, self.due[0].at - time.time()) if self.due else None
             try:
                 async with asyncio.timeout(wait):
-                    request_id, end_sequence = await self.ends.get()
+                    ended = [await self.ends.get()]
             except TimeoutError:
                 continue
-            await self.close(request_id, end_sequence)
+            while not self.ends.empty() and len(ended) < BATCH:
+                ended.append(self.ends.get_nowait())
+            closed = await asyncio.gather(
+                *(self.close(request_id, sequence) for request_id, sequence in ended)
+            )
+            for (request_id, sequence), done in zip(ended, closed, strict=True):
+                if not done:  # the index is away: its entry must still be written
+                    self.ends.put_nowait((request_id, sequence))
+            if not all(closed):
+                await asyncio.sleep(RETRY_S)
 
-    async def close(self, request_id: str, end_sequence: int) -> None:
+    async def close(self, request_id: str, end_sequence: int) -> bool:
+        """Move the request's entry to closed; False when the index did not take it."""
         entry = LogClosed(
             request_id=request_id,
             owner=self.usage.owner(request_id),
@@ -130,54 +159,68 @@ class Retention:
             size=self.usage.held(request_id),
             ended_at=time.time(),
         )
-        while True:
-            try:
-                sequence = await self.write(self.names.request_closed(request_id), entry)
-                break
-            except bus.ServiceError as exc:  # the index is away: its entry must still be written
-                log.warning(
-                    "could not close %s in the request index (%s); trying again", request_id, exc.message
-                )
-                await asyncio.sleep(RETRY_S)
+        try:
+            sequence = await self.write(self.names.request_closed(request_id), entry)
+        except bus.ServiceError as exc:
+            log.warning("could not close %s in the request index (%s); trying again", request_id, exc.message)
+            return False
         self.due.append(Due(entry, sequence, entry.ended_at + self.keep_s))
         self.metrics.log_client_bytes.labels(entry.owner).set(self.usage.clients[entry.owner])
         await self.unopen(request_id)
+        return True
 
     async def purge_due(self) -> None:
-        while self.due and self.due[0].at <= time.time():
-            due = self.due[0]
-            request_id = due.entry.request_id
-            try:
-                async with asyncio.timeout(INDEX_TIMEOUT_S):
-                    # Up to its end: a later request of the same id keeps its records.
+        now = time.time()
+        due: list[Due] = []
+        while self.due and self.due[0].at <= now and len(due) < BATCH:
+            due.append(self.due.popleft())
+        purged = await asyncio.gather(*(self.purge(one) for one in due))
+        for one, done in zip(due, purged, strict=True):
+            if not done:
+                one.at = now + RETRY_S
+                self.due.append(one)  # (behind the others: they are no later than it now)
+
+    async def purge(self, due: Due) -> bool:
+        """The request's records up to its end leave the log, then its entry the index."""
+        request_id = due.entry.request_id
+        try:
+            async with asyncio.timeout(INDEX_TIMEOUT_S):
+                if self.purgeable:  # up to its end: a later request of the same id keeps its records
                     await self.js.purge_stream(
                         self.names.token_log_stream,
                         subject=self.names.token_log(request_id),
                         seq=due.entry.end_sequence + 1,
                     )
-                    await self.js.purge_stream(
-                        self.names.request_index_stream,
-                        subject=self.names.request_closed(request_id),
-                        seq=due.index_sequence + 1,
-                    )
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                log.warning("could not purge %s from the token log (%s); trying again", request_id, exc)
-                due.at = time.time() + RETRY_S
-                return
-            self.due.popleft()
-            self.usage.release(request_id)
-            self.metrics.log_purged.inc()
-            self.metrics.log_client_bytes.labels(due.entry.owner).set(self.usage.clients[due.entry.owner])
+                await self.js.purge_stream(
+                    self.names.request_index_stream,
+                    subject=self.names.request_closed(request_id),
+                    seq=due.index_sequence + 1,
+                )
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+            log.warning("could not purge %s from the token log (%s); trying again", request_id, exc)
+            return False
+        self.usage.release(request_id)
+        self.metrics.log_purged.inc()
+        self.metrics.log_client_bytes.labels(due.entry.owner).set(self.usage.clients[due.entry.owner])
+        return True
 
     async def load_closed(self) -> None:
         """The closed entries in the index (a predecessor's), due in the order they ended."""
         found: list[Due] = []
         async for sequence, entry in self.read(self.names.request_closed_all):
             if isinstance(entry, LogClosed):
-                self.usage.release(entry.request_id)  # (counted from its records, if read)
-                self.usage.count(entry.request_id, entry.owner, entry.size)
+                self.usage.set(
+                    entry.request_id, entry.owner, entry.size
+                )  # (counted from its records, if read)
                 found.append(Due(entry, sequence, entry.ended_at + self.keep_s))
         self.due.extend(sorted(found, key=lambda due: due.at))
+
+    async def unindexed_log(self) -> bool:
+        """Whether the log holds records and the index nothing: an index newer than its log (made
+        by an upgrade), which a takeover must fill from the whole log, once."""
+        index = await self.js.stream_info(self.names.request_index_stream)
+        tokens = await self.js.stream_info(self.names.token_log_stream)
+        return index.state.messages == 0 and tokens.state.messages > 0
 
     # ------------------------------------------------------------ the index
 

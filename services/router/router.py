@@ -39,7 +39,7 @@ from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import Lease, LeaseLost
 from belayer_rl.services.router.retention import Retention
 from belayer_rl.services.router.token_log import LogWriter
-from belayer_rl.shared import bus, protocol, registry, tokenizer
+from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
 from belayer_rl.shared.access import INBOX
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import RouterConfig
@@ -202,6 +202,8 @@ class Router:
         # While a new router adopts its workers' attempts: the worker messages that arrived meanwhile.
         self.adopting: list[tuple[WorkerChunk | WorkerDone, str]] | None = None
         self.adopting_overflowed = False  # some were dropped: adopted requests are resumed instead
+        # Reads of requests from the token log in progress (`owned`), by id: one at a time each.
+        self.loading: dict[str, asyncio.Future[Request | None]] = {}
         # (engine, epoch) of workers that answered what no honest worker would: never used again.
         self.distrusted: set[tuple[str, int]] = set()
 
@@ -238,8 +240,9 @@ class Router:
         self.retention.check_share(start)  # one client's requests hold at most its share of the log
         request = Request(start=start, watchers={message.reply_to: None})
         self.requests[message.request_id] = self.running[message.request_id] = request
+        opened: int | None = None
         try:
-            await self.retention.open(start.request_id, start.owner)  # a successor finds it there
+            opened = await self.retention.open(start.request_id, start.owner)  # a successor finds it there
             await self.writer.append_now(start)  # durable before the client hears "accepted"
             # The append may have outlived the lease (a pause): then a successor, which did not
             # read this request, serves it; the client's retry reaches it.
@@ -249,8 +252,8 @@ class Router:
             self.requests.pop(message.request_id, None)
             self.running.pop(message.request_id, None)
             self.writer.last.pop(message.request_id, None)
-            if exc.code != "fenced":  # (a request of the same id is in the log, or none is)
-                await self.retention.unopen(message.request_id)
+            if opened is not None and exc.code in ("duplicate-request", "log-full"):  # no start landed
+                await self.retention.unopen(message.request_id, opened)
             if exc.code == "fenced":  # a later router claimed the request: the client asks it
                 raise ServiceError("not-leader", exc.message) from None
             raise
@@ -328,16 +331,23 @@ class Router:
     async def owned(self, request_id: str, subject: str) -> Request:
         """The request, if the client that called on `subject` started it. Another client's request
         is not found: whether it exists is not that client's business."""
-        request = self.requests.get(request_id) or await self.load(request_id)
-        if request is None or request.start.owner not in ("", client_of(subject)):
+        client = client_of(subject)
+        request = self.requests.get(request_id)
+        if request is None:
+            loading = self.loading.get(request_id)
+            if loading is None:  # one read of the log per id at a time
+                loading = self.loading[request_id] = asyncio.ensure_future(self.load(request_id, client))
+                loading.add_done_callback(lambda _: self.loading.pop(request_id, None))
+            request = await asyncio.shield(loading)
+        if request is None or request.start.owner not in ("", client):
             raise ServiceError("unknown-request", f"no request {request_id}")
         return request
 
-    async def load(self, request_id: str) -> Request | None:
+    async def load(self, request_id: str, client: str) -> Request | None:
         """A request this router does not hold, read from the token log: one that ended before this
         router took over (attachable until it leaves the log), or a running one whose start a
         stale predecessor logged after the takeover read the index (claimed and resumed, as at a
-        takeover). None when the log holds no start of it."""
+        takeover, but only when its owner asks). None when the log holds no start of it."""
         try:
             entry = await token_log.read_request(self.js, self.subjects, request_id)
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
@@ -346,20 +356,23 @@ class Router:
             ) from exc
         if entry is None or request_id in self.requests:
             return self.requests.get(request_id)
+        if entry.start.owner not in ("", client):
+            return None  # another client's: not this one's to wake
+        self.writer.usage.set(request_id, entry.start.owner, entry.size)  # (before a takeover is added)
         if entry.end is None and not await self.claim({request_id: entry}):
             raise ServiceError(
                 "log-unavailable", f"{request_id} moved in the token log as it was read; ask again"
             )
-        if request_id in self.requests:  # loaded by another call meanwhile
+        if request_id in self.requests:  # started by a generate meanwhile
             return self.requests[request_id]
-        self.writer.usage.release(request_id)
-        self.writer.usage.count(request_id, entry.start.owner, entry.size)
         if entry.end is not None:
             return self.remember_ended(entry)
-        await self.retention.open(request_id, entry.start.owner)
         request = self.rebuilt_running(entry)
         self.requests[request_id] = self.running[request_id] = request
-        self.enqueue(request)
+        try:
+            await self.retention.open(request_id, entry.start.owner)
+        finally:
+            self.enqueue(request)  # claimed: this router carries it on, indexed or not
         return request
 
     async def cancel(self, request: Request) -> None:
@@ -413,7 +426,7 @@ class Router:
     async def handle_worker_message(self, message: WorkerChunk | WorkerDone, subject: str) -> None:
         # The engine is the one the subject names: the bus lets only that engine publish there,
         # while the payload's engine id is whatever its sender wrote.
-        sender = subject.rsplit(".", 1)[1]
+        sender = subjects.sender(subject)
         request = self.requests.get(message.request_id)
         if (
             not self.lease.held()
@@ -1003,9 +1016,12 @@ class Router:
         self.next_attempt = self.lease.incarnation << ATTEMPT_BITS
         self.writer.incarnation = self.lease.incarnation
         self.adopting = []  # from here on, what the workers stream waits until they are asked
+        whole = await self.retention.unindexed_log()  # an upgraded log: read it whole, once
         for _ in range(CLAIM_TRIES):
             indexed = await self.retention.open_ids()
-            logged, skipped = await token_log.read_all(self.js, self.subjects, indexed)
+            logged, skipped = await token_log.read_all(self.js, self.subjects, None if whole else indexed)
+            for request_id, entry in logged.items():  # (before the takeovers are added)
+                self.writer.usage.set(request_id, entry.start.owner, entry.size)
             if await self.claim(logged):
                 break
         else:
@@ -1018,8 +1034,9 @@ class Router:
                 await self.retention.unopen(request_id)
         running: list[Request] = []
         for request_id, entry in logged.items():
-            self.writer.usage.count(request_id, entry.start.owner, entry.size)
             if entry.end is None:
+                if request_id not in indexed:  # (an upgraded log)
+                    await self.retention.open(request_id, entry.start.owner)
                 running.append(self.rebuilt_running(entry))
             else:  # it ended before its index entry was closed
                 self.remember_ended(entry)
@@ -1222,9 +1239,8 @@ class Router:
 
 
 def client_of(subject: str) -> str:
-    """The client a call came from: the last token of its subject, which only that client's
-    credential may publish on (Subjects.router_generate)."""
-    return subject.rsplit(".", 1)[1]
+    """The client a call came from (Subjects.router_generate)."""
+    return subjects.sender(subject)
 
 
 def check_inbox(reply_to: str) -> None:

@@ -91,6 +91,11 @@ class Usage:
     def held(self, request_id: str) -> int:
         return self.requests[request_id][1] if request_id in self.requests else 0
 
+    def set(self, request_id: str, owner: str, size: int) -> None:
+        """What a request read back from the store holds (counted again from scratch)."""
+        self.release(request_id)
+        self.count(request_id, owner, size)
+
     def release(self, request_id: str) -> None:
         """Its records left the log."""
         if request_id not in self.requests:
@@ -159,9 +164,10 @@ async def append(
                     usage.add(record, size)
                 return last.seq
             try:
-                writer = written_by(protocol.decode(_record_decoder, last.data or b""))
+                last_record: LogRecord | None = protocol.decode(_record_decoder, last.data or b"")
             except protocol.BadMessage:
-                writer = 0  # a record nobody can read claims nothing
+                last_record = None  # a record nobody can read claims nothing
+            writer = 0 if last_record is None else written_by(last_record)
             if writer > incarnation:
                 raise bus.ServiceError(
                     "fenced",
@@ -170,6 +176,12 @@ async def append(
             if isinstance(record, LogStart):  # the subject is another request's (or an earlier one's)
                 raise bus.ServiceError(
                     "duplicate-request", f"request {record.request_id} exists; attach to it"
+                ) from exc
+            if after > 0 and isinstance(last_record, LogStart):
+                # The request this writer knew left the log and its id was started again: whatever
+                # this writer still holds of the old one is stale (a router paused past --ended-keep).
+                raise bus.ServiceError(
+                    "fenced", f"{record.request_id} was started again after the request this router knew"
                 ) from exc
             after = last.seq  # our own records, or older ones: follow the last
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:

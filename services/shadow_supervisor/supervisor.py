@@ -49,7 +49,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from belayer_rl.shared import bus, registry
+from belayer_rl.shared import bus, files, registry
 from belayer_rl.shared.config import ShadowSupervisorConfig, WorkerConfig, to_argv
 from belayer_rl.shared.metrics import ColdReason, Metrics, SupervisorMetrics
 from belayer_rl.shared.processes import dies_with_parent
@@ -645,10 +645,7 @@ class ShadowSupervisor:
             )
             for slot in self.slots.values()
         }
-        path = self.config.state_dir / "engines.json"
-        # Written aside and renamed, so a reader never sees half a file.
-        path.with_suffix(".tmp").write_bytes(msgspec.json.encode(state))
-        path.with_suffix(".tmp").replace(path)
+        files.write_whole(self.config.state_dir / "engines.json", msgspec.json.encode(state))
 
     async def announce(self, event: ProcessEvent) -> None:
         with contextlib.suppress(Exception):

@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from belayer_rl.shared import files
 
 log = logging.getLogger("belayer.trainer.checkpoint")
 
@@ -55,31 +56,23 @@ def write_file(final: Path, state: dict[str, Any], midway: Callable[[], None] | 
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    tmp = folder / f".tmp-{final.name}-{os.getpid()}"
-    with tmp.open("wb") as f:
-        f.write(hashlib.sha256(payload).hexdigest().encode())
-        if midway is not None:
-            f.write(payload[: len(payload) // 2])
-            f.flush()
-            midway()
-            f.write(payload[len(payload) // 2 :])
-        else:
-            f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return final
+
+    def parts() -> Iterator[bytes]:
+        yield hashlib.sha256(payload).hexdigest().encode()
+        if midway is None:
+            yield payload
+            return
+        yield payload[: len(payload) // 2]
+        midway()  # the first half is written and flushed
+        yield payload[len(payload) // 2 :]
+
+    return files.write_whole(final, parts(), durable=True)
 
 
 def remove_leftovers(final: Path) -> list[Path]:
     """Delete the temporary files of writes to `final` that never finished (a writer killed
     mid-write). Only for the file's one writer, once the earlier writer is known dead."""
-    leftovers = sorted(final.parent.glob(f".tmp-{final.name}-*"))
+    leftovers = files.leftovers(final)
     for path in leftovers:
         path.unlink(missing_ok=True)
     return leftovers

@@ -49,6 +49,7 @@ from belayer_rl.shared.protocol import (
     WeightVersionInfo,
     WeightVersions,
 )
+from belayer_rl.shared.subjects import sender
 
 log = logging.getLogger("belayer.weight_server")
 
@@ -231,7 +232,7 @@ class WeightServer:
         return self.get(request.version).handles
 
     async def on_pin(self, request: WeightsPin, subject: str) -> WeightHandles:
-        engine_id = subject.rsplit(".", 1)[1]  # only that engine's credential publishes there
+        engine_id = sender(subject)
         entry = self.get(request.version)
         start = process_start(request.pid)
         if start is None:
@@ -248,7 +249,7 @@ class WeightServer:
 
     async def on_unpin(self, request: WeightsUnpin, subject: str) -> Ack:
         entry = self.get(request.version)
-        if entry.holders.pop(pin_key(subject.rsplit(".", 1)[1], request.holder), None) is None:
+        if entry.holders.pop(pin_key(sender(subject), request.holder), None) is None:
             return Ack(detail="not pinned")
         self.collect()
         return Ack(detail="unpinned")

@@ -11,15 +11,17 @@ from collections.abc import Awaitable, Callable
 
 import nats.js.errors
 import pytest
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.services.router.retention import Retention
 from belayer_rl.services.router.router import Router
-from belayer_rl.shared import protocol
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import CancelRequest, GenerateRequest, RouterStarted
+from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.protocol import CancelRequest, GenerateRequest, LogStart, RouterStarted
 from tests.rollout.test_router_engines import in_process_router
 from tests.rollout.test_worker_faults import make_job, run
 from tests.support import EventLog, kill, poll, reference_tokens, running_cluster
@@ -186,7 +188,7 @@ async def test_a_takeover_reads_only_the_requests_in_flight(nats_server, tmp_pat
         started = await EventLog.start(client, "router_started")
         ended_jobs = [make_job(rng, f"ended-{i}", max_tokens=8) for i in range(12)]
         ended = await asyncio.gather(*(run(client, job) for job in ended_jobs))
-        long_jobs = [make_job(rng, f"long-{i}", max_tokens=400) for i in range(2)]
+        long_jobs = [make_job(rng, f"long-{i}", max_tokens=400, min_tokens=400) for i in range(2)]
         running = [asyncio.create_task(run(client, job)) for job in long_jobs]
 
         async def mid_stream() -> bool | None:
@@ -223,3 +225,47 @@ async def test_a_takeover_reads_only_the_requests_in_flight(nats_server, tmp_pat
     assert attached == ended[3].tokens
     assert again.tokens == ended[5].tokens
     assert unknown.value.code == "unknown-request"
+
+
+async def test_a_log_of_an_earlier_version_is_indexed_once_and_kept(nats_server) -> None:
+    """A token log made before the request index: JetStream never lifts its deny-purge, and its
+    requests have no index entries. The router still starts; its first takeover reads the log
+    whole, once, rebuilds the running request and the ended one, and indexes them; ended requests
+    are not purged (they age out) and the router says so. Mutation checks, run by hand: updating
+    the stream with deny-purge off fails every start (JetStream refuses it), and without the whole
+    read the running request is not rebuilt."""
+    names = RouterConfig(nats_url=nats_server.url, cluster_id="old").subjects
+    nc = await bus.connect(nats_server.url, "test-old-log")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(
+            StreamConfig(
+                name=names.token_log_stream, subjects=[names.token_log_all], storage=StorageType.FILE,
+                discard=DiscardPolicy.NEW, max_bytes=1 << 30, deny_delete=True, deny_purge=True,
+            )
+        )  # fmt: skip
+        for request_id, ended in (("was-running", False), ("had-ended", True)):
+            start = LogStart(
+                request_id=request_id, prompt_tokens=[1, 2], max_tokens=8, chunk_tokens=4, owner="cli"
+            )
+            after = await token_log.append(js, names, start, 0, incarnation=0)
+            if ended:
+                end = protocol.LogEnd(request_id=request_id, finish_reason="length", num_tokens=0)
+                await token_log.append(js, names, end, after, incarnation=0)
+    finally:
+        await nc.close()
+
+    async with in_process_router(nats_server, cluster_id="old", ended_keep_s=0.5) as router:
+        rebuilt: list[RouterStarted] = []
+
+        async def takeover() -> None:
+            rebuilt.append(await router.rebuild())
+            await asyncio.sleep(1.5)  # past --ended-keep: the ended one is due, but is not purged
+
+        await with_tasks(router, takeover)
+        js = router.js
+        assert await router.retention.open_ids() == {"was-running"}
+        assert not router.retention.purgeable
+        still = await token_log.read_request(js, names, "had-ended")
+    assert rebuilt[0].rebuilt_requests == 2 and rebuilt[0].resumed_requests == 1, rebuilt
+    assert still is not None and still.end is not None
