@@ -245,13 +245,13 @@ async def declare_jetstream(
         await js.update_stream(config)
     index = StreamConfig(
         name=names.request_index_stream,
-        subjects=[names.request_open_all, names.request_closed_all],
+        subjects=[names.request_open_all, names.request_closed_all, names.request_index_complete],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         num_replicas=replicas,
-        max_age=TOKEN_LOG_MAX_AGE_S,  # what a purge missed goes with the log's own records
-        max_bytes=max_bytes,  # (an entry is smaller than its request's records in the log)
-        discard=DiscardPolicy.NEW,
+        # What a purge missed goes with the log's own records. No bound of its own: an entry stands
+        # for a request in the log, and is smaller than its records there.
+        max_age=TOKEN_LOG_MAX_AGE_S,
         max_msgs_per_subject=1,
         deny_delete=True,
     )

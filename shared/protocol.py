@@ -519,6 +519,13 @@ class LogClosed(Message, tag="log_closed", kw_only=True):
     ended_at: float  # unix seconds
 
 
+class IndexComplete(Message, tag="index_complete", kw_only=True):
+    """The request index covers every request in the token log (a log older than the index has been
+    read whole once, and indexed)."""
+
+    since: float  # unix seconds
+
+
 IndexEntry = LogOpen | LogClosed
 
 

@@ -123,6 +123,7 @@ def role_table(s: Subjects) -> dict[str, Role]:
                 s.token_log_all,
                 s.request_open_all,
                 s.request_closed_all,
+                s.request_index_complete,
                 f"$KV.{lease}.>",  # its lease: taken, renewed, released
             ),
             subscribe=(

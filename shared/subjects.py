@@ -167,6 +167,11 @@ class Subjects:
         return f"{self.root}.log.closed.{request_id}"
 
     @property
+    def request_index_complete(self) -> str:
+        """One entry: the index covers the whole log (a log older than its index was read once)."""
+        return f"{self.root}.log.indexed"
+
+    @property
     def router_lease_bucket(self) -> str:
         """One key: the lease of the active router (services/router/lease.py)."""
         return f"belayer_router_{self.cluster_id}"

@@ -17,6 +17,7 @@ requests are never cut: they grow past the share and free it when they are purge
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import time
@@ -31,7 +32,7 @@ from belayer_rl.services.router.token_log import Usage
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.metrics import RouterMetrics
-from belayer_rl.shared.protocol import IndexEntry, LogClosed, LogOpen, LogStart
+from belayer_rl.shared.protocol import IndexComplete, IndexEntry, LogClosed, LogOpen, LogStart
 from belayer_rl.shared.runtime import Skipped
 from belayer_rl.shared.subjects import Subjects
 
@@ -113,17 +114,9 @@ class Retention:
     async def run(self) -> None:
         """Reads the closed entries a predecessor left, then closes what ends and purges what is
         due, a batch at a time, until cancelled."""
-        info = await self.js.stream_info(self.names.token_log_stream)
-        self.purgeable = not info.config.deny_purge
-        if not self.purgeable:
-            log.error(
-                "the token log %s was made by an earlier version, which forbids purges: ended requests"
-                " stay in it until they age out (24 h). To purge them, delete the stream while the"
-                " cluster is stopped (what runs in it is lost); the router makes it again.",
-                self.names.token_log_stream,
-            )
         for attempt in range(LOAD_TRIES):
             try:
+                info = await self.js.stream_info(self.names.token_log_stream)
                 await self.load_closed()
                 break
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
@@ -131,6 +124,15 @@ class Retention:
                 await asyncio.sleep(min(RETRY_S * 2**attempt, 30.0))
         else:  # they stay until the log's max age; everything from here on is purged on time
             log.error("gave up reading the closed requests of the index")
+            info = None
+        self.purgeable = info is None or not info.config.deny_purge
+        if not self.purgeable:
+            log.error(
+                "the token log %s was made by an earlier version, which forbids purges: ended requests"
+                " stay in it until they age out (24 h). To purge them, delete the stream while the"
+                " cluster is stopped (what runs in it is lost); the router makes it again.",
+                self.names.token_log_stream,
+            )
         while True:
             await self.purge_due()  # first: under a steady stream of ends no wait ever times out
             wait = max(0.0, self.due[0].at - time.time()) if self.due else None
@@ -178,7 +180,7 @@ class Retention:
         for one, done in zip(due, purged, strict=True):
             if not done:
                 one.at = now + RETRY_S
-                self.due.append(one)  # (behind the others: they are no later than it now)
+                bisect.insort(self.due, one, key=lambda entry: entry.at)
 
     async def purge(self, due: Due) -> bool:
         """The request's records up to its end leave the log, then its entry the index."""
@@ -215,12 +217,21 @@ class Retention:
                 found.append(Due(entry, sequence, entry.ended_at + self.keep_s))
         self.due.extend(sorted(found, key=lambda due: due.at))
 
-    async def unindexed_log(self) -> bool:
-        """Whether the log holds records and the index nothing: an index newer than its log (made
-        by an upgrade), which a takeover must fill from the whole log, once."""
-        index = await self.js.stream_info(self.names.request_index_stream)
-        tokens = await self.js.stream_info(self.names.token_log_stream)
-        return index.state.messages == 0 and tokens.state.messages > 0
+    async def complete(self) -> bool:
+        """Whether the index covers the whole log. It does not when the log is older than the
+        index (an upgrade), or a takeover that filled the index from the whole log stopped midway:
+        then the next takeover reads the whole log, and says it is done (`mark_complete`)."""
+        try:
+            await self.js.get_last_msg(self.names.request_index_stream, self.names.request_index_complete)
+        except nats.js.errors.NotFoundError:
+            tokens = await self.js.stream_info(self.names.token_log_stream)
+            return tokens.state.messages == 0 and await self.mark_complete()
+        return True
+
+    async def mark_complete(self) -> bool:
+        """Record that every request in the log is indexed. Raises ServiceError("log-unavailable")."""
+        await self.write(self.names.request_index_complete, IndexComplete(since=time.time()))
+        return True
 
     # ------------------------------------------------------------ the index
 
@@ -240,7 +251,7 @@ class Retention:
             else:
                 yield sequence, entry
 
-    async def write(self, subject: str, entry: IndexEntry) -> int:
+    async def write(self, subject: str, entry: IndexEntry | IndexComplete) -> int:
         try:
             ack = await self.js.publish(subject, protocol.encode(entry), timeout=INDEX_TIMEOUT_S)
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:

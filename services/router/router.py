@@ -202,8 +202,8 @@ class Router:
         # While a new router adopts its workers' attempts: the worker messages that arrived meanwhile.
         self.adopting: list[tuple[WorkerChunk | WorkerDone, str]] | None = None
         self.adopting_overflowed = False  # some were dropped: adopted requests are resumed instead
-        # Reads of requests from the token log in progress (`owned`), by id: one at a time each.
-        self.loading: dict[str, asyncio.Future[Request | None]] = {}
+        # Reads of requests from the token log in progress (`owned`), by id and asking client.
+        self.loading: dict[tuple[str, str], asyncio.Future[Request | None]] = {}
         # (engine, epoch) of workers that answered what no honest worker would: never used again.
         self.distrusted: set[tuple[str, int]] = set()
 
@@ -334,10 +334,11 @@ class Router:
         client = client_of(subject)
         request = self.requests.get(request_id)
         if request is None:
-            loading = self.loading.get(request_id)
-            if loading is None:  # one read of the log per id at a time
-                loading = self.loading[request_id] = asyncio.ensure_future(self.load(request_id, client))
-                loading.add_done_callback(lambda _: self.loading.pop(request_id, None))
+            key = (request_id, client)
+            loading = self.loading.get(key)
+            if loading is None:  # one read of the log per id and client at a time
+                loading = self.loading[key] = asyncio.ensure_future(self.load(request_id, client))
+                loading.add_done_callback(lambda _: self.loading.pop(key, None))
             request = await asyncio.shield(loading)
         if request is None or request.start.owner not in ("", client):
             raise ServiceError("unknown-request", f"no request {request_id}")
@@ -1016,7 +1017,7 @@ class Router:
         self.next_attempt = self.lease.incarnation << ATTEMPT_BITS
         self.writer.incarnation = self.lease.incarnation
         self.adopting = []  # from here on, what the workers stream waits until they are asked
-        whole = await self.retention.unindexed_log()  # an upgraded log: read it whole, once
+        whole = not await self.retention.complete()  # an upgraded log: read it whole, once
         for _ in range(CLAIM_TRIES):
             indexed = await self.retention.open_ids()
             logged, skipped = await token_log.read_all(self.js, self.subjects, None if whole else indexed)
@@ -1041,6 +1042,8 @@ class Router:
             else:  # it ended before its index entry was closed
                 self.remember_ended(entry)
                 self.retention.ended(request_id, entry.last_sequence)
+        if whole:  # every running request is indexed now; the ended ones are being closed
+            await self.retention.mark_complete()
         # Ask the workers before placing the running requests: an engine the answers install
         # would otherwise dispatch them from the log at once.
         adopted = await self.adopt(running, {rid: entry.dispatches for rid, entry in logged.items()})
