@@ -253,10 +253,10 @@ async def test_an_acknowledged_cancel_is_never_resurrected_by_a_successor(
     options = {"engines": 1, "standby_routers": 1, "lease_ttl_s": 1.0, "heartbeat_timeout_s": 30.0}
     async with running_cluster(nats_server, tmp_path, **options) as cluster:
         js = cluster.client.nc.jetstream()
-        job = make_job(rng, "cancelled", max_tokens=400)
+        job = make_job(rng, "cancelled", max_tokens=400, min_tokens=400)  # no end of its own (eos)
         stream = cluster.client.generate(
             job.prompt, max_tokens=job.max_tokens, seed=job.seed, temperature=job.temperature,
-            request_id=job.request_id,
+            request_id=job.request_id, min_tokens=job.min_tokens,
         )  # fmt: skip
         assert isinstance(await anext(stream), protocol.TokenChunk)
         worker = await cluster.engine_pid("e0")
