@@ -31,7 +31,15 @@ from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
-from belayer_rl.shared.protocol import LogChunk, LogClosed, LogEnd, LogOpen, LogStart, SamplingParams
+from belayer_rl.shared.protocol import (
+    IndexComplete,
+    LogChunk,
+    LogClosed,
+    LogEnd,
+    LogOpen,
+    LogStart,
+    SamplingParams,
+)
 from belayer_rl.shared.runtime import Runtime
 
 IN_FLIGHT = 256  # publishes in flight while the log is filled
@@ -100,6 +108,7 @@ async def fill(nc: NATS, config: RouterConfig, ended: int, running: int) -> None
             ]
         else:
             writes.append(record(names.request_open(request_id), LogOpen(request_id=request_id, owner="cli")))
+    writes.append(record(names.request_index_complete, IndexComplete(since=time.time())))  # a router's log
     await in_flight(writes)
 
 
