@@ -29,6 +29,7 @@ import msgspec
 import uvloop
 from nats.aio.client import Client as NATS
 
+from belayer_rl.services import SERVICES
 from belayer_rl.shared import bus, files
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.access import Access
@@ -485,7 +486,7 @@ def write_credentials(config: ClusterConfig, creds_dir: Path) -> Path:
     """Fresh credentials for every role and engine, and the embedded server's config that checks
     them; returns that config's path. Regenerated at each start: the old keys stop working."""
     engines = tuple(f"e{i}" for i in range(config.engines))
-    Credentials.generate(Subjects(config.cluster_id), engines).write(creds_dir)
+    Credentials.generate(SERVICES, Subjects(config.cluster_id), engines).write(creds_dir)
     server_config = creds_dir / "nats.conf"
     server_config.write_text('include "auth.conf"\n')
     return server_config

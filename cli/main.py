@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterConfig, ClusterFile
 from belayer_rl.cli.target import add_target_flags, cluster_id_of, resolve_target
+from belayer_rl.services import SERVICES
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.bus import Target
@@ -570,7 +571,7 @@ def cmd_creds(args: argparse.Namespace) -> int:
             f"belayer creds: client names are lowercase letters, digits, - and _: {clients}", file=sys.stderr
         )
         return 2
-    written = Credentials.generate(Subjects(cluster_id), engines, clients).write(args.out)
+    written = Credentials.generate(SERVICES, Subjects(cluster_id), engines, clients).write(args.out)
     print(f"cluster {cluster_id}: {args.out / 'auth.conf'} (include it from the nats-server config)")
     for name, path in written.items():
         print(f"  {name:<24} {path}")
@@ -602,7 +603,7 @@ def revoke(args: argparse.Namespace, cluster_id: str) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     try:
-        creds = Credentials.load(folder, Subjects(cluster_id))
+        creds = Credentials.load(SERVICES, folder, Subjects(cluster_id))
         creds.rotate(args.revoke)
     except (OSError, ValueError) as exc:
         print(f"belayer creds --revoke: {exc}", file=sys.stderr)

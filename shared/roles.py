@@ -7,9 +7,12 @@ delete or update a stream, a bucket or an object store. Every role subscribes to
 only (`_INBOX.<its public key>.>`, shared/access.py), so nobody reads another's replies, and
 replies to requests go back through `allow_responses`, which needs no publish right on inboxes.
 
-The table is data: a later service (policy, trainer, reward) adds its role here. `{engine}` in a
-role's subjects is filled per engine: each engine has its own credential, and so has each engine's
-shadow supervisor.
+A service's role is made from its declaration (shared/declaration.py: what it listens to,
+publishes, owns and reads), and from nothing else, so a permission cannot drift from what the
+service does. This file writes only the users no declaration describes: the `belayer up` daemon
+(`cluster`), the rollout side and its users (`cli`), and the operator (`admin`). `{engine}` in a
+role's subjects is filled per engine: each engine has its own credential, and so has each
+engine's shadow supervisor.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import nkeys
 
 from belayer_rl.shared import files
 from belayer_rl.shared.access import inbox_prefix, public_key
+from belayer_rl.shared.declaration import PERMISSION_SCOPE, Service, kv_stream
 from belayer_rl.shared.subjects import Subjects
 
 # The key that signs checkpoint manifests (services/checkpointer/store.py): 32 random bytes in hex.
@@ -44,7 +49,8 @@ class Role:
     # Streams it may also list through an ordered consumer of its own (a bucket's keys).
     lists: tuple[str, ...] = ()
     everything: bool = False  # the operator's own credential
-    stats: str = ""  # the stats key it answers (Runtime.stats_key): a name, or tokens with wildcards
+    # The stats keys it answers (Runtime.stats_key): a name, or tokens with wildcards.
+    stats: tuple[str, ...] = ()
     client: bool = False  # the rollout side: the router may stream into its users' inboxes
     # Also users `<role>-<name>`, one per client named to `belayer creds --clients`: each owns the
     # requests it starts ({client} in a subject is the user's name).
@@ -91,178 +97,39 @@ def _js_read(stream: str) -> list[str]:
     ]
 
 
-def kv_stream(bucket: str) -> str:
-    return f"KV_{bucket}"
+def service_role(services: Sequence[Service], s: Subjects) -> Role:
+    """The role of the services that share one credential (a process and the driver beside it):
+    what their declarations say they subscribe to, publish, own and read, nothing more."""
+    fill = lambda subject: subject(s, PERMISSION_SCOPE)  # noqa: E731
+    return Role(
+        publish=tuple(fill(subject) for service in services for subject in service.publishes),
+        subscribe=tuple(
+            fill(subject)
+            for service in services
+            for subject in (*(listen.subject for listen in service.listens.values()), *service.subscribes)
+        ),
+        replies=any(service.replies for service in services),
+        streams=tuple(store(s) for service in services for store in service.owns),
+        reads=tuple(store(s) for service in services for store in service.reads),
+        lists=tuple(store(s) for service in services for store in service.lists),
+        stats=tuple(key for service in services if (key := service.stats_key(PERMISSION_SCOPE))),
+        client=any(service.client for service in services),
+        to_clients=any(service.to_clients for service in services),
+        per_engine=any(service.runs == "engine" for service in services),
+        all_engines=any(service.all_engines for service in services),
+    )
 
 
-def object_stream(bucket: str) -> str:
-    return f"OBJ_{bucket}"
-
-
-def role_table(s: Subjects) -> dict[str, Role]:
-    """Every role of cluster `s.cluster_id`."""
+def role_table(services: Sequence[Service], s: Subjects) -> dict[str, Role]:
+    """Every role of cluster `s.cluster_id`: each declared service's, then the users of this file."""
+    by_role: dict[str, list[Service]] = {}
+    for service in services:
+        by_role.setdefault(service.role_name, []).append(service)
+    table = {name: service_role(members, s) for name, members in by_role.items()}
     r = s.root
-    tokens = s.token_log_stream
     engines = s.engine_registry_bucket
-    lease = s.router_lease_bucket
     pointers = s.prefix_pointer_bucket
-    objects = s.checkpoint_object_bucket
-    weights = s.weights_object_bucket
-    return {
-        "router": Role(
-            publish=(
-                f"{r}.worker.*.dispatch",
-                f"{r}.worker.*.cancel",
-                f"{r}.worker.*.adopt",
-                s.weights_list,
-                s.event("request_failed", "*"),
-                s.event("request_resumed", "*"),
-                s.event("worker_failed", "*"),
-                s.event("router_started", "*"),
-                s.event("record_skipped", "*"),
-                s.token_log_all,
-                s.request_open_all,
-                s.request_closed_all,
-                s.request_index_complete,
-                f"$KV.{lease}.>",  # its lease: taken, renewed, released
-            ),
-            subscribe=(
-                f"{r}.router.>",
-                s.event("heartbeat", "*"),
-                s.event("worker_registered", "*"),
-                s.event("worker_failed", "*"),
-                s.event("engine_quarantined", "*"),
-                s.event("process", "*"),  # a standby takes a lease whose holder exited at once
-            ),
-            replies=True,
-            streams=(tokens, s.request_index_stream, kv_stream(engines), kv_stream(lease)),
-            stats="router",
-            to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
-        ),
-        "engine": Role(  # one credential per engine: its workers, main and shadow
-            publish=(
-                s.worker_stream("{engine}"),
-                s.event("heartbeat", "{engine}"),
-                s.event("worker_registered", "{engine}"),
-                s.event("record_skipped", "*"),
-                s.weights_pin("{engine}"),
-                s.weights_unpin("{engine}"),
-                s.weights_list,
-                s.weights_handles,
-                s.kv_arena("{engine}"),
-                f"$KV.{engines}.{{engine}}",  # its own registry entry, nobody else's
-            ),
-            subscribe=(
-                s.worker_dispatch("{engine}"),
-                s.worker_cancel("{engine}"),
-                s.worker_adopt("{engine}"),
-                s.event("weights_published", "*"),
-                s.event("router_started", "*"),  # a new router incarnation: fence the older ones
-            ),
-            replies=True,
-            reads=(kv_stream(engines),),
-            stats="worker.{engine}.*",  # each worker answers as worker.<engine>.<pid>
-            per_engine=True,
-        ),
-        # One credential per engine (a Compose engine container holds only its own), and one for
-        # every engine at once (`belayer up` runs a single supervisor): {engine} is then a wildcard.
-        "shadow-supervisor": Role(
-            publish=(
-                s.kv_flush("{engine}"),
-                s.kv_ping,
-                s.weights_ping,
-                s.event("handover", "{engine}"),
-                s.event("engine_quarantined", "{engine}"),
-                s.event("engine_unstable", "{engine}"),
-                s.event("record_skipped", "*"),
-                s.event("process", "worker-{engine}-main"),  # its workers' starts and exits
-                s.event("process", "worker-{engine}-shadow"),
-                f"$KV.{engines}.{{engine}}",  # quarantines the engine it runs, no other
-            ),
-            subscribe=(s.engine_restart("{engine}"), s.engine_unquarantine("{engine}")),
-            replies=True,
-            reads=(kv_stream(engines),),
-            lists=(kv_stream(engines),),  # is another engine serving? (before a quarantine)
-            stats="shadow-supervisor",
-            per_engine=True,
-            all_engines=True,
-        ),
-        "weight-server": Role(
-            publish=(s.event("weights_published", "*"), f"$O.{weights}.>", "$JS.API.STREAM.NAMES"),
-            subscribe=(f"{r}.weights.*", s.weights_pins, s.weights_unpins),
-            replies=True,
-            streams=(object_stream(weights),),  # it declares the bucket and deletes what it loaded
-            stats="weight-server",
-        ),
-        "trainer": Role(  # the trainer and its group workers: weights into the bucket, group RPC
-            publish=(
-                s.weights_publish,
-                s.weights_list,
-                s.weights_ping,
-                f"$O.{weights}.>",
-                s.event("trainer_step", "*"),
-                s.event("group_heartbeat", "*"),
-                s.event("group_failed", "*"),
-                s.event("group_rebuilt", "*"),
-                s.event("reschedule", "*"),
-                f"{r}.trainer.>",  # calls to its group workers
-                s.engine_restart("*"),  # a rollout rebuild: the engines restarted by the cold path
-                s.router_generate("{client}"),
-                s.router_attach("{client}"),
-                s.router_cancel("{client}"),
-                s.router_status,
-                s.router_keepalive("{client}"),
-                "$JS.API.STREAM.NAMES",
-            ),
-            subscribe=(
-                s.event("router_started", "*"),  # the client re-attaches after a router restart
-                s.event("group_heartbeat", "*"),
-                s.event("worker_failed", "*"),  # the rollout side failing with the actor: reschedule
-                s.event("handover", "*"),
-                f"{r}.trainer.>",  # its group workers' RPC (the same credential runs them)
-            ),
-            replies=True,
-            reads=(object_stream(weights),),
-            client=True,  # it generates its samples through the router
-            stats="trainer.*.*",  # its group workers answer as trainer.<group>.<rank>
-        ),
-        "kv-server": Role(  # a flush must name the engine's current epoch: it reads the registry
-            subscribe=(f"{r}.kv.*", s.kv_arenas, s.kv_flushes),
-            replies=True,
-            reads=(kv_stream(engines),),
-            stats="kv-server",
-        ),
-        "checkpointer": Role(
-            publish=(
-                s.event("env_failure", "*"),
-                s.event("checkpoint_ready", "*"),
-                s.event("sandbox_restored", "*"),
-                s.event("record_skipped", "*"),
-                s.event("trajectory_ended", "*"),
-                f"$KV.{pointers}.>",
-                f"$O.{objects}.>",
-                # nats-py's object store looks its stream up by subject when it reads a checkpoint
-                # back (get, list): the stream names, nothing more.
-                "$JS.API.STREAM.NAMES",
-            ),
-            subscribe=(f"{r}.sandbox.*.*.*", s.event("trajectory_ended", "*")),
-            replies=True,
-            streams=(kv_stream(pointers), object_stream(objects)),
-            # One per Docker host, answering as checkpointer.<host>; all hosts share this credential.
-            stats="checkpointer.*",
-        ),
-        "policy": Role(
-            publish=(s.event("policy_decision", "*"),),
-            subscribe=(
-                s.policy_decide,
-                s.event("env_step", "*"),
-                s.event("llm_response", "*"),
-                s.event("checkpoint_ready", "*"),
-                s.event("checkpoint_timeout", "*"),
-            ),
-            replies=True,
-            stats="policy",
-        ),
+    return table | {
         "cluster": Role(  # the `belayer up` daemon: reports its children's exits
             publish=(s.event("process", "*"), s.event("worker_failed", "*")),
         ),
@@ -312,18 +179,28 @@ class User:
 
 @dataclass
 class Credentials:
-    """The users of one cluster, each with a fresh nkey."""
+    """The users of one cluster, each with a fresh nkey; `services`: the declarations their roles
+    are made from (belayer_rl.services.SERVICES)."""
 
+    services: tuple[Service, ...]
     subjects: Subjects
     engines: tuple[str, ...]
     users: list[User] = field(default_factory=list)
 
+    @property
+    def table(self) -> dict[str, Role]:
+        return role_table(self.services, self.subjects)
+
     @classmethod
     def generate(
-        cls, subjects: Subjects, engines: tuple[str, ...], clients: tuple[str, ...] = ()
+        cls,
+        services: Sequence[Service],
+        subjects: Subjects,
+        engines: tuple[str, ...],
+        clients: tuple[str, ...] = (),
     ) -> Credentials:
-        creds = cls(subjects, engines)
-        for name, role in role_table(subjects).items():
+        creds = cls(tuple(services), subjects, engines)
+        for name, role in creds.table.items():
             if role.named_clients:
                 creds.users += [User(f"{name}-{c}", name, new_seed()) for c in clients]
             if role.per_engine:
@@ -335,16 +212,16 @@ class Credentials:
         return creds
 
     @classmethod
-    def load(cls, folder: Path, subjects: Subjects) -> Credentials:
+    def load(cls, services: Sequence[Service], folder: Path, subjects: Subjects) -> Credentials:
         """The users whose seeds `write` left in `folder`, one `<user>.creds` each: a role's name,
         or <role>-<engine> for a role with one user per engine. ValueError for a file that names
         no role."""
-        table = role_table(subjects)
+        table = role_table(services, subjects)
         users = []
         for path in sorted(folder.glob("*.creds")):
             role, engine = user_role(path.stem, table)
             users.append(User(path.stem, role, path.read_text().strip(), engine=engine))
-        return cls(subjects, tuple(u.engine for u in users if u.role == "engine"), users)
+        return cls(tuple(services), subjects, tuple(u.engine for u in users if u.role == "engine"), users)
 
     def rotate(self, name: str) -> None:
         """A fresh key for the user `name`; every other user keeps its own. Once the server has
@@ -355,7 +232,7 @@ class Credentials:
         self.users = [replace(u, seed=new_seed()) if u.name == name else u for u in self.users]
 
     def users_entries(self) -> list[dict[str, object]]:
-        table = role_table(self.subjects)
+        table = self.table
         inboxes = [f"{inbox_prefix(u.public_key)}.>" for u in self.users if table[u.role].client]
         return [permissions(user, table[user.role], self.subjects, inboxes) for user in self.users]
 
@@ -403,8 +280,8 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
         publish += _js_list(stream)
     subscribe = [fill(p) for p in role.subscribe]
     subscribe.append(f"{inbox_prefix(user.public_key)}.>")
-    if role.stats:  # a service answers the runtime's stats endpoint, its own only
-        subscribe.append(s.service_stats(fill(role.stats)))
+    # a service answers the runtime's stats endpoint, its own only
+    subscribe += [s.service_stats(fill(key)) for key in role.stats]
     entry["permissions"] = {
         # An empty allow list would allow everything: a role that publishes nothing of its own
         # (it only replies) gets one subject nobody listens to.

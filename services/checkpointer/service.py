@@ -15,12 +15,13 @@ from typing import Any
 
 from belayer_rl.services.checkpointer import objects, pointer
 from belayer_rl.services.checkpointer.checkpointer import Checkpointer
+from belayer_rl.services.checkpointer.declaration import CHECKPOINTER
 from belayer_rl.services.checkpointer.sandbox import Engine
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.metrics import CheckpointerMetrics
 from belayer_rl.shared.protocol import Message, SandboxRequest
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 from belayer_rl.shared.subjects import sender
 
 VERBS: dict[type[Message], str] = {
@@ -77,15 +78,13 @@ async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
         )
     rt.on_close(checkpointer.close)
     await checkpointer.reconcile()
-    rpc = Endpoint(
-        rt.subjects.sandbox_rpc_all(config.host_id),
-        SandboxRequest,
-        router(checkpointer),
-        concurrent=True,
-        with_subject=True,
-    )
     await rt.serve(
-        rpc, Endpoint.event(rt.subjects, "trajectory_ended", checkpointer.on_trajectory_ended, "*")
+        *CHECKPOINTER.endpoints(
+            rt.subjects,
+            config,
+            sandbox=router(checkpointer),
+            trajectory_ended=checkpointer.on_trajectory_ended,
+        )
     )
     rt.spawn(checkpointer.watch(), "watch-engine")
     rt.ready(

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from nats.js.kv import KeyValue
 
+from belayer_rl.services.kv_server.declaration import KV_SERVER
 from belayer_rl.services.kv_server.server import KvServer
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import KvServerConfig
-from belayer_rl.shared.protocol import KvArenaRequest, KvFlush, KvRelease, ServerPing
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 
 REGISTRY_WAIT_S = 2.0  # a flush waits this long for the registry, then fails (the cold path runs)
 
@@ -32,9 +32,13 @@ async def setup(rt: Runtime, config: KvServerConfig) -> None:
     rt.on_close(server.close)  # closed after every handler: nothing stays in /dev/shm
     nc = await rt.connect()
     await rt.serve(
-        Endpoint(rt.subjects.kv_arenas, KvArenaRequest, server.on_arena, with_subject=True),
-        Endpoint(rt.subjects.kv_flushes, KvFlush, server.on_flush, with_subject=True),
-        Endpoint(rt.subjects.kv_release, KvRelease, server.on_release),
-        Endpoint(rt.subjects.kv_ping, ServerPing, server.on_ping),
+        *KV_SERVER.endpoints(
+            rt.subjects,
+            config,
+            arena=server.on_arena,
+            flush=server.on_flush,
+            release=server.on_release,
+            ping=server.on_ping,
+        )
     )
     rt.ready(f"{server.instance} serving from {server.lock.prefix}* ({server.device})")

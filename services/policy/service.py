@@ -9,11 +9,12 @@ One instance per cluster: its estimates are the cluster's (no queue group, like 
 
 from __future__ import annotations
 
+from belayer_rl.services.policy.declaration import POLICY
 from belayer_rl.services.policy.policy import PolicyState
 from belayer_rl.shared.config import PolicyConfig
 from belayer_rl.shared.metrics import PolicyMetrics
 from belayer_rl.shared.protocol import PolicyDecide, PolicyDecision
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 
 
 async def setup(rt: Runtime, config: PolicyConfig) -> None:
@@ -27,11 +28,15 @@ async def setup(rt: Runtime, config: PolicyConfig) -> None:
         return decision
 
     await rt.serve(
-        Endpoint(names.policy_decide, PolicyDecide, on_decide),
-        Endpoint.event(names, "env_step", state.on_env_step, "*"),
-        Endpoint.event(names, "llm_response", state.on_llm_response, "*"),
-        Endpoint.event(names, "checkpoint_ready", state.on_checkpoint_ready, "*"),
-        Endpoint.event(names, "checkpoint_timeout", state.on_checkpoint_timeout, "*"),
+        *POLICY.endpoints(
+            names,
+            config,
+            decide=on_decide,
+            env_step=state.on_env_step,
+            llm_response=state.on_llm_response,
+            checkpoint_ready=state.on_checkpoint_ready,
+            checkpoint_timeout=state.on_checkpoint_timeout,
+        )
     )
     rt.ready(
         f"policy {state.default.name}; λ {state.rate.per_second:.3g}/s;"

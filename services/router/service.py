@@ -1,10 +1,8 @@
-"""The router as a service: what it listens to and what it starts; `setup` is what
-the runtime runs (shared/runtime.py).
+"""The router as a service: what it starts and when it serves what its declaration lists
+(declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
 Owns request routing and the token log (services/router/router.py), and the log's retention: the
-request index and each client's share (retention.py). Listens to the workers'
-streams, heartbeats, registrations, failures and quarantines; serves generate, attach, cancel,
-status and keepalives. A drain stops intake and flushes the token log, so a successor resumes every
+request index and each client's share (retention.py). A drain stops intake and flushes the token log, so a successor resumes every
 request from it.
 
 A router that starts while another one holds the lease waits for it (a warm standby: connected,
@@ -13,20 +11,13 @@ listening to the workers, not yet serving clients), then claims the log and serv
 
 from __future__ import annotations
 
+from belayer_rl.services.router.declaration import ROUTER
 from belayer_rl.services.router.lease import Lease, lease_bucket
 from belayer_rl.services.router.router import Router
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.metrics import RouterMetrics
-from belayer_rl.shared.protocol import (
-    AttachRequest,
-    CancelRequest,
-    ClientKeepAlive,
-    GenerateRequest,
-    StatusRequest,
-    WorkerStream,
-)
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 
 
 async def setup(rt: Runtime, config: RouterConfig) -> None:
@@ -54,18 +45,16 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
 
     # Listen to workers before rebuilding, so no heartbeat of a serving engine is missed.
     await rt.serve(
-        Endpoint(
-            rt.subjects.worker_stream_all,
-            WorkerStream,
-            router.on_worker_stream,
-            reply=False,
-            with_subject=True,
-        ),
-        Endpoint.event(rt.subjects, "heartbeat", router.on_heartbeat, "*"),
-        Endpoint.event(rt.subjects, "worker_registered", router.on_registration, "*"),
-        Endpoint.event(rt.subjects, "worker_failed", router.on_worker_failed, "*"),
-        Endpoint.event(rt.subjects, "engine_quarantined", router.on_quarantined, "*"),
-        Endpoint.event(rt.subjects, "process", lease.on_process, "*"),
+        *ROUTER.endpoints(
+            rt.subjects,
+            config,
+            worker_stream=router.on_worker_stream,
+            heartbeat=router.on_heartbeat,
+            registration=router.on_registration,
+            worker_failed=router.on_worker_failed,
+            quarantined=router.on_quarantined,
+            process=lease.on_process,
+        )
     )
     rt.standing_by("the router lease")  # a warm standby until the lease is free
     await lease.acquire()
@@ -73,17 +62,15 @@ async def setup(rt: Runtime, config: RouterConfig) -> None:
     rt.spawn(lease.renew(), "lease", essential=True)  # lost to another router: this one stops
     started = await router.rebuild()
     await rt.serve(
-        Endpoint(rt.subjects.router_generate("*"), GenerateRequest, router.on_generate, with_subject=True),
-        Endpoint(rt.subjects.router_attach("*"), AttachRequest, router.on_attach, with_subject=True),
-        Endpoint(rt.subjects.router_cancel("*"), CancelRequest, router.on_cancel, with_subject=True),
-        Endpoint(rt.subjects.router_status, StatusRequest, router.on_status),
-        Endpoint(
-            rt.subjects.router_keepalive("*"),
-            ClientKeepAlive,
-            router.on_keepalive,
-            reply=False,
-            with_subject=True,
-        ),
+        *ROUTER.endpoints(
+            rt.subjects,
+            config,
+            generate=router.on_generate,
+            attach=router.on_attach,
+            cancel=router.on_cancel,
+            status=router.on_status,
+            keepalive=router.on_keepalive,
+        )
     )
     rt.spawn(router.watchdog(), "watchdog", essential=True)
     rt.spawn(router.writer.run(), "log-writer", essential=True)

@@ -1,24 +1,12 @@
 """`python -m belayer_rl.services.shadow_supervisor`: the shadow supervisor, until SIGTERM/SIGINT.
 
-The wiring is in services/shadow_supervisor/service.py; this file names the service and its config.
+What it is, listens to and publishes is in declaration.py; its wiring in service.py.
 """
 
 from __future__ import annotations
 
-from belayer_rl.services.shadow_supervisor.service import setup
-from belayer_rl.shared import runtime
-from belayer_rl.shared.config import ShadowSupervisorConfig, parse_flags
-
-
-def main(argv: list[str] | None = None) -> None:
-    settings = parse_flags(
-        ShadowSupervisorConfig,
-        argv,
-        prog="belayer-shadow-supervisor",
-        description="Run each engine's main worker and its idle shadow; hand over on a failure.",
-    )
-    runtime.run("shadow-supervisor", settings, setup)
-
+from belayer_rl.services.shadow_supervisor.declaration import SHADOW_SUPERVISOR
+from belayer_rl.shared.declaration import main
 
 if __name__ == "__main__":
-    main()
+    main(SHADOW_SUPERVISOR)

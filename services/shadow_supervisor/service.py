@@ -8,12 +8,12 @@ engine's restart and unquarantine subjects are served once its workers run.
 
 from __future__ import annotations
 
+from belayer_rl.services.shadow_supervisor.declaration import SHADOW_SUPERVISOR
 from belayer_rl.services.shadow_supervisor.supervisor import ShadowSupervisor
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import ShadowSupervisorConfig
 from belayer_rl.shared.metrics import SupervisorMetrics
-from belayer_rl.shared.protocol import EngineRestart, EngineUnquarantine
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 
 
 async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
@@ -22,22 +22,9 @@ async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
     supervisor = ShadowSupervisor(config, nc, kv, rt.record_skipped, SupervisorMetrics(rt.metrics))
     rt.on_close(supervisor.stop)
     await supervisor.start()
-    names = rt.subjects
     await rt.serve(
-        *(
-            endpoint
-            for engine in config.engines
-            for endpoint in (
-                Endpoint(
-                    names.engine_restart(engine), EngineRestart, supervisor.on_restart, with_subject=True
-                ),
-                Endpoint(
-                    names.engine_unquarantine(engine),
-                    EngineUnquarantine,
-                    supervisor.on_unquarantine,
-                    with_subject=True,
-                ),
-            )
+        *SHADOW_SUPERVISOR.endpoints(
+            rt.subjects, config, restart=supervisor.on_restart, unquarantine=supervisor.on_unquarantine
         )
     )
     rt.ready(f"engines {', '.join(config.engines)}, each with a main and a shadow")

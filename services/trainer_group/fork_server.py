@@ -27,7 +27,9 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from belayer_rl.services.trainer_group.__main__ import main as rank_main  # imports torch
+from belayer_rl.services.trainer_group import service as _preloaded  # noqa: F401  (torch, before any fork)
+from belayer_rl.services.trainer_group.declaration import TRAINER_GROUP
+from belayer_rl.shared.declaration import main as service_main
 from belayer_rl.shared.processes import dies_with_parent
 from belayer_rl.shared.protocol import (
     BadMessage,
@@ -131,7 +133,7 @@ def become_rank(command: ForkRank, child_setup: Callable[[], None], own_fds: tup
         os.close(devnull)
         logging.getLogger().handlers.clear()  # the rank's runtime sets up its own, on the log
         sys.argv = ["belayer-trainer-group", *command.argv]
-        rank_main(command.argv)
+        service_main(TRAINER_GROUP, command.argv)
         code = 0
     except SystemExit as exc:
         if isinstance(exc.code, int) or exc.code is None:

@@ -18,17 +18,12 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from belayer_rl.services.trainer.ranks import ActorRank, ReferenceRank, RewardRank
+from belayer_rl.services.trainer_group.declaration import TRAINER_GROUP
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig
-from belayer_rl.shared.protocol import (
-    ActorUpdate,
-    ActorUpdated,
-    GroupHeartbeat,
-    RefLogprobsRequest,
-    RewardRequest,
-)
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.protocol import ActorUpdate, ActorUpdated, GroupHeartbeat
+from belayer_rl.shared.runtime import Runtime
 
 M = TypeVar("M")
 R = TypeVar("R")
@@ -41,24 +36,19 @@ async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
     nc = await rt.connect()
     names = rt.subjects
     one_at_a_time = asyncio.Lock()
-    subject = lambda verb: names.trainer_group(config.run, config.group, config.rank, verb)  # noqa: E731
     rank: ActorRank | ReferenceRank | RewardRank
     if config.group == "reward":
         rank = RewardRank(config)
-        endpoint = Endpoint(subject("reward"), RewardRequest, call_in_thread(rank.reward, one_at_a_time))
+        endpoints = TRAINER_GROUP.endpoints(names, config, reward=call_in_thread(rank.reward, one_at_a_time))
     elif config.group == "reference":
         rank = await asyncio.to_thread(ReferenceRank, config)
-        endpoint = Endpoint(
-            subject("logprobs"), RefLogprobsRequest, call_in_thread(rank.logprobs, one_at_a_time)
-        )
+        logprobs = call_in_thread(rank.logprobs, one_at_a_time)
+        endpoints = TRAINER_GROUP.endpoints(names, config, logprobs=logprobs)
     else:
         rank = await asyncio.to_thread(ActorRank, config)  # joins the process group, loads the state
         rt.on_close(rank.close)
-        endpoint = Endpoint(
-            subject("update"),
-            ActorUpdate,
-            actor_update(rank, WeightClient(nc, subjects=names), config, one_at_a_time),
-        )
+        update = actor_update(rank, WeightClient(nc, subjects=names), config, one_at_a_time)
+        endpoints = TRAINER_GROUP.endpoints(names, config, update=update)
 
     async def heartbeat() -> None:
         beat = GroupHeartbeat(
@@ -72,7 +62,7 @@ async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
         )
         await rt.publish(names.event("group_heartbeat", config.run), beat)
 
-    await rt.serve(endpoint)
+    await rt.serve(*endpoints)
     rt.every(config.heartbeat_s, heartbeat, "heartbeat")
     await heartbeat()
     rt.ready(f"{config.group} rank {config.rank}/{config.world} at step {rank.step}")

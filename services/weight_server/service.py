@@ -7,18 +7,11 @@ Stopping removes every segment it made; a start removes those a crashed predeces
 
 from __future__ import annotations
 
+from belayer_rl.services.weight_server.declaration import WEIGHT_SERVER
 from belayer_rl.services.weight_server.server import WeightServer
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import WeightServerConfig
-from belayer_rl.shared.protocol import (
-    ServerPing,
-    WeightsHandlesRequest,
-    WeightsList,
-    WeightsPin,
-    WeightsPublish,
-    WeightsUnpin,
-)
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 
 WEIGHTS_BUCKET_BYTES = 8 << 30  # weights in transit from trainers; each is deleted once loaded
 
@@ -35,12 +28,16 @@ async def setup(rt: Runtime, config: WeightServerConfig) -> None:
         ),
     )
     await rt.serve(
-        Endpoint(rt.subjects.weights_list, WeightsList, server.on_list),
-        Endpoint(rt.subjects.weights_handles, WeightsHandlesRequest, server.on_handles),
-        Endpoint(rt.subjects.weights_pins, WeightsPin, server.on_pin, with_subject=True),
-        Endpoint(rt.subjects.weights_unpins, WeightsUnpin, server.on_unpin, with_subject=True),
-        Endpoint(rt.subjects.weights_publish, WeightsPublish, server.on_publish),
-        Endpoint(rt.subjects.weights_ping, ServerPing, server.on_ping),
+        *WEIGHT_SERVER.endpoints(
+            rt.subjects,
+            config,
+            list=server.on_list,
+            handles=server.on_handles,
+            pin=server.on_pin,
+            unpin=server.on_unpin,
+            publish=server.on_publish,
+            ping=server.on_ping,
+        )
     )
     rt.every(config.sweep_interval_s, server.sweep, "sweep")  # pins of dead holders
     rt.ready(f"{server.instance} serving {server.newest} from {server.lock.prefix}* ({server.device})")

@@ -18,6 +18,7 @@ from typing import TypeVar
 from nats.aio.client import Client as NATS
 
 from belayer_rl.services.worker import shadow
+from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.services.worker.engine import Engine, EngineConfig
 from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.services.worker.worker import Worker
@@ -25,17 +26,14 @@ from belayer_rl.shared import bus, registry, segments
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.metrics import WorkerMetrics
 from belayer_rl.shared.protocol import (
-    AdoptRequest,
     ArenaHandle,
-    CancelDispatch,
-    Dispatch,
     KvArenaRequest,
     Message,
     WeightHandles,
     WeightsPin,
     WorkerIdle,
 )
-from belayer_rl.shared.runtime import Endpoint, Runtime
+from belayer_rl.shared.runtime import Runtime
 
 log = logging.getLogger("belayer.worker")
 T = TypeVar("T")
@@ -105,7 +103,7 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     engine, owners, pins = await build_engine(config, nc)
     if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
         rt.on_close(pins.close)
-        await rt.serve(Endpoint.event(rt.subjects, "weights_published", pins.follow, "*"))
+        await rt.serve(*WORKER.endpoints(rt.subjects, config, weights_published=pins.follow))
         await pins.follow()  # a publication before the subscription would be missed
     rt.capture_signals()
     if config.role == "shadow":
@@ -127,10 +125,14 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     metrics = WorkerMetrics(rt.metrics, config.engine_id)
     worker = Worker(config, nc, engine, epoch, rt.stopping, pins, metrics)
     await rt.serve(
-        Endpoint(rt.subjects.worker_dispatch(config.engine_id), Dispatch, worker.on_dispatch),
-        Endpoint(rt.subjects.worker_cancel(config.engine_id), CancelDispatch, worker.on_cancel),
-        Endpoint(rt.subjects.worker_adopt(config.engine_id), AdoptRequest, worker.on_adopt),
-        Endpoint.event(rt.subjects, "router_started", worker.on_router_started, "*"),
+        *WORKER.endpoints(
+            rt.subjects,
+            config,
+            dispatch=worker.on_dispatch,
+            cancel=worker.on_cancel,
+            adopt=worker.on_adopt,
+            router_started=worker.on_router_started,
+        )
     )
     await rt.publish(rt.subjects.event("worker_registered", config.engine_id), worker.registration())
     rt.spawn(worker.run_engine(), "engine", essential=True)

@@ -556,11 +556,12 @@ async def test_a_client_follows_and_cancels_only_the_requests_it_started(cluster
 
 def test_each_named_client_gets_a_credential_of_its_own() -> None:
     """`belayer creds --clients alice`: cli-alice may call the router as cli-alice, and not as cli."""
+    from belayer_rl.services import SERVICES
     from belayer_rl.shared.roles import Credentials
     from belayer_rl.shared.subjects import Subjects
 
     s = Subjects("c")
-    creds = Credentials.generate(s, ("e0",), clients=("alice",))
+    creds = Credentials.generate(SERVICES, s, ("e0",), clients=("alice",))
     entries = {user.name: entry for user, entry in zip(creds.users, creds.users_entries(), strict=True)}
     allowed = set(entries["cli-alice"]["permissions"]["publish"]["allow"])  # type: ignore[index]
     assert s.router_generate("cli-alice") in allowed and s.router_cancel("cli-alice") in allowed

@@ -19,6 +19,7 @@ import pytest
 import trustme
 
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.services import SERVICES as DECLARATIONS
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.client import Client
@@ -46,7 +47,7 @@ async def nats_with(folder: Path, settings: str) -> AsyncIterator[int]:
 
 
 def write_credentials(folder: Path, cluster_id: str, engines: tuple[str, ...]) -> Credentials:
-    creds = Credentials.generate(Subjects(cluster_id), engines)
+    creds = Credentials.generate(DECLARATIONS, Subjects(cluster_id), engines)
     creds.write(folder)
     return creds
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from belayer_rl.services import SERVICES
 from belayer_rl.shared.roles import COMPOSE_FIRST_ENGINE_UID, COMPOSE_UIDS, Credentials, compose_owners
 from belayer_rl.shared.subjects import Subjects
 
@@ -40,7 +41,7 @@ def uid_of(service: dict) -> int:  # type: ignore[type-arg]
 def test_each_service_runs_as_the_owner_of_each_secret_it_reads(tmp_path: Path) -> None:
     spec = yaml.safe_load(COMPOSE_FILE.read_text())
     files = {name: Path(entry["file"]).name for name, entry in spec["secrets"].items()}
-    Credentials.generate(Subjects("default"), engines()).write(tmp_path)
+    Credentials.generate(SERVICES, Subjects("default"), engines()).write(tmp_path)
     owners = {path.name: uid for path, uid in compose_owners(tmp_path, engines()).items()}
     holders: dict[int, set[str]] = {}
     for name, service in services().items():

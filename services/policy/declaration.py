@@ -1,0 +1,24 @@
+"""The checkpoint policy, declared (shared/declaration.py): one per cluster, it decides at each
+action boundary whether to checkpoint the sandbox, from what the rollout side reports."""
+
+from __future__ import annotations
+
+from belayer_rl.shared import protocol as p
+from belayer_rl.shared.config import PolicyConfig
+from belayer_rl.shared.declaration import Listen, Service, event, on_event
+
+POLICY = Service(
+    name="policy",
+    summary="Run the checkpoint policy service.",
+    runs="cluster",
+    config=PolicyConfig,
+    setup="belayer_rl.services.policy.service:setup",
+    listens={
+        "decide": Listen(lambda s, x: s.policy_decide, p.PolicyDecide, p.PolicyDecision),
+        "env_step": on_event("env_step"),
+        "llm_response": on_event("llm_response"),
+        "checkpoint_ready": on_event("checkpoint_ready"),
+        "checkpoint_timeout": on_event("checkpoint_timeout"),
+    },
+    publishes=(event("policy_decision"),),
+)

@@ -1,0 +1,48 @@
+"""The shadow supervisor, declared (shared/declaration.py): runs each of its engines' main worker
+and idle shadow, and hands over when the main fails.
+
+One credential per engine (a Compose engine container holds only its own), and one for every
+engine at once (`belayer up` runs a single supervisor): {engine} is then a wildcard.
+"""
+
+from __future__ import annotations
+
+from belayer_rl.shared import protocol as p
+from belayer_rl.shared.config import ShadowSupervisorConfig
+from belayer_rl.shared.declaration import Listen, Scope, Service, event, kv_put, kv_stream
+
+SHADOW_SUPERVISOR = Service(
+    name="shadow-supervisor",
+    summary="Run each engine's main worker and its idle shadow; hand over on a failure.",
+    runs="engine",
+    config=ShadowSupervisorConfig,
+    setup="belayer_rl.services.shadow_supervisor.service:setup",
+    listens={
+        "restart": Listen(
+            lambda s, x: s.engine_restart(x.engine), p.EngineRestart, p.EngineRestarted, with_subject=True
+        ),
+        "unquarantine": Listen(
+            lambda s, x: s.engine_unquarantine(x.engine),
+            p.EngineUnquarantine,
+            p.EngineRestarted,
+            with_subject=True,
+        ),
+    },
+    publishes=(
+        lambda s, x: s.kv_flush(x.engine),
+        lambda s, x: s.kv_ping,
+        lambda s, x: s.weights_ping,
+        event("handover", lambda x: x.engine),
+        event("engine_quarantined", lambda x: x.engine),
+        event("engine_unstable", lambda x: x.engine),
+        event("record_skipped"),
+        event("process", lambda x: f"worker-{x.engine}-main"),  # its workers' starts and exits
+        event("process", lambda x: f"worker-{x.engine}-shadow"),
+        lambda s, x: kv_put(s.engine_registry_bucket, x.engine),  # quarantines the engine it runs, no other
+    ),
+    reads=(lambda s: kv_stream(s.engine_registry_bucket),),
+    # Is another engine serving? (before a quarantine)
+    lists=(lambda s: kv_stream(s.engine_registry_bucket),),
+    scopes=lambda config: tuple(Scope(engine=engine) for engine in config.engines),
+    all_engines=True,
+)

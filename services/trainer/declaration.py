@@ -1,0 +1,38 @@
+"""The trainer, declared (shared/declaration.py): no process of its own but the library `belayer
+train` runs, under the same credential as its group workers (services/trainer_group). It calls
+the groups, generates its samples through the router as a client, restarts the engines on a
+rollout rebuild and reports its steps and its fault manager's decisions."""
+
+from __future__ import annotations
+
+from belayer_rl.shared.declaration import ANY, Service, event
+
+TRAINER = Service(
+    name="trainer",
+    summary="Train a policy from rollouts, rebuilding failed groups.",
+    runs="driver",
+    client=True,  # it generates its samples through the router
+    subscribes=(
+        lambda s, x: s.event("router_started", ANY),  # the client re-attaches after a router restart
+        lambda s, x: s.event("group_heartbeat", ANY),
+        lambda s, x: s.event("worker_failed", ANY),  # the rollout side failing with the actor: reschedule
+        lambda s, x: s.event("handover", ANY),
+    ),
+    publishes=(
+        lambda s, x: s.trainer_group(ANY, ANY, ANY, "update"),  # calls to its group workers
+        lambda s, x: s.trainer_group(ANY, ANY, ANY, "logprobs"),
+        lambda s, x: s.trainer_group(ANY, ANY, ANY, "reward"),
+        lambda s, x: s.weights_list,
+        lambda s, x: s.weights_ping,
+        event("trainer_step"),
+        event("group_failed"),
+        event("group_rebuilt"),
+        event("reschedule"),
+        lambda s, x: s.engine_restart(ANY),  # a rollout rebuild: the engines restarted by the cold path
+        lambda s, x: s.router_generate(x.client),
+        lambda s, x: s.router_attach(x.client),
+        lambda s, x: s.router_cancel(x.client),
+        lambda s, x: s.router_status,
+        lambda s, x: s.router_keepalive(x.client),
+    ),
+)

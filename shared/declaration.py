@@ -1,0 +1,185 @@
+"""What a service is, said once: the declaration each service keeps beside its code.
+
+A declaration names the service, its config, how many of it run (once per cluster, per host, per
+engine), what it listens to (each endpoint's subject, request type and reply type), what it
+publishes and which streams, buckets and object stores it owns or reads. Everything else that
+used to repeat those facts is derived from it:
+
+- the runtime's subscriptions and decoders (`Service.endpoints`: setup binds handlers by name);
+- the NATS permissions of the service's role (shared/roles.py);
+- the process's entry point (`main`: `python -m belayer_rl.services.<name>`);
+- the services `belayer status` asks for their stats.
+
+Subjects are written as functions of the cluster's names (shared/subjects.py, the contract) and
+of a `Scope`: the engine, host, client or group a process serves. The runtime fills the scope
+from the config; the permissions fill it with placeholders (`{engine}`, `{client}`) or wildcards.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from belayer_rl.shared import runtime
+from belayer_rl.shared.config import ServiceConfig, parse_flags
+from belayer_rl.shared.protocol import EVENT_TYPES, Message
+from belayer_rl.shared.runtime import Endpoint
+from belayer_rl.shared.subjects import Subjects
+
+Runs = Literal["cluster", "host", "engine", "group", "driver"]
+ANY = "*"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one process's subjects are filled with. A field it does not serve stays a wildcard."""
+
+    engine: str = ANY
+    host: str = ANY
+    client: str = ANY
+    run: str = ANY
+    group: str = ANY
+    rank: str = ANY
+    pid: str = ANY  # for a kind whose processes run side by side (an engine's main and shadow)
+
+
+# The scope a role's permissions are written with: `{engine}` and `{client}` are filled per user
+# (shared/roles.py), the rest may be any.
+PERMISSION_SCOPE = Scope(engine="{engine}", client="{client}")
+
+Subject = Callable[[Subjects, Scope], str]
+Store = Callable[[Subjects], str]  # a stream's JetStream name
+
+
+def kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def object_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def kv_put(bucket: str, key: str = ">") -> str:
+    """The subject a put (or delete) of `key` in a key-value bucket goes out on."""
+    return f"$KV.{bucket}.{key}"
+
+
+def object_put(bucket: str) -> str:
+    """The subjects an object store's chunks and metadata go out on."""
+    return f"$O.{bucket}.>"
+
+
+STREAM_NAMES = "$JS.API.STREAM.NAMES"  # nats-py looks an object store's stream up by subject
+
+
+@dataclass(frozen=True)
+class Listen:
+    """One endpoint: messages of type `accepts` on `subject`; `reply` is the type answered (None
+    for a one-way subject). As runtime.Endpoint, whose other switches it carries."""
+
+    subject: Subject
+    accepts: Any
+    reply: Any = None
+    concurrent: bool = False
+    with_subject: bool = False
+
+
+def on_event(kind: str, ident: Callable[[Scope], str] = lambda scope: ANY) -> Listen:
+    """A one-way endpoint on an event of `kind`, decoded as protocol.EVENT_TYPES declares it;
+    `ident`: the id token it listens on (any, by default)."""
+    return Listen(lambda s, x: s.event(kind, ident(x)), EVENT_TYPES[kind])
+
+
+def event(kind: str, ident: Callable[[Scope], str] = lambda scope: ANY) -> Subject:
+    """The subject of an event of `kind` it publishes: under any id, or under `ident`'s."""
+    return lambda s, x: s.event(kind, ident(x))
+
+
+@dataclass(frozen=True)
+class Service:
+    """One kind of process (or, `runs="driver"`, a library that runs inside a CLI command and
+    shares a role with a kind of process)."""
+
+    name: str  # its process name, and its role's unless `role` says otherwise
+    summary: str  # one line: what it does (its --help)
+    runs: Runs
+    config: type[ServiceConfig] | None = None
+    setup: str = ""  # "module:function", imported only when the service starts
+    role: str = ""  # the bus credential it runs under; "" for `name`
+    listens: Mapping[str, Listen] = field(default_factory=dict)  # by the name setup binds
+    subscribes: tuple[Subject, ...] = ()  # read outside an endpoint (a client's own subscription)
+    publishes: tuple[Subject, ...] = ()
+    owns: tuple[Store, ...] = ()  # streams it creates, updates and consumes
+    reads: tuple[Store, ...] = ()  # streams it reads single records of
+    lists: tuple[Store, ...] = ()  # streams it walks with an ordered consumer (a bucket's keys)
+    # The key its stats endpoint answers on (Runtime.stats_key): its name, or for a kind with many
+    # processes their scope in tokens, which the role's permission can scope.
+    stats: Callable[[Scope], str] | None = None
+    client: bool = False  # it calls the router: the router may stream into its inboxes
+    to_clients: bool = False  # it streams into clients' inboxes (the router)
+    # One credential for every engine too (a supervisor of all of them); per-engine roles always
+    # have one credential per engine.
+    all_engines: bool = False
+    scopes: Callable[[Any], tuple[Scope, ...]] = lambda config: (Scope(),)
+    process: Callable[[Scope], str] | None = None  # its process name; None for `name`
+    exits_on: tuple[type[Exception], ...] = ()  # start-up refusals reported in one line
+    signals_during_setup: bool = True
+    notes: tuple[str, ...] = ()  # what an operator must know when deploying it (compose.yaml)
+
+    @property
+    def role_name(self) -> str:
+        return self.role or self.name
+
+    @property
+    def replies(self) -> bool:
+        return any(listen.reply is not None for listen in self.listens.values())
+
+    def endpoints(
+        self, names: Subjects, config: Any, **handlers: Callable[..., Awaitable[Message | None]]
+    ) -> list[Endpoint]:
+        """The runtime endpoints of the listens named in `handlers`, one per scope of `config`."""
+        unknown = sorted(set(handlers) - set(self.listens))
+        if unknown:
+            raise TypeError(f"{self.name} declares no endpoint {', '.join(unknown)}")
+        return [
+            Endpoint(
+                listen.subject(names, scope),
+                listen.accepts,
+                handler,
+                reply=listen.reply is not None,
+                concurrent=listen.concurrent,
+                with_subject=listen.with_subject,
+            )
+            for scope in self.scopes(config)
+            for name, handler in handlers.items()
+            for listen in (self.listens[name],)
+        ]
+
+    def stats_key(self, scope: Scope) -> str:
+        """Where its processes answer StatsRequest; "" for a driver (no runtime of its own)."""
+        if self.runs == "driver":
+            return ""
+        return self.stats(scope) if self.stats else self.name
+
+    def process_name(self, scope: Scope) -> str:
+        return self.process(scope) if self.process else self.name
+
+
+def main(service: Service, argv: list[str] | None = None) -> None:
+    """Every service's `python -m belayer_rl.services.<name>`: its flags, then the runtime."""
+    if service.config is None or not service.setup:
+        raise TypeError(f"{service.name} is no process of its own")
+    settings = parse_flags(service.config, argv, prog=f"belayer-{service.name}", description=service.summary)
+    module, function = service.setup.split(":")
+    setup = getattr(importlib.import_module(module), function)
+    scope = (*service.scopes(settings), Scope())[0]  # a process of several scopes: its first names it
+    runtime.run(
+        service.process_name(scope),
+        settings,
+        setup,
+        signals_during_setup=service.signals_during_setup,
+        exits_on=service.exits_on,
+        stats_key=service.stats_key(scope),
+    )
