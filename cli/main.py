@@ -32,7 +32,8 @@ from belayer_rl.shared import bus, protocol
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.bus import Target
 from belayer_rl.shared.client import Client, GenerationError
-from belayer_rl.shared.config import ConfigError, default_state_dir
+from belayer_rl.shared.config import ConfigError, default_state_dir, hostname_id
+from belayer_rl.shared.declaration import stats_keys
 from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects, cluster_id_ok, event_kind
 
@@ -223,19 +224,12 @@ def status_report(args: argparse.Namespace) -> StatusReport:
         error = f"router via {url}: {exc}"
         return StatusReport(processes=processes, engines=[], requests_in_flight=0, router_error=error)
     shadows = read_shadows(state_dir)
-    # Services answer under their runtime names; a worker under its engine and pid.
-    names = [
-        p.name
-        for p in processes
-        if p.name not in ("supervisor", "nats-server") and not p.name.startswith("worker-")
-    ]
-    names += [
-        f"worker.{e.engine_id}.{pid}"  # a worker's stats key (services/worker/__main__.py)
-        for e in status.engines
-        for pid in (e.pid, shadows.get(e.engine_id, 0))
-        if pid
-    ]
-    services = uvloop.run(service_rows(target, names))
+    workers = {
+        e.engine_id: [pid for pid in (e.pid, shadows.get(e.engine_id, 0)) if pid] for e in status.engines
+    }
+    # Every declared kind of process, on this host (a local cluster's checkpointer runs here).
+    keys = stats_keys(SERVICES, workers, hosts=[hostname_id()])
+    services = uvloop.run(service_rows(target, keys))
     engines = [
         EngineRow(
             id=e.engine_id,

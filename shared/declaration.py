@@ -18,7 +18,7 @@ from the config; the permissions fill it with placeholders (`{engine}`, `{client
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -124,7 +124,6 @@ class Service:
     all_engines: bool = False
     scopes: Callable[[Any], tuple[Scope, ...]] = lambda config: (Scope(),)
     process: Callable[[Scope], str] | None = None  # its process name; None for `name`
-    exits_on: tuple[type[Exception], ...] = ()  # start-up refusals reported in one line
     signals_during_setup: bool = True
     notes: tuple[str, ...] = ()  # what an operator must know when deploying it (compose.yaml)
 
@@ -167,6 +166,26 @@ class Service:
         return self.process(scope) if self.process else self.name
 
 
+def stats_keys(
+    services: Sequence[Service], engines: Mapping[str, Sequence[int]], hosts: Sequence[str]
+) -> list[str]:
+    """The stats keys of every process the declarations describe (`belayer status`), for the
+    engines it knows (each with its workers' pids) and the hosts it knows. A trainer's group
+    workers are left out: they live for one training run, and the trainer reports them."""
+    keys: list[str] = []
+    for service in services:
+        if service.runs == "engine":
+            scopes = [Scope(engine=e, pid=str(pid)) for e, pids in engines.items() for pid in pids]
+        elif service.runs == "host":
+            scopes = [Scope(host=host) for host in hosts]
+        elif service.runs == "cluster":
+            scopes = [Scope()]
+        else:
+            scopes = []
+        keys += [service.stats_key(scope) for scope in scopes]
+    return list(dict.fromkeys(keys))  # one per key: the servers of every host answer as one
+
+
 def main(service: Service, argv: list[str] | None = None) -> None:
     """Every service's `python -m belayer_rl.services.<name>`: its flags, then the runtime."""
     if service.config is None or not service.setup:
@@ -180,6 +199,5 @@ def main(service: Service, argv: list[str] | None = None) -> None:
         settings,
         setup,
         signals_during_setup=service.signals_during_setup,
-        exits_on=service.exits_on,
         stats_key=service.stats_key(scope),
     )

@@ -54,7 +54,7 @@ from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import ConfigError, ServiceConfig
 from belayer_rl.shared.metrics import Metrics, MetricsServer, ServiceCounts
 from belayer_rl.shared.protocol import EndpointInfo, ErrorReply, Message, ServiceStats, StatsRequest
-from belayer_rl.shared.subjects import Subjects, event_kind
+from belayer_rl.shared.subjects import event_kind
 
 log = logging.getLogger("belayer.runtime")
 
@@ -89,14 +89,6 @@ class Endpoint:
     reply: bool = True
     concurrent: bool = False
     with_subject: bool = False
-
-    @classmethod
-    def event(
-        cls, names: Subjects, kind: str, handler: Callable[..., Awaitable[None]], *ids: str
-    ) -> Endpoint:
-        """A one-way endpoint on `belayer.<cluster>.evt.<kind>[.<id>...]` that decodes the type
-        protocol.EVENT_TYPES declares for the kind, so subject and type cannot disagree."""
-        return cls(names.event(kind, *ids), protocol.EVENT_TYPES[kind], handler, reply=False)
 
     def info(self) -> EndpointInfo:
         return EndpointInfo(
@@ -498,17 +490,16 @@ def run(
     setup: Callable[[Runtime, C], Awaitable[None]],
     *,
     signals_during_setup: bool = True,
-    exits_on: tuple[type[Exception], ...] = (),
     stats_key: str = "",
 ) -> None:
     """A service's `main`: logging, the event loop, and one clear line instead of a traceback for
-    a config error or one of `exits_on` (start-up refusals such as a busy shared-memory prefix)."""
+    a config error (start-up refusals, such as a busy shared-memory prefix, are ones too)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         failure = uvloop.run(
             serve(name, config, setup, signals_during_setup=signals_during_setup, stats_key=stats_key)
         )
-    except (ConfigError, *exits_on) as exc:
+    except ConfigError as exc:
         sys.exit(f"{name}: {exc}")
     if failure:
         sys.exit(f"{name}: {failure}")

@@ -33,6 +33,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from belayer_rl.shared.config import ConfigError
 from belayer_rl.shared.presets import PRESETS, arena_shape
 from belayer_rl.shared.protocol import (
     ArenaHandle,
@@ -197,8 +198,9 @@ class PrefixLock:
         os.close(self._fd)
 
 
-class PrefixBusy(RuntimeError):
-    """Another live process holds the lock of the shared-memory prefix."""
+class PrefixBusy(ConfigError):
+    """Another live process holds the lock of the shared-memory prefix: a setting to change (its
+    --shm-prefix) or a server already running, reported in one line like any config error."""
 
 
 def remove_leftovers(prefix: str, keep: tuple[str, ...] = ()) -> list[str]:

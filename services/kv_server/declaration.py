@@ -6,7 +6,6 @@ from __future__ import annotations
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import KvServerConfig
 from belayer_rl.shared.declaration import Listen, Service, kv_stream
-from belayer_rl.shared.segments import PrefixBusy
 
 KV_SERVER = Service(
     name="kv-server",
@@ -21,5 +20,4 @@ KV_SERVER = Service(
         "ping": Listen(lambda s, x: s.kv_ping, p.ServerPing, p.KvServerAlive),
     },
     reads=(lambda s: kv_stream(s.engine_registry_bucket),),
-    exits_on=(PrefixBusy,),
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import WeightServerConfig
 from belayer_rl.shared.declaration import STREAM_NAMES, Listen, Service, event, object_put, object_stream
-from belayer_rl.shared.segments import PrefixBusy
 
 WEIGHT_SERVER = Service(
     name="weight-server",
@@ -28,5 +27,4 @@ WEIGHT_SERVER = Service(
         lambda s, x: STREAM_NAMES,
     ),
     owns=(lambda s: object_stream(s.weights_object_bucket),),  # declared here; it deletes what it loaded
-    exits_on=(PrefixBusy,),
 )

@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root is the package
 PROJECT_FOLDERS = ("cli", "services", "shared", "scripts")  # tests may subscribe to whatever they like
 
 
-# Endpoint.event (shared/runtime.py) hands its `kind` parameter on to Subjects.event: the kinds are
-# the literals of its callers, which are collected as calls of their own.
-FORWARDERS = {("shared/runtime.py", "kind")}
+# A declaration's on_event and event (shared/declaration.py) hand their `kind` parameter on to
+# Subjects.event: the kinds are the literals of their callers, which are collected as calls of their own.
+FORWARDERS = {("shared/declaration.py", "kind")}
+DECLARED_EVENTS = ("on_event", "event")
 # A cluster's names (a Subjects) are reached as `<x>.subjects`, or held as `names` or `s`.
 NAMES_HOLDERS = ("names", "s")
 
@@ -33,18 +34,20 @@ def is_names(receiver: ast.expr) -> bool:
 
 def event_calls() -> list[tuple[str, str, ast.Call]]:
     """(where, function, call) for every <names>.event(...), <names>.weights_published(...) and
-    Endpoint.event(names, ...) call in the project's code; for Endpoint.event the kind is moved first."""
+    declared event (on_event(kind, ...), event(kind, ...)) in the project's code."""
     calls = []
     for folder in PROJECT_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                if not isinstance(node, ast.Call):
                     continue
                 where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                if isinstance(node.func, ast.Name) and node.func.id in DECLARED_EVENTS:
+                    calls.append((where, "event", node))
+                if not isinstance(node.func, ast.Attribute):
+                    continue
                 receiver = node.func.value
-                if node.func.attr == "event" and isinstance(receiver, ast.Name) and receiver.id == "Endpoint":
-                    calls.append((where, "event", ast.Call(func=node.func, args=node.args[1:], keywords=[])))
-                elif node.func.attr in ("event", "weights_published") and is_names(receiver):
+                if node.func.attr in ("event", "weights_published") and is_names(receiver):
                     calls.append((where, node.func.attr, node))
     return calls
 

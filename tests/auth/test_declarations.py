@@ -1,0 +1,177 @@
+"""The declarations (shared/declaration.py) are the one place a service's surface is written: its
+role's permissions, its runtime endpoints and `belayer status` are made from them.
+
+Read from the generated permissions, as nats-server would apply them: every subject a service
+subscribes to or publishes is allowed to its role, and a subject it answers requests on is
+allowed to no other service's role. A throwaway declaration shows up everywhere with no other edit.
+No server runs here: the permissions are checked as nats-server matches subjects (token by token,
+`*` one token, `>` the rest); tests/auth/test_permissions.py checks the same tables against a real
+nats-server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from belayer_rl.services import SERVICES
+from belayer_rl.shared import protocol
+from belayer_rl.shared.declaration import Listen, Scope, Service, event, stats_keys
+from belayer_rl.shared.roles import Credentials
+from belayer_rl.shared.subjects import Subjects
+
+NAMES = Subjects("c1")
+ENGINES = ("e0", "e1")
+
+
+def covers(pattern: str, subject: str) -> bool:
+    """Whether the permission `pattern` allows `subject`, itself perhaps a wildcard subscription:
+    a wildcard subject is allowed only by a pattern at least as wide at each token."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or have[i] == ">":
+            return False
+        if token != "*" and token != have[i]:
+            return False
+    return len(want) == len(have)
+
+
+def allowed(entry: dict[str, object], kind: str, subject: str) -> bool:
+    permissions = entry.get("permissions")
+    if permissions is None:  # the operator's credential: everything
+        return True
+    assert isinstance(permissions, dict)
+    return any(covers(pattern, subject) for pattern in permissions[kind]["allow"])
+
+
+def permissions(services: tuple[Service, ...]) -> dict[str, dict[str, object]]:
+    creds = Credentials.generate(services, NAMES, ENGINES, clients=("alice",))
+    return {user.name: entry for user, entry in zip(creds.users, creds.users_entries(), strict=True)}
+
+
+def user_of(service: Service) -> tuple[str, Scope]:
+    """The user a process of `service` runs as, and the scope it serves there (engine e0)."""
+    per_engine = service.runs == "engine"
+    user = f"{service.role_name}-e0" if per_engine else service.role_name
+    return user, Scope(engine="e0", host="h1", client=user, run="r1", group="actor", rank="0", pid="7")
+
+
+def uncovered(services: tuple[Service, ...], table: dict[str, dict[str, object]]) -> list[str]:
+    """What some declared service does that its role's permissions do not allow."""
+    missing = []
+    for service in services:
+        user, scope = user_of(service)
+        entry = table[user]
+        listened = [listen.subject for listen in service.listens.values()] + list(service.subscribes)
+        missing += [
+            f"{user} sub {s(NAMES, scope)}"
+            for s in listened
+            if not allowed(entry, "subscribe", s(NAMES, scope))
+        ]
+        missing += [
+            f"{user} pub {s(NAMES, scope)}"
+            for s in service.publishes
+            if not allowed(entry, "publish", s(NAMES, scope))
+        ]
+        for store in (*service.owns, *service.reads):
+            info = f"$JS.API.STREAM.INFO.{store(NAMES)}"
+            if not allowed(entry, "publish", info):
+                missing.append(f"{user} info {store(NAMES)}")
+        if service.runs != "driver" and not allowed(
+            entry, "subscribe", NAMES.service_stats(service.stats_key(scope))
+        ):
+            missing.append(f"{user} stats {service.stats_key(scope)}")
+    return missing
+
+
+def test_every_subject_a_service_uses_is_allowed_to_its_role() -> None:
+    assert uncovered(SERVICES, permissions(SERVICES)) == []
+
+
+def test_the_check_catches_a_declaration_that_lost_a_subject() -> None:
+    """Mutation: the router's role made from a declaration without its lease writes (and the
+    checkpointer's without its endpoints) is caught against the real declarations."""
+    router, checkpointer = (
+        next(s for s in SERVICES if s.name == name) for name in ("router", "checkpointer")
+    )
+    narrowed = tuple(
+        dataclasses.replace(s, publishes=s.publishes[:-1])
+        if s is router
+        else dataclasses.replace(s, listens={})
+        if s is checkpointer
+        else s
+        for s in SERVICES
+    )
+    missing = uncovered(SERVICES, permissions(narrowed))
+    assert any(m.startswith("router pub $KV.belayer_router_c1") for m in missing), missing
+    assert any(m.startswith("checkpointer sub belayer.c1.sandbox.h1") for m in missing), missing
+
+
+def test_a_subject_a_service_answers_on_is_no_other_services_to_read() -> None:
+    """Requests reach only their server: no other service role (nor another engine's credential)
+    may subscribe where one answers. The operator's admin credential may do anything."""
+    table = permissions(SERVICES)
+    readers = []
+    for service in SERVICES:
+        user, scope = user_of(service)
+        for listen in service.listens.values():
+            if listen.reply is None:
+                continue  # an event: anyone allowed may listen
+            subject = listen.subject(NAMES, scope)
+            readers += [
+                f"{other} may read {subject}"
+                for other, entry in table.items()
+                if other not in (user, "admin")
+                and allowed(entry, "subscribe", subject)
+                # the every-engine supervisor of `belayer up` runs e0 as well
+                and not (other == service.role_name and service.all_engines)
+            ]
+    assert readers == []
+    # The control: the check sees a reader where there is one.
+    assert allowed(table["engine-e0"], "subscribe", NAMES.worker_dispatch("e0"))
+    assert not allowed(table["engine-e1"], "subscribe", NAMES.worker_dispatch("e0"))
+
+
+PROBE = Service(
+    name="probe",
+    summary="A throwaway service: nothing but its declaration.",
+    runs="cluster",
+    listens={"ask": Listen(lambda s, x: f"{s.root}.probe.ask", protocol.StatsRequest, protocol.Ack)},
+    publishes=(event("record_skipped"),),
+    owns=(lambda s: f"PROBE_{s.cluster_id}",),
+)
+
+
+def test_a_new_declaration_gets_its_role_endpoints_and_status_row_with_no_other_edit() -> None:
+    services = (*SERVICES, PROBE)
+    table = permissions(services)
+    assert "probe" in table and "probe" not in permissions(SERVICES)
+    assert uncovered(services, table) == []
+    assert allowed(table["probe"], "subscribe", "belayer.c1.probe.ask")
+    assert allowed(table["probe"], "publish", "$JS.API.STREAM.UPDATE.PROBE_c1")
+    assert not allowed(table["probe"], "publish", "belayer.c1.probe.ask")  # it serves, it does not call
+    assert "probe" in stats_keys(services, {"e0": [7]}, hosts=["h1"])
+
+    async def answer(_: protocol.StatsRequest) -> protocol.Ack:
+        return protocol.Ack()
+
+    (endpoint,) = PROBE.endpoints(NAMES, None, ask=answer)
+    assert (endpoint.subject, endpoint.accepts, endpoint.reply) == (
+        "belayer.c1.probe.ask",
+        protocol.StatsRequest,
+        True,
+    )
+    with pytest.raises(TypeError, match="no endpoint tell"):
+        PROBE.endpoints(NAMES, None, tell=answer)
+
+
+def test_status_asks_every_kind_of_process_under_the_key_it_answers_on() -> None:
+    keys = stats_keys(SERVICES, {"e0": [11, 12], "e1": [13]}, hosts=["h1"])
+    assert {"router", "weight-server", "kv-server", "shadow-supervisor", "policy", "checkpointer.h1"} <= set(
+        keys
+    )
+    assert {"worker.e0.11", "worker.e0.12", "worker.e1.13"} <= set(keys)
+    assert not any(key.startswith("trainer") for key in keys)  # a training run's groups: the trainer's own
