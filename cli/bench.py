@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) -> None:
     """`with_kinds=False` registers the command's name and help only: the benchmarks' modules import
     torch, which a command line that does not run a benchmark should not pay for (cli/main.py)."""
     bench = commands.add_parser("bench", help="benchmarks: figure and baseline from the same run")

@@ -27,6 +27,7 @@ from pathlib import Path
 import aiodocker
 import uvloop
 
+from belayer_rl.cli.bench_report import Report
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.services.checkpointer.sandbox import LABEL_HOST
@@ -130,7 +131,7 @@ async def measure(
 # ---------------------------------------------------------------- harness
 
 
-async def bench(args: argparse.Namespace) -> dict[str, object]:
+async def bench(args: argparse.Namespace) -> Report:
     docker = aiodocker.Docker()
     try:
         image = await ensure_image(docker, DEFAULT_IMAGE)
@@ -166,6 +167,8 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
             row = await measure(client, image, scenario, kill)
             rows.append(row)
             if not args.json:
+                if len(rows) == 1:
+                    print(HEADER)
                 print_row(row, flush=True)
     finally:
         await nc.close()
@@ -183,9 +186,6 @@ HEADER = f"{'scenario':<26}{'actions':>9}{'freeze':>9}{'ckpt':>9}{'MiB written':
 
 
 def print_row(row: Row, flush: bool = False) -> None:
-    if not getattr(print_row, "header_done", False):
-        print(HEADER)
-        print_row.header_done = True  # type: ignore[attr-defined]
     print(
         f"{row.scenario:<26}{row.actions_s:>8.2f}s{row.freeze_s:>8.2f}s{row.checkpoint_s:>8.2f}s"
         f"{row.bytes_written / MIB:>13.1f}{row.restore_s:>8.2f}s{row.replay_s:>8.2f}s{row.ratio:>16.2f}",
@@ -193,7 +193,7 @@ def print_row(row: Row, flush: bool = False) -> None:
     )
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("checkpoint", help="sandbox checkpoint/restore cost vs restart and replay")
     parser.add_argument("--quick", action="store_true", help="a small subset (10 MiB, 1 MiB, 1000 files)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

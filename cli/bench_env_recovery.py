@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 import uvloop
 
-from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.policy.decision import Guards, Interval, Slowdown, TimedResponse, fit_slowdown
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, TimelineEntry, TrajectoryResult
@@ -52,7 +52,7 @@ POLICIES = ("never", "always", "every-3", "adaptive")
 FAILURE_FREE = "-ff"  # the run id's end for a seed's failure-free batch
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     bench = kinds.add_parser(
         "env-recovery", help="sandbox failures: rollout time added, per checkpoint policy"
     )
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         measured = Measured(**json.loads(args.sim_only.read_text()))
         earlier = args.sim_only.parent / "report.json"
         real = json.loads(earlier.read_text())["real"] if earlier.exists() else None
-        report: dict[str, object] = {"real": real}
+        report: Report = {"real": real}
     else:
         report, measured = uvloop.run(real_runs(args, rates, policies))
         (args.out / "measured.json").write_text(json.dumps(dataclasses.asdict(measured)))
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def real_runs(
     args: argparse.Namespace, rates: list[float], policies: list[str]
-) -> tuple[dict[str, object], Measured]:
+) -> tuple[Report, Measured]:
     tasks = shell_tasks(args.trajectories, turns=args.turns, action_s=args.action_s)
     cells: dict[str, list[dict[str, float]]] = {}
     batches: dict[str, list[TrajectoryResult]] = {}  # run id -> its trajectories, for the simulator
@@ -186,10 +186,10 @@ async def real_runs(
                                 f"  p={rate:g} {policy}: {summary.wall_s:.1f} s, {summary.failures} failures, {summary.checkpoints} checkpoints",
                                 flush=True,
                             )
-    report = {"real": {"config": {"seeds": args.seeds, "trajectories": args.trajectories, "turns": args.turns, "action_s": args.action_s},
+    report: Report = {"real": {"config": {"seeds": args.seeds, "trajectories": args.trajectories, "turns": args.turns, "action_s": args.action_s},
                        "failure_free_s": baselines, "cells": {k: aggregate(v) for k, v in cells.items()}}}  # fmt: skip
     slowdown, measured = measure_batches(batches)
-    report["real"]["slowdown"] = dataclasses.asdict(slowdown) if slowdown else None  # type: ignore[index]
+    report["real"]["slowdown"] = dataclasses.asdict(slowdown) if slowdown else None
     return report, measured
 
 
@@ -276,9 +276,9 @@ def cell(summary: BatchSummary, baseline: BatchSummary) -> dict[str, float]:
     }
 
 
-def aggregate(rows: list[dict[str, float]]) -> dict[str, object]:
+def aggregate(rows: list[dict[str, float]]) -> Report:
     """Per figure: median, min and max over seeds; counts summed."""
-    out: dict[str, object] = {}
+    out: Report = {}
     for name in rows[0]:
         values = [row[name] for row in rows]
         if name in (
@@ -381,9 +381,9 @@ def measure(
 
 def simulations(
     args: argparse.Namespace, rates: list[float], policies: list[str], measured: Measured, real: object
-) -> dict[str, object]:
+) -> Report:
     started = time.monotonic()
-    out: dict[str, object] = {}
+    out: Report = {}
     shapes = {"paper": (512, 20, args.sim_seeds)}
     share = args.trajectories  # as many trajectories to a machine as in the real runs
     if isinstance(real, dict):
@@ -401,7 +401,7 @@ def simulations(
             guards=Guards(min_step=min_step),
         )
         baseline = [simulate(shape_config("never", 0.0, seed=seed), measured) for seed in range(seeds)]
-        cells: dict[str, object] = {}
+        cells: Report = {}
         for rate in rates:
             for policy in policies:
                 rows = []
@@ -418,14 +418,14 @@ def simulations(
                 }
         out[shape] = {"trajectories": trajectories, "turns": turns, "seeds": seeds, "cells": cells}
     if isinstance(real, dict):
-        out["validation"] = validation(real["cells"], out["real-config"]["cells"])  # type: ignore[index]
+        out["validation"] = validation(real["cells"], out["real-config"]["cells"])
     out["slowdown"] = measured.slowdown
     out["min_step"] = args.sim_min_step
     out["seconds"] = time.monotonic() - started
     return out
 
 
-def validation(real: dict[str, dict[str, object]], sim: dict[str, dict[str, object]]) -> dict[str, object]:
+def validation(real: dict[str, Report], sim: dict[str, Report]) -> Report:
     """Per cell simulated (--rates and --policies may name fewer than the real runs did): does
     the simulator's median added time fall within the real runs' range?"""
     verdicts = {}
@@ -433,18 +433,18 @@ def validation(real: dict[str, dict[str, object]], sim: dict[str, dict[str, obje
         if name not in sim:
             continue
         spread = figures["added"]
-        simulated = sim[name]["added"]["median"]  # type: ignore[index]
-        inside = spread["min"] <= simulated <= spread["max"]  # type: ignore[index]
+        simulated = sim[name]["added"]["median"]
+        inside = spread["min"] <= simulated <= spread["max"]
         verdicts[name] = {
             "simulated_median": simulated,
             "real_min": spread["min"],
             "real_max": spread["max"],
             "within": inside,
-        }  # type: ignore[index]
+        }
     return {"cells": verdicts, "validated": all(v["within"] for v in verdicts.values())}
 
 
-def print_table(report: dict[str, object]) -> None:
+def print_table(report: Report) -> None:
     print(f"{report['agent']}")
     real = report.get("real")
     if isinstance(real, dict):
@@ -454,40 +454,40 @@ def print_table(report: dict[str, object]) -> None:
         table(real["cells"])
     sim = report["simulator"]
     for shape in ("real-config", "paper"):
-        if shape in sim:  # type: ignore[operator]
-            s = sim[shape]  # type: ignore[index]
+        if shape in sim:
+            s = sim[shape]
             print(
                 f"\nsimulator, {shape}: {s['trajectories']} trajectories x {s['turns']} rounds, {s['seeds']} seeds"
             )
             table(s["cells"])
     print(
         f"\nslowdown κ the simulator used (seconds a response loses per checkpoint second beside it): {sim['slowdown']:.3f}"
-    )  # type: ignore[index]
-    if "validation" in sim:  # type: ignore[operator]
-        print(f"\nsimulator validated against the real runs: {sim['validation']['validated']}")  # type: ignore[index]
+    )
+    if "validation" in sim:
+        print(f"\nsimulator validated against the real runs: {sim['validation']['validated']}")
 
 
-def table(cells: dict[str, dict[str, object]]) -> None:
+def table(cells: dict[str, Report]) -> None:
     print(
         f"{'p/policy':<18}{'added (median [min, max])':>30}{'ckpt s':>9}{'exposed s':>10}{'hidden':>8}{'ckpts':>7}{'fail':>6}{'recov':>6}{'base':>6}"
     )
     for name, c in cells.items():
         added, ck, ex, hidden = c["added"], c["checkpoint_s"], c["exposed_checkpoint_s"], c["hidden_fraction"]
         print(
-            f"{name:<18}{added['median']:>+13.1%} [{added['min']:+.1%}, {added['max']:+.1%}]"  # type: ignore[index]
-            f"{ck['median']:>9.1f}{ex['median']:>10.2f}{hidden['median']:>8.1%}"  # type: ignore[index]
+            f"{name:<18}{added['median']:>+13.1%} [{added['min']:+.1%}, {added['max']:+.1%}]"
+            f"{ck['median']:>9.1f}{ex['median']:>10.2f}{hidden['median']:>8.1%}"
             f"{c['checkpoints']:>7}{c['failures']:>6}{c['recoveries']:>6}{c['restores_from_base']:>6}"
         )
 
 
-def plot(report: dict[str, object], path: Path) -> None:
+def plot(report: Report, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sources = [(name, cells) for name, cells in (("real", (report.get("real") or {}).get("cells")),  # type: ignore[union-attr]
-                                                 ("simulator (paper scale)", report["simulator"]["paper"]["cells"]))  # type: ignore[index]
+    sources = [(name, cells) for name, cells in (("real", (report.get("real") or {}).get("cells")),
+                                                 ("simulator (paper scale)", report["simulator"]["paper"]["cells"]))
                if cells]  # fmt: skip
     figure, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 4), squeeze=False)
     for axis, (title, cells) in zip(axes[0], sources, strict=True):

@@ -20,11 +20,12 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
 
-from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster, service
 from belayer_rl.shared import bus
@@ -35,7 +36,7 @@ from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import Handover, TokenChunk, WorkerRegistration
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     handover = kinds.add_parser("handover", help="shadow handover vs cold restart, per preset")
     handover.add_argument("--presets", default="tiny,small,medium,base", help="comma-separated presets")
     handover.add_argument("--kills", type=int, default=20, help="main kills per preset")
@@ -64,8 +65,8 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-async def bench(args: argparse.Namespace) -> dict[str, object]:
-    report: dict[str, object] = {"host_cpus": os.cpu_count(), "presets": {}}
+async def bench(args: argparse.Namespace) -> Report:
+    report: Report = {"host_cpus": os.cpu_count(), "presets": {}}
     for preset in args.presets.split(","):
         with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
             config = ClusterConfig(
@@ -86,7 +87,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                     }
         hand, cold = figures["handover"]["time_to_ready"], figures["cold_restart"]["time_to_ready"]
         figures["ratio_cold_vs_handover_p50"] = round(cold["p50_ms"] / hand["p50_ms"], 1)
-        report["presets"][preset] = figures  # type: ignore[index]
+        report["presets"][preset] = figures
     return report
 
 
@@ -125,13 +126,13 @@ class Watch:
             client.nc, client.subjects.event("worker_registered", "*"), WorkerRegistration, on_registered
         )
 
-    async def until(self, done: object) -> None:
-        while not done():  # type: ignore[operator]
+    async def until(self, done: Callable[[], bool]) -> None:
+        while not done():
             self.changed.clear()
             await asyncio.wait_for(self.changed.wait(), 120)
 
 
-async def kills(client: Client, engines_file: Path, n: int, killed: set[int]) -> dict[str, object]:
+async def kills(client: Client, engines_file: Path, n: int, killed: set[int]) -> Report:
     watch = Watch()
     await watch.start(client)
     detect, ready, paths = [], [], []
@@ -141,7 +142,11 @@ async def kills(client: Client, engines_file: Path, n: int, killed: set[int]) ->
         killed_at = time.time()
         os.kill(pids["main"], signal.SIGKILL)
         killed.add(pids["main"])
-        await watch.until(lambda p=pids: p["main"] in watch.handovers and p["shadow"] in watch.registered)
+
+        def handed_over(p: dict[str, int] = pids) -> bool:
+            return p["main"] in watch.handovers and p["shadow"] in watch.registered
+
+        await watch.until(handed_over)
         event = watch.handovers[pids["main"]]
         detect.append(event.detected_at - killed_at)
         ready.append(watch.registered[pids["shadow"]] - killed_at)
@@ -181,7 +186,7 @@ async def resumed_token(
     raise RuntimeError("no generation ran past the kill")
 
 
-async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: int) -> dict[str, object]:
+async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: int) -> Report:
     """A worker from scratch for a spare engine id: spawn to registration, weights from a file.
 
     The cluster's credentials name only its own engines, so the spare one connects as `admin`."""
@@ -201,7 +206,11 @@ async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: 
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
             )
-            await watch.until(lambda p=process.pid: p in watch.registered)
+
+            def registered(p: int = process.pid) -> bool:
+                return p in watch.registered
+
+            await watch.until(registered)
             times.append(watch.registered[process.pid] - started)
             process.terminate()
             await process.wait()
@@ -227,7 +236,7 @@ def memory_kb(pid: int) -> dict[str, int]:
 
 async def shadow_cost(
     client: Client, engines_file: Path, args: argparse.Namespace, killed: set[int]
-) -> dict[str, object]:
+) -> Report:
     pids = await engine_pids(engines_file, killed)
     await through_router(client, args, args.requests)  # warm-up
     shadow = pids["shadow"]
@@ -253,8 +262,8 @@ async def shadow_cost(
     }
 
 
-def print_table(report: dict[str, object]) -> None:
-    for preset, f in report["presets"].items():  # type: ignore[union-attr]
+def print_table(report: Report) -> None:
+    for preset, f in report["presets"].items():
         h, c, s = f["handover"], f["cold_restart"], f["shadow_cost"]
         print(f"\npreset {preset}")
         print(

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
+
+# A report is a JSON object whose shape only its own benchmark's table knows: typed as JSON is.
+Report = dict[str, Any]
 
 
-def emit(report: dict[str, object], as_json: bool, table: Callable[[dict[str, object]], None]) -> int:
+def emit(report: Report, as_json: bool, table: Callable[[Report], None]) -> int:
     """Print a benchmark's report as JSON or as its readable table."""
     if as_json:
         print(json.dumps(report, indent=1))

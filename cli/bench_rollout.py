@@ -39,7 +39,7 @@ import uvloop
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
-from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import lease_holder
@@ -61,7 +61,7 @@ from belayer_rl.shared.protocol import (
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     rollout = kinds.add_parser("rollout", help="router overhead, recovery vs restart, token-log cost")
     rollout.add_argument("--presets", default="tiny,base", help="comma-separated model presets")
     rollout.add_argument("--requests", type=int, default=8, help="concurrent requests")
@@ -91,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
     return emit(uvloop.run(bench(args)), args.json, print_table)
 
 
-async def bench(args: argparse.Namespace) -> dict[str, object]:
-    report: dict[str, object] = {"host_cpus": os.cpu_count(), "presets": {}}
+async def bench(args: argparse.Namespace) -> Report:
+    report: Report = {"host_cpus": os.cpu_count(), "presets": {}}
     for n, preset in enumerate(args.presets.split(",")):
         # A warm standby router, as the production shape has it: a router kill is a failover.
         async with bench_cluster(args, preset, standby_routers=1) as (supervisor, client):
-            report["presets"][preset] = {  # type: ignore[index]
+            report["presets"][preset] = {
                 "overhead": await overhead(client, args),
                 "worker_kill": summarise([await failover(client, supervisor, args, kill_router=False)]),
                 "router_kill": {
@@ -147,7 +147,7 @@ async def bench_cluster(
 # ---------------------------------------------------------------- failure-free overhead
 
 
-async def overhead(client: Client, args: argparse.Namespace) -> dict[str, object]:
+async def overhead(client: Client, args: argparse.Namespace) -> Report:
     status = await client.wait_for_engines(2, 60)
     engine = status.engines[0]
     kv = await client.nc.jetstream().key_value(client.subjects.engine_registry_bucket)
@@ -362,7 +362,7 @@ async def failover(
     return Failover(len(interrupted), to_next_token, regenerated, time.perf_counter() - t0, sum(had.values()))
 
 
-def summarise(failovers: list[Failover]) -> dict[str, object]:
+def summarise(failovers: list[Failover]) -> Report:
     to_next = [t for f in failovers for t in f.to_next_token_s]
     regenerated = [n for f in failovers for n in f.regenerated]
     restart = statistics.median(f.restart_s for f in failovers)
@@ -415,7 +415,7 @@ async def log_cost(client: Client, k: int, chunks: int = 200) -> dict[str, float
 # ---------------------------------------------------------------- the metrics' own cost
 
 
-async def metrics_cost(client: Client, supervisor: Supervisor, args: argparse.Namespace) -> dict[str, object]:
+async def metrics_cost(client: Client, supervisor: Supervisor, args: argparse.Namespace) -> Report:
     """The router's CPU time per token with metrics on and off, in pairs of rounds.
 
     Each round restarts the router with one setting (the supervisor restarts a child with its
@@ -558,8 +558,8 @@ def spread(values: list[float], digits: int) -> dict[str, float]:
 # ---------------------------------------------------------------- output
 
 
-def print_table(report: dict[str, object]) -> None:
-    for preset, figures in report["presets"].items():  # type: ignore[union-attr]
+def print_table(report: Report) -> None:
+    for preset, figures in report["presets"].items():
         o, w, r, t = figures["overhead"], figures["worker_kill"], figures["router_kill"], figures["token_log"]
         print(f"\npreset {preset}")
         print(f"  tokens/s via router   {o['router_tokens_per_s']:>9}  spread {o['router_spread']}")
@@ -579,11 +579,11 @@ def print_table(report: dict[str, object]) -> None:
             f"  token log: {t['append_us_per_token']} us/token ({t['append_ms_per_chunk']} ms per {t['chunk_tokens']}-token chunk)"
         )
     if (m := report.get("metrics_cost")) is not None:
-        cpu, rate, ratio = m["router_cpu_us_per_token"], m["tokens_per_s"], m["cpu_ratio_on_off"]  # type: ignore[index]
-        e2e, calls = m["end_to_end_overhead_pct"], m["metric_updates_us_per_chunk"]  # type: ignore[index]
+        cpu, rate, ratio = m["router_cpu_us_per_token"], m["tokens_per_s"], m["cpu_ratio_on_off"]
+        e2e, calls = m["end_to_end_overhead_pct"], m["metric_updates_us_per_chunk"]
         print(
             f"\nmetrics cost (preset {m['preset']}, {m['pairs']} pairs of rounds of {m['tokens_per_round']} tokens)"
-        )  # type: ignore[index]
+        )
         for setting in ("on", "off"):
             c, r = cpu[setting], rate[setting]
             print(

@@ -25,7 +25,7 @@ import uvloop
 from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
 
-from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
@@ -34,7 +34,7 @@ SETTINGS = {"always": True, "default": False}
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     sync = kinds.add_parser("sync", help="the cost of JetStream writes synced before they are acknowledged")
     sync.add_argument("--rounds", type=int, default=5, help="alternated rounds of each measurement")
     sync.add_argument("--publishes", type=int, default=500, help="publishes per round")
@@ -97,7 +97,7 @@ async def generations(client: Client, args: argparse.Namespace) -> float:
     return sum(len(r.tokens) for r in results) / (time.perf_counter() - started)
 
 
-def compare(rounds: dict[str, list[float]], unit: str) -> dict[str, object]:
+def compare(rounds: dict[str, list[float]], unit: str) -> Report:
     medians = {name: statistics.median(values) for name, values in rounds.items()}
     return {
         "unit": unit,
@@ -113,8 +113,8 @@ def compare(rounds: dict[str, list[float]], unit: str) -> dict[str, object]:
     }
 
 
-async def bench(args: argparse.Namespace) -> dict[str, object]:
-    report: dict[str, object] = {"rounds": args.rounds}
+async def bench(args: argparse.Namespace) -> Report:
+    report: Report = {"rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="belayer-bench-sync-") as folder:
         async with contextlib.AsyncExitStack() as stack:
             servers = {
@@ -151,7 +151,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     return report
 
 
-def print_table(report: dict[str, object]) -> None:
+def print_table(report: Report) -> None:
     print(f"JetStream writes synced before their acknowledgement, {report['rounds']} alternated rounds")
     for key, label in (
         ("acknowledged_one_at_a_time", "publishes, one at a time"),
@@ -159,8 +159,8 @@ def print_table(report: dict[str, object]) -> None:
         ("rollout", "generations through the router"),
     ):
         figure = report[key]
-        a, d = figure["always"], figure["default"]  # type: ignore[index]
+        a, d = figure["always"], figure["default"]
         print(
-            f"  {label:<32} always {a['median']:>9} {figure['unit']} (min {a['min']}, max {a['max']});"  # type: ignore[index]
-            f" default {d['median']:>9} (min {d['min']}, max {d['max']}); ratio {figure['ratio_always_to_default']}"  # type: ignore[index]
+            f"  {label:<32} always {a['median']:>9} {figure['unit']} (min {a['min']}, max {a['max']});"
+            f" default {d['median']:>9} (min {d['min']}, max {d['max']}); ratio {figure['ratio_always_to_default']}"
         )

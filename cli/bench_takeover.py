@@ -24,7 +24,7 @@ from pathlib import Path
 import uvloop
 from nats.aio.client import Client as NATS
 
-from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import Lease, lease_bucket
 from belayer_rl.services.router.router import Router
@@ -46,7 +46,7 @@ IN_FLIGHT = 256  # publishes in flight while the log is filled
 CHUNK_TOKENS = 16
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     takeover = kinds.add_parser(
         "takeover", help="a successor router's rebuild against a log of ended requests"
     )
@@ -144,7 +144,7 @@ def figure(values: list[float]) -> dict[str, float]:
     }
 
 
-async def bench(args: argparse.Namespace) -> dict[str, object]:
+async def bench(args: argparse.Namespace) -> Report:
     config = RouterConfig(nats_url="nats://unused", cluster_id="bench", ended_keep_s=3600.0)
     with tempfile.TemporaryDirectory(prefix="belayer-bench-takeover-") as folder:
         async with server(Path(folder)) as nc:
@@ -172,18 +172,18 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def print_table(report: dict[str, object]) -> None:
+def print_table(report: Report) -> None:
     rebuild, read = report["takeover_s"], report["baseline_whole_log_read_s"]
     print(
         f"router takeover with {report['ended']} ended and {report['running']} running requests in the token log,"
         f" {report['rounds']} rounds (filled in {report['fill_s']} s)"
     )
     print(
-        f"  takeover (index, then in-flight records) {rebuild['median']:.4f} s"  # type: ignore[index]
-        f" (min {rebuild['min']}, max {rebuild['max']}), {rebuild['requests_rebuilt']} rebuilt"  # type: ignore[index]
+        f"  takeover (index, then in-flight records) {rebuild['median']:.4f} s"
+        f" (min {rebuild['min']}, max {rebuild['max']}), {rebuild['requests_rebuilt']} rebuilt"
     )
     print(
-        f"  baseline: read of the whole log         {read['median']:.4f} s"  # type: ignore[index]
-        f" (min {read['min']}, max {read['max']}), {read['requests_read']} requests"  # type: ignore[index]
+        f"  baseline: read of the whole log         {read['median']:.4f} s"
+        f" (min {read['min']}, max {read['max']}), {read['requests_read']} requests"
     )
     print(f"  ratio takeover / baseline               {report['ratio_takeover_to_baseline']}")

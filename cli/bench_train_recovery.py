@@ -36,11 +36,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import uvloop
 
-from belayer_rl.cli.bench_report import emit
+from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
 from belayer_rl.services.trainer import chaos as chaos_faults
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
@@ -74,7 +75,7 @@ FAULT_SPACING = LOCAL_BEFORE + LOCAL_EARLY + 1 + LOCAL_AFTER + 1
 LOG_MAX_MB = 4096
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     bench = kinds.add_parser(
         "train-recovery", help="trainer group failures: time added, rebuild vs reschedule"
     )
@@ -111,7 +112,7 @@ class Events:
     """group_failed, group_rebuilt and reschedule events of one run."""
 
     def __init__(self) -> None:
-        self.seen: list[dict[str, object]] = []
+        self.seen: list[Report] = []
 
     async def follow(self, client: Client, run: str) -> None:
         names = client.subjects
@@ -123,14 +124,14 @@ class Events:
             kind = event_kind(subject)
             decoder = decoder_for(EVENT_TYPES[kind])
 
-            async def on_message(msg, kind=kind, decoder=decoder) -> None:  # type: ignore[no-untyped-def]
+            async def on_message(msg, kind=kind, decoder=decoder) -> None:
                 event = decode(decoder, msg.data)
                 self.seen.append({**{f: getattr(event, f) for f in event.__struct_fields__}, "event": kind})
 
             await client.nc.subscribe(subject, cb=on_message)
 
 
-async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, object]:
+async def measure(args: argparse.Namespace, kinds: list[str]) -> Report:
     task = ReverseDigits(length=2)
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
@@ -146,7 +147,7 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, objec
             file=sys.stderr,
             flush=True,
         )
-        results: dict[str, object] = {}
+        results: Report = {}
         for kind in kinds:
             changes = {"warm_start": False} if kind.endswith("-cold") else {}
             faulted = await bench.one(f"fault-{kind}", steps, KINDS[kind], at, **changes)
@@ -194,7 +195,7 @@ class LengthReached(Exception):
 @dataclasses.dataclass
 class Run:
     wall: float  # the training alone, not the cluster's start
-    seen: list[dict[str, object]]  # its recovery events
+    seen: list[Report]  # its recovery events
     marks: list[float]  # when each step ended (perf_counter)
     steps: list[TrainerStep]  # each step's event, as the trainer published it
 
@@ -216,7 +217,7 @@ class BenchRuns:
         fault: tuple[str, str] | None,
         at: list[int],
         until_s: float | None = None,
-        **changes: object,
+        **changes: Any,
     ) -> Run:
         """Run `steps` GRPO steps named `run` with a `fault` after each step of `at`, or with no
         fault until the first step that ends `until_s` seconds or more after the training started."""
@@ -230,9 +231,9 @@ class BenchRuns:
                 await client.wait_for_engines(1, 600)
                 return await self.train(supervisor, client, config, run, steps, fault, at, until_s, **changes)
 
-    async def train(  # type: ignore[no-untyped-def]
+    async def train(
         self, supervisor, client: Client, config: ClusterConfig, run: str, steps: int,
-        fault: tuple[str, str] | None, at: list[int], until_s: float | None, **changes: object,
+        fault: tuple[str, str] | None, at: list[int], until_s: float | None, **changes: Any,
     ) -> Run:  # fmt: skip
         args, folder = self.args, self.root / run
         train = TrainSettings(
@@ -252,7 +253,7 @@ class BenchRuns:
         )  # fmt: skip
         faults = FaultManagerConfig(
             hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout, **{**bounds, **changes}
-        )  # type: ignore[arg-type]
+        )
         trainer = Trainer(
             client, self.task, train, GroupBackend.create("local", client, worker, folder, faults)
         )
@@ -359,7 +360,7 @@ def local_cost(run: Run, fault: int) -> float:
     return run.marks[end] - run.marks[start - 1] - (last - first + 1) * pace
 
 
-def summarise(run: Run, clean: Run, at: list[int]) -> dict[str, object]:
+def summarise(run: Run, clean: Run, at: list[int]) -> Report:
     wall, seen, steps = run.wall, run.seen, len(clean.marks)
     drift = pace_drift(run.marks, clean.marks, steps, at[0])
     local = [local_cost(run, fault) for fault in at]
@@ -389,7 +390,7 @@ def summarise(run: Run, clean: Run, at: list[int]) -> dict[str, object]:
     }
 
 
-def print_table(report: dict[str, object]) -> None:
+def print_table(report: Report) -> None:
     print(
         f"failure-free: {report['failure_free_s']:.1f} s ({report['steps']} steps of {report['step_s']:.2f} s);"
         f" hang timeout {report['hang_timeout_s']} s; rollout timeout {report['rollout_timeout_s']} s; checkpoint every {report['checkpoint_every']} steps"
@@ -398,19 +399,19 @@ def print_table(report: dict[str, object]) -> None:
         "failure-free pace, median step of each tenth:",
         " ".join(f"{t:.2f}" for t in report["failure_free_pace_s"]),
     )
-    for phase, tenths in report["failure_free_phases_by_tenth"].items():  # type: ignore[attr-defined]
+    for phase, tenths in report["failure_free_phases_by_tenth"].items():
         print(f"  {phase}:", " ".join(f"{t:.3g}" for t in tenths))
-    print("faults after steps", " ".join(map(str, report["fault_steps"])))  # type: ignore[call-overload]
+    print("faults after steps", " ".join(map(str, report["fault_steps"])))
     print(
         "the local windows on the failure-free run:",
-        " ".join(f"{x:+.1f}" for x in report["failure_free_local_s"]),  # type: ignore[attr-defined]
+        " ".join(f"{x:+.1f}" for x in report["failure_free_local_s"]),
         "s",
     )
     print(
         f"{'failure':<12} {'added':>10} {'added %':>9} {'pace drift':>11} {'beyond it':>10} {'%':>8}"
         f" {'local mean':>11} {'%':>7} {'local median [range] %':>26} {'detected':>10} {'rebuild':>9}"
     )
-    rows = dict(report["faults"])  # type: ignore[call-overload]
+    rows = dict(report["faults"])
     if report["reschedule"] is not None:
         rows["reschedule"] = report["reschedule"]
     for kind, r in rows.items():
@@ -423,9 +424,9 @@ def print_table(report: dict[str, object]) -> None:
             f" {r['added_beyond_drift_s']:>+9.1f}s {r['added_beyond_drift_pct']:>+7.2f}%"
             f" {r['local_mean_s']:>+10.1f}s {r['local_mean_pct']:>+6.2f}% {spread:>26} {detected:>9}s {rebuild:>8}s"
         )
-    if report["reschedule"] is not None and "actor" in report["faults"]:  # type: ignore[operator]
-        targeted = report["faults"]["actor"]["local_mean_s"]  # type: ignore[index]
-        cold = report["reschedule"]["local_mean_s"]  # type: ignore[index]
+    if report["reschedule"] is not None and "actor" in report["faults"]:
+        targeted = report["faults"]["actor"]["local_mean_s"]
+        cold = report["reschedule"]["local_mean_s"]
         ratio = f"{cold / targeted:.1f}x" if targeted > 0 else "the rebuild added nothing measurable"
         print(
             f"actor kill, local mean: targeted rebuild {targeted:+.1f} s vs reschedule {cold:+.1f} s ({ratio})"

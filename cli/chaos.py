@@ -294,7 +294,7 @@ class Trajectories:
         what, since, tries = self.waiting[trajectory]
         return f"{what} for {time.monotonic() - since:.0f}s ({tries})"
 
-    async def call(self, trajectory: str, what: str, make):  # type: ignore[no-untyped-def]
+    async def call(self, trajectory: str, what: str, make):
         """A sandbox call, tried again while nobody serves it (the checkpointer or the bus
         restarting), Docker is away or the store is full, and, a few times, when it timed out
         (a reply lost with the bus). `waiting` says what it waits on, for a deadline's report."""
@@ -611,7 +611,7 @@ class Injector:
     def count(self, kind: str) -> int:
         return sum(1 for f in self.faults if f.kind == kind)
 
-    def later(self, delay_s: float, action) -> None:  # type: ignore[no-untyped-def]
+    def later(self, delay_s: float, action) -> None:
         async def after() -> None:
             await asyncio.sleep(delay_s)
             with contextlib.suppress(ProcessLookupError, aiodocker.DockerError):
@@ -701,7 +701,7 @@ class Injector:
             self.later(rng.uniform(0.3, 2.0), lambda c=container, t=trajectory: self.unpause(c, t))
         return Fault(kind, f"{trajectory} container {container.id[:12]}", at, 1)
 
-    async def unpause(self, container, trajectory: str) -> None:  # type: ignore[no-untyped-def]
+    async def unpause(self, container, trajectory: str) -> None:
         """Docker cannot always undo its own pause: an exec that starts as the container freezes
         waits in the frozen cgroup while holding the daemon's lock on the container, and every
         later call on it (unpause, inspect) waits behind it. The cgroup is then thawed directly."""
@@ -734,7 +734,7 @@ class Injector:
 END_DURABLE_WAIT_S = 15.0  # for the LogEnds of requests whose clients already heard of their end
 
 
-async def check_token_log(  # type: ignore[no-untyped-def]
+async def check_token_log(
     js, names: Subjects, finished: dict[str, list[int]], *, end_wait_s: float = END_DURABLE_WAIT_S
 ) -> list[str]:
     """The log's own invariants, request by request, and the tokens it holds for each finished one.
@@ -750,7 +750,7 @@ async def check_token_log(  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.5)
 
 
-async def read_token_log(js, names: Subjects, finished: dict[str, list[int]]) -> tuple[list[str], bool]:  # type: ignore[no-untyped-def]
+async def read_token_log(js, names: Subjects, finished: dict[str, list[int]]) -> tuple[list[str], bool]:
     """One read of the log: its violations, and whether a finished request lacks only its end."""
     violations: list[str] = []
     claimed: dict[str, int] = {}  # request -> highest incarnation that claimed it
@@ -830,7 +830,7 @@ def leaks(cluster: Supervisor, pids: dict[int, int | None]) -> list[str]:
     return found
 
 
-async def consumers(js) -> set[str]:  # type: ignore[no-untyped-def]
+async def consumers(js) -> set[str]:
     """Every durable or ephemeral consumer the server holds, as stream/name."""
     found = set()
     for stream in await js.streams_info():
@@ -904,7 +904,7 @@ class Phases:
             self.report(f"chaos: {name}...")
 
 
-async def run_campaign(config: ChaosConfig, report=print) -> Summary:  # type: ignore[no-untyped-def]
+async def run_campaign(config: ChaosConfig, report=print) -> Summary:
     started = time.monotonic()
     phases = Phases(report)
     async with campaign_state(config) as state_dir, contextlib.AsyncExitStack() as stack:
@@ -967,7 +967,7 @@ async def campaign(
     at_rest = await consumers(js)
     resumed: Counter[str] = Counter()
 
-    async def on_resumed(msg) -> None:  # type: ignore[no-untyped-def]
+    async def on_resumed(msg) -> None:
         with contextlib.suppress(protocol.BadMessage):
             resumed[protocol.decode(protocol.decoder_for(RequestResumed), msg.data).reason] += 1
 
@@ -1030,12 +1030,12 @@ async def campaign(
     if len(now) > len(at_rest):
         leaked.append(f"JetStream consumers {sorted(now - at_rest)} beyond the {len(at_rest)} held at rest")
     incomplete = dict(generations.failed) | dict(trajectories.failed)
-    for share, done, total, what in (
+    for share, completed, total, what in (
         (config.min_completion, len(finished), len(generations.jobs), "generations"),
         (config.min_completion, len(trajectories.completed), len(trajectories.started), "trajectories"),
     ):
-        if total and done < share * total:
-            violations.append(f"only {done} of {total} {what} completed (at least {share:.0%} must)")
+        if total and completed < share * total:
+            violations.append(f"only {completed} of {total} {what} completed (at least {share:.0%} must)")
     return Summary(
         seed=config.seed,
         duration_s=0.0,
@@ -1063,7 +1063,7 @@ def first_difference(got: list[int], want: list[int]) -> str:
 # ---------------------------------------------------------------- the command
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction) -> None:
     chaos = commands.add_parser(
         "chaos", help="a seeded fault campaign against a local cluster, and its oracle"
     )

@@ -30,7 +30,7 @@ import uvloop
 from nats.aio.client import Client as NATS
 
 from belayer_rl.services import SERVICES
-from belayer_rl.shared import bus, files
+from belayer_rl.shared import bus, files, protocol
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.bus import Target
@@ -397,9 +397,9 @@ class Supervisor:
         await self.publish(self.subjects.event("process", event.name), event)
         self.write_state()
 
-    async def publish(self, subject: str, message: msgspec.Struct) -> None:
+    async def publish(self, subject: str, message: protocol.Message) -> None:
         try:
-            await bus.publish(self.nc, subject, message)  # type: ignore[arg-type]
+            await bus.publish(self.nc, subject, message)
         except Exception as exc:  # the bus may be restarting; the state file still tells
             log.warning("event not published: %s", exc)
 

@@ -24,7 +24,7 @@ from belayer_rl.shared.protocol import TokenChunk
 PROMPT = "The belayer holds the rope while the climber"
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="stream a generation through a worker failure")
     demo.add_argument("--model", default="tiny", help="model preset")
     demo.add_argument("--max-tokens", type=int, default=200)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import uvloop
@@ -643,8 +644,8 @@ class SubcommandParser(argparse.ArgumentParser):
     """The parser of every subcommand, at any depth: add_subparsers makes each nested parser of its
     parent's class, so the global flags reach the parsers the cli modules add without their help."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         add_global_flags(self, defaults=False)
 
 

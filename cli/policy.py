@@ -18,7 +18,7 @@ import math
 from belayer_rl.services.policy.decision import Guards, Policy, ResponseTimes, Situation, decide
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction) -> None:
     policy = commands.add_parser("policy", help="the checkpoint policy")
     verbs = policy.add_subparsers(dest="verb", required=True)
     explain = verbs.add_parser("explain", help="a decision and its terms, for given inputs (no cluster)")

@@ -26,7 +26,7 @@ from belayer_rl.cli.target import resolve_target
 from belayer_rl.shared.config import hostname_id
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction) -> None:
     rollout = commands.add_parser(
         "rollout", help="run agentic trajectories (LLM turns, sandbox actions, rewards)"
     )
@@ -86,7 +86,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 1 if summary.infra_errors else 0
 
 
-async def rollout(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+async def rollout(args: argparse.Namespace):
     from belayer_rl.services.policy.decision import Policy
     from belayer_rl.services.rollout.agent import RolloutSettings, Services
     from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos

@@ -40,7 +40,7 @@ def sandbox_options(*, defaults: bool) -> argparse.ArgumentParser:
     return options
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction) -> None:
     sandbox = commands.add_parser(
         "sandbox", help="drive sandboxes of a checkpointer by hand", parents=[sandbox_options(defaults=True)]
     )

@@ -21,7 +21,7 @@ import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from belayer_rl.shared.protocol import TrainerStep
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="GRPO training on the cluster's rollouts")
     train.add_argument("--workload", default="reverse", choices=("reverse",))
     train.add_argument("--length", type=int, default=2, help="digits in each reverse prompt")
@@ -191,13 +191,20 @@ async def train(args: argparse.Namespace) -> int:
             if args.backend == "ray":
                 import ray
 
+                # ray.init annotates these narrower than it takes (a level's name, fractional CPUs).
+                options: dict[str, Any]
                 if args.ray_address:
-                    ray.init(address=args.ray_address, logging_level="WARNING")
+                    options = {"address": args.ray_address, "logging_level": "WARNING"}
                 else:  # capped, so that it fits beside the cluster on a laptop
                     from belayer_rl.services.trainer.ray_groups import cpus_for
 
                     cpus = max(2.0, cpus_for(args.world, with_reference=args.kl_beta > 0))
-                    ray.init(num_cpus=cpus, object_store_memory=200_000_000, include_dashboard=False)
+                    options = {
+                        "num_cpus": cpus,
+                        "object_store_memory": 200_000_000,
+                        "include_dashboard": False,
+                    }
+                ray.init(**options)
             group = GroupBackend.create(args.backend, client, worker, args.out / "actor", faults, metrics)
         trainer = Trainer(client, task, settings, group, metrics)
         for skipped in await trainer.resume():

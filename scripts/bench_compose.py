@@ -26,6 +26,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from belayer_rl.shared.access import Access
 from belayer_rl.shared.bus import ServiceError, Target
@@ -53,7 +54,7 @@ def script(name: str) -> str:
     return str(beside)
 
 
-def build(cold: bool) -> dict[str, object]:
+def build(cold: bool) -> dict[str, Any]:
     argv = [str(REPO / "scripts" / "build-images"), *(["--no-cache"] if cold else [])]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True)
@@ -172,7 +173,7 @@ def main() -> None:
         for i in range(args.runs):
             runs.append(asyncio.run(one_run(creds, cluster_id, args.timeout)))
             print(f"run {i + 1}: {runs[-1]}", file=sys.stderr)
-    report = {
+    report: dict[str, Any] = {
         "build": built,
         "runs": runs,
         "median": {key: statistics.median(r[key] for r in runs) for key in runs[0]},
@@ -182,7 +183,7 @@ def main() -> None:
         return
     kind = "cold (--no-cache)" if built["cold"] else "warm (cached layers)"
     print(f"image build, {kind}: {built['seconds']} s")
-    for image, size in built["bytes"].items():  # type: ignore[union-attr]
+    for image, size in built["bytes"].items():
         print(f"  {image:24} {size / 1e6:7.0f} MB")
     print("docker compose up -d --wait (tiny model, 2 engines), per run:")
     for i, r in enumerate(runs, 1):

@@ -75,7 +75,8 @@ def read(path: Path) -> str:
 def public_key(seed: str, source: Path | str = "seed") -> str:
     """The user public key (U...) of an nkey seed (SU...)."""
     try:
-        return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+        key: bytes = nkeys.from_seed(bytearray(seed.encode())).public_key
+        return key.decode()
     except (nkeys.NkeysError, ValueError, TypeError) as exc:
         raise AccessError(f"{source} is neither an nkey seed nor a .creds file ({exc!r})") from exc
 

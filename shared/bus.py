@@ -123,19 +123,23 @@ async def connect(
     async def error(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
 
+    # nats-py annotates these as int but takes (and schedules) float seconds.
+    seconds: dict[str, Any] = {
+        "ping_interval": options.ping_interval_s,
+        "reconnect_time_wait": options.reconnect_wait_s,
+        "connect_timeout": options.connect_timeout_s,
+    }
     await nc.connect(
         servers,
         name=name,
-        ping_interval=options.ping_interval_s,
         max_outstanding_pings=options.max_outstanding_pings,
-        reconnect_time_wait=options.reconnect_wait_s,
         max_reconnect_attempts=-1,
         allow_reconnect=True,
-        connect_timeout=options.connect_timeout_s,
         pending_size=options.pending_bytes,
         disconnected_cb=disconnected,
         reconnected_cb=reconnected,
         error_cb=error,
+        **seconds,
         **credentials,
     )
     return nc
@@ -158,7 +162,8 @@ async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T]
         raise ServiceError("no-responders", f"nobody serves {subject}") from None
     except (TimeoutError, nats.errors.TimeoutError):
         raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
-    answer = protocol.decode(protocol.decoder_for(kind | ErrorReply), reply.data)
+    decoder: msgspec.json.Decoder[T | ErrorReply] = protocol.decoder_for(kind | ErrorReply)
+    answer = protocol.decode(decoder, reply.data)
     if isinstance(answer, ErrorReply):
         raise ServiceError.from_reply(answer.code, answer.message)
     return answer
@@ -311,7 +316,8 @@ async def each_message(
     )
     try:
         info = await sub.consumer_info()
-        if info.num_pending + (info.delivered.consumer_seq or 0) == 0:  # (some may be on their way)
+        delivered = info.delivered.consumer_seq if info.delivered is not None else 0
+        if (info.num_pending or 0) + (delivered or 0) == 0:  # (some may be on their way)
             return
         while True:
             msg = await sub.next_msg(timeout=READER_IDLE_S)

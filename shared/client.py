@@ -20,7 +20,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -47,7 +49,7 @@ log = logging.getLogger("belayer.client")
 # that lost its lease answered before its successor did.
 RETRYABLE = ("no-responders", "timeout", "not-leader", "log-unavailable")
 
-_stream_decoder = protocol.decoder_for(ClientStream)
+_stream_decoder: msgspec.json.Decoder[ClientStream] = protocol.decoder_for(ClientStream)
 
 
 class GenerationError(Exception):
@@ -234,11 +236,11 @@ class Client:
             async for item in self._follow(request_id, inbox, queue, from_position, patience_s):
                 yield item
 
-    async def generate_all(self, prompt: str | list[int], **kwargs: object) -> Generation:
+    async def generate_all(self, prompt: str | list[int], **kwargs: Any) -> Generation:
         """Run a generation to its end and return every token."""
         tokens: list[int] = []
         request_id = ""
-        async for item in self.generate(prompt, **kwargs):  # type: ignore[arg-type]
+        async for item in self.generate(prompt, **kwargs):
             request_id = item.request_id
             if isinstance(item, TokenChunk):
                 tokens.extend(item.tokens)

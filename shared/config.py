@@ -89,7 +89,7 @@ def setting(
 def same_as(owner: type, name: str, *, flag: str = "") -> Any:
     """A field that repeats another config's field (a cluster passes it on to a service): the
     default and help come from there, so they are written once."""
-    source = {f.name: f for f in dataclasses.fields(owner)}[name]  # type: ignore[arg-type]
+    source = {f.name: f for f in dataclasses.fields(owner)}[name]
     metadata = dict(source.metadata)
     if flag:
         metadata["flag"] = flag
@@ -112,7 +112,7 @@ def _cli_fields(cls: type, skip: tuple[str, ...]) -> list[tuple[dataclasses.Fiel
     hints = typing.get_type_hints(cls)
     return [
         (field, hints[field.name])
-        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
+        for field in dataclasses.fields(cls)
         if field.name not in skip and "help" in field.metadata  # made by setting() or same_as()
     ]
 
@@ -548,13 +548,19 @@ class CheckpointerConfig(ServiceConfig):
     sandbox_cpus: float = setting(0.0, "the most CPUs one sandbox may ask for (0: the host's CPUs)")
     sandbox_pids: int = setting(4096, "the most processes one sandbox may ask for (its `pids_limit`)")
 
+    @property
+    def state(self) -> Path:
+        """`state_dir`, which the config resolves when it is built (its default included)."""
+        if self.state_dir is None:
+            raise RuntimeError("CheckpointerConfig.state_dir is resolved in __post_init__")
+        return self.state_dir
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.host_id:
             object.__setattr__(self, "host_id", hostname_id())
-        if self.state_dir is None:
-            object.__setattr__(self, "state_dir", default_state_dir() / "checkpointer")
-        object.__setattr__(self, "state_dir", Path(self.state_dir).resolve())
+        state_dir = self.state_dir if self.state_dir is not None else default_state_dir() / "checkpointer"
+        object.__setattr__(self, "state_dir", Path(state_dir).resolve())
         positive("--docker-timeout", self.docker_timeout_s)
         positive("--dump-stall", self.dump_stall_s)
         if self.max_layer_gb <= 0 or self.max_download_gb <= 0:
@@ -634,7 +640,7 @@ class TrainerGroupConfig(ServiceConfig):
     manager: rank `rank` of `world` in a gloo process group formed through `rendezvous`."""
 
     run: str = setting("train", "the training run (prefixes the group's subjects)")
-    group: str = setting("actor", "actor, reference or reward", choices=("actor", "reference", "reward"))
+    group: Literal["actor", "reference", "reward"] = setting("actor", "actor, reference or reward")
     rank: int = setting(0, "this worker's rank")
     world: int = setting(1, "ranks in the group")
     rendezvous: Path | None = setting(None, "a file the ranks form their gloo process group through")

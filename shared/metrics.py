@@ -322,7 +322,7 @@ class MetricsServer:
             await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         )[0]
         self.server = await asyncio.start_server(
-            self.handle, address[0], port, family=family, limit=MAX_REQUEST_HEAD
+            self.handle, str(address[0]), port, family=family, limit=MAX_REQUEST_HEAD
         )
         return int(self.server.sockets[0].getsockname()[1])
 

@@ -47,7 +47,8 @@ def dies_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def nats_settings(store_dir: Path, config: Path | None, sync_always: bool) -> list[str]:

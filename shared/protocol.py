@@ -20,7 +20,9 @@ adds SamplingParams.min_tokens and GenerateRequest.prompt_tokens.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Literal, TypeVar
+import types
+import typing
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -129,7 +131,7 @@ class CarriesSampling(Message, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- client <-> router
 
 
-class GenerateRequest(CarriesSampling, tag="generate", kw_only=True):
+class GenerateRequest(CarriesSampling, tag="generate", frozen=True, kw_only=True):
     request_id: RequestId
     prompt: Annotated[str, Meta(max_length=65536)]
     # The prompt as token ids, instead of `prompt` (which must then be empty): an agent's context,
@@ -152,7 +154,7 @@ class GenerateRequest(CarriesSampling, tag="generate", kw_only=True):
             )
 
 
-class AttachRequest(Message, tag="attach", kw_only=True):
+class AttachRequest(Message, tag="attach", frozen=True, kw_only=True):
     """Re-attach to a request: receive every token from `from_position` on, then its end."""
 
     request_id: RequestId
@@ -160,18 +162,18 @@ class AttachRequest(Message, tag="attach", kw_only=True):
     reply_to: Subject
 
 
-class ClientKeepAlive(Message, tag="keepalive", kw_only=True):
+class ClientKeepAlive(Message, tag="keepalive", frozen=True, kw_only=True):
     """A client still follows these requests (published while it streams; no reply). A request
     nobody has followed for the router's --client-timeout is cancelled: its client is gone."""
 
     request_ids: Annotated[list[RequestId], Meta(max_length=4096)]
 
 
-class CancelRequest(Message, tag="cancel", kw_only=True):
+class CancelRequest(Message, tag="cancel", frozen=True, kw_only=True):
     request_id: RequestId
 
 
-class TokenChunk(Message, tag="chunk", kw_only=True):
+class TokenChunk(Message, tag="chunk", frozen=True, kw_only=True):
     """Tokens [position, position + len(tokens)) of a request's generated sequence."""
 
     request_id: RequestId
@@ -179,7 +181,7 @@ class TokenChunk(Message, tag="chunk", kw_only=True):
     tokens: Tokens
 
 
-class GenerateEnd(Message, tag="end", kw_only=True):
+class GenerateEnd(Message, tag="end", frozen=True, kw_only=True):
     request_id: RequestId
     finish_reason: FinishReason
     num_tokens: Position
@@ -187,7 +189,7 @@ class GenerateEnd(Message, tag="end", kw_only=True):
     weight_version: WeightVersion | None = None  # the weights of every token; None: none was known
 
 
-class GenerateError(Message, tag="error", kw_only=True):
+class GenerateError(Message, tag="error", frozen=True, kw_only=True):
     request_id: RequestId
     code: WireCode
     message: str
@@ -197,11 +199,11 @@ class GenerateError(Message, tag="error", kw_only=True):
 ClientStream = TokenChunk | GenerateEnd | GenerateError
 
 
-class Ack(Message, tag="ack", kw_only=True):
+class Ack(Message, tag="ack", frozen=True, kw_only=True):
     detail: str = ""
 
 
-class ErrorReply(Message, tag="error_reply", kw_only=True):
+class ErrorReply(Message, tag="error_reply", frozen=True, kw_only=True):
     code: WireCode
     message: str
 
@@ -209,17 +211,17 @@ class ErrorReply(Message, tag="error_reply", kw_only=True):
 Reply = Ack | ErrorReply
 
 
-class StatsRequest(Message, tag="stats", kw_only=True):
+class StatsRequest(Message, tag="stats", frozen=True, kw_only=True):
     pass
 
 
-class EndpointInfo(Message, tag="endpoint_info", kw_only=True):
+class EndpointInfo(Message, tag="endpoint_info", frozen=True, kw_only=True):
     subject: str
     accepts: list[str]  # the message types decoded there
     reply: bool  # False: one-way (a bad message is dropped with a logged reason, not answered)
 
 
-class ServiceStats(Message, tag="service_stats", kw_only=True):
+class ServiceStats(Message, tag="service_stats", frozen=True, kw_only=True):
     """A service process's own account (the runtime answers it on `belayer.<cluster>.svc.<name>.stats`)."""
 
     name: str
@@ -235,7 +237,7 @@ class ServiceStats(Message, tag="service_stats", kw_only=True):
 # ---------------------------------------------------------------- router <-> worker
 
 
-class Dispatch(CarriesSampling, tag="dispatch", kw_only=True):
+class Dispatch(CarriesSampling, tag="dispatch", frozen=True, kw_only=True):
     """One attempt at a request on one engine. Resumes carry the tokens generated so far."""
 
     request_id: RequestId
@@ -255,14 +257,14 @@ class Dispatch(CarriesSampling, tag="dispatch", kw_only=True):
     holder: Annotated[str, Meta(max_length=64)] = ""
 
 
-class CancelDispatch(Message, tag="cancel_dispatch", kw_only=True):
+class CancelDispatch(Message, tag="cancel_dispatch", frozen=True, kw_only=True):
     request_id: RequestId
     attempt: Annotated[int, Meta(ge=0)] = 0  # 0 cancels every attempt of the request
     incarnation: Incarnation = 0
     holder: Annotated[str, Meta(max_length=64)] = ""  # as in Dispatch
 
 
-class AdoptRequest(Message, tag="adopt", kw_only=True):
+class AdoptRequest(Message, tag="adopt", frozen=True, kw_only=True):
     """A router that just took the lease asks a worker what it holds, to carry those sequences on
     instead of generating their tokens again. The worker fences off every lower incarnation."""
 
@@ -272,7 +274,7 @@ class AdoptRequest(Message, tag="adopt", kw_only=True):
     holder: Annotated[str, Meta(max_length=64)] = ""  # as in Dispatch
 
 
-class HeldAttempt(Message, tag="held_attempt", kw_only=True):
+class HeldAttempt(Message, tag="held_attempt", frozen=True, kw_only=True):
     request_id: RequestId
     attempt: int
     incarnation: Incarnation  # of the router that dispatched it
@@ -280,14 +282,14 @@ class HeldAttempt(Message, tag="held_attempt", kw_only=True):
     finish_reason: FinishReason | None = None  # ended while no router listened: its WorkerDone unheard
 
 
-class AdoptReply(Message, tag="adopt_reply", kw_only=True):
+class AdoptReply(Message, tag="adopt_reply", frozen=True, kw_only=True):
     engine_id: EngineId
     epoch: Epoch
     pid: int
     attempts: Annotated[list[HeldAttempt], Meta(max_length=MAX_BEAT_ATTEMPTS)]
 
 
-class WorkerChunk(Message, tag="wchunk", kw_only=True):
+class WorkerChunk(Message, tag="wchunk", frozen=True, kw_only=True):
     request_id: RequestId
     attempt: int
     epoch: Epoch
@@ -296,7 +298,7 @@ class WorkerChunk(Message, tag="wchunk", kw_only=True):
     tokens: Tokens
 
 
-class WorkerDone(Message, tag="wdone", kw_only=True):
+class WorkerDone(Message, tag="wdone", frozen=True, kw_only=True):
     request_id: RequestId
     attempt: int
     epoch: Epoch
@@ -309,7 +311,7 @@ class WorkerDone(Message, tag="wdone", kw_only=True):
 WorkerStream = WorkerChunk | WorkerDone
 
 
-class WorkerRegistration(Message, tag="register", kw_only=True):
+class WorkerRegistration(Message, tag="register", frozen=True, kw_only=True):
     engine_id: EngineId
     epoch: Epoch
     pid: int
@@ -320,7 +322,7 @@ class WorkerRegistration(Message, tag="register", kw_only=True):
 # ---------------------------------------------------------------- events (belayer.<cluster>.evt.>)
 
 
-class Heartbeat(Message, tag="heartbeat", kw_only=True):
+class Heartbeat(Message, tag="heartbeat", frozen=True, kw_only=True):
     engine_id: EngineId
     epoch: Epoch
     pid: int
@@ -333,15 +335,18 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     attempts: Annotated[list[int], Meta(max_length=MAX_BEAT_ATTEMPTS)] = []
 
 
-class WorkerFailed(Message, tag="worker_failed", kw_only=True):
+EngineFailure = Literal["exit", "heartbeat-timeout"]  # why the router gave an engine up
+
+
+class WorkerFailed(Message, tag="worker_failed", frozen=True, kw_only=True):
     engine_id: EngineId
     epoch: Epoch
     pid: int
-    reason: Literal["exit", "heartbeat-timeout"]
+    reason: EngineFailure
     detail: str = ""
 
 
-class RequestResumed(Message, tag="request_resumed", kw_only=True):
+class RequestResumed(Message, tag="request_resumed", frozen=True, kw_only=True):
     request_id: RequestId
     attempt: int
     engine_id: EngineId
@@ -350,13 +355,13 @@ class RequestResumed(Message, tag="request_resumed", kw_only=True):
     reason: str
 
 
-class RequestFailed(Message, tag="request_failed", kw_only=True):
+class RequestFailed(Message, tag="request_failed", frozen=True, kw_only=True):
     request_id: RequestId
     code: WireCode
     message: str
 
 
-class ProcessEvent(Message, tag="process", kw_only=True):
+class ProcessEvent(Message, tag="process", frozen=True, kw_only=True):
     """A process supervised by `belayer up` started, exited or was restarted. "exited" is sent
     once the supervisor has reaped it: its death is confirmed."""
 
@@ -370,14 +375,14 @@ class ProcessEvent(Message, tag="process", kw_only=True):
     backoff_s: float = 0.0
 
 
-class RouterStarted(Message, tag="router_started", kw_only=True):
+class RouterStarted(Message, tag="router_started", frozen=True, kw_only=True):
     router_pid: int
     rebuilt_requests: int
     resumed_requests: int
     incarnation: Incarnation = 0  # its lease's: workers refuse anything from a lower one after this
 
 
-class RouterLease(Message, tag="router_lease", kw_only=True):
+class RouterLease(Message, tag="router_lease", frozen=True, kw_only=True):
     """The router lease's value in its bucket (services/router/lease.py). Whoever wrote the key's
     current revision leads; a revision that stands still for `ttl_s` is a lease that expired."""
 
@@ -390,7 +395,7 @@ class RouterLease(Message, tag="router_lease", kw_only=True):
     holder: Annotated[str, Meta(max_length=64)] = ""  # a token of this router process, on its dispatches
 
 
-class Handover(Message, tag="handover", kw_only=True):
+class Handover(Message, tag="handover", frozen=True, kw_only=True):
     """An engine's worker was replaced. `path` is "shadow" (the pre-initialised shadow took over,
     reusing weights and arena) or "cold" (a worker from scratch; `cold_reason` says why)."""
 
@@ -405,7 +410,7 @@ class Handover(Message, tag="handover", kw_only=True):
     phases_ms: dict[str, float]  # kill confirmed, servers checked, arena flushed, promoted
 
 
-class EngineQuarantined(Message, tag="engine_quarantined", kw_only=True):
+class EngineQuarantined(Message, tag="engine_quarantined", frozen=True, kw_only=True):
     """An alert: the engine's workers failed `failures` times in a row, each within `window_s` of
     taking over; its device is treated as unhealthy until `belayer engines unquarantine`."""
 
@@ -414,7 +419,7 @@ class EngineQuarantined(Message, tag="engine_quarantined", kw_only=True):
     window_s: float
 
 
-class EngineUnstable(Message, tag="engine_unstable", kw_only=True):
+class EngineUnstable(Message, tag="engine_unstable", frozen=True, kw_only=True):
     """An alert: the engine failed as often as a quarantine needs, but it is the last healthy one,
     so it is not quarantined on timing alone; it takes the cold path after `backoff_s`."""
 
@@ -424,7 +429,7 @@ class EngineUnstable(Message, tag="engine_unstable", kw_only=True):
     backoff_s: float
 
 
-class WeightsPublished(Message, tag="weights_published", kw_only=True):
+class WeightsPublished(Message, tag="weights_published", frozen=True, kw_only=True):
     """Event `belayer.<cluster>.evt.weights_published.<version>`: a new newest version is mapped and ready."""
 
     version: WeightVersion
@@ -436,7 +441,7 @@ class WeightsPublished(Message, tag="weights_published", kw_only=True):
 # ---------------------------------------------------------------- JetStream records
 
 
-class LogStart(CarriesSampling, tag="log_start", kw_only=True):
+class LogStart(CarriesSampling, tag="log_start", frozen=True, kw_only=True):
     """First record of a request's token log: everything needed to resume it."""
 
     request_id: RequestId
@@ -449,7 +454,7 @@ class LogStart(CarriesSampling, tag="log_start", kw_only=True):
     owner: ClientName = ""
 
 
-class LogDispatch(Message, tag="log_dispatch", kw_only=True):
+class LogDispatch(Message, tag="log_dispatch", frozen=True, kw_only=True):
     """A router placed the request on an engine as `attempt`, from `position` (or, adopting it,
     carries on that engine's attempt): from here until the next LogDispatch, whole chunks come
     from this attempt alone. The record an oracle checks chunks against."""
@@ -462,7 +467,7 @@ class LogDispatch(Message, tag="log_dispatch", kw_only=True):
     incarnation: Incarnation
 
 
-class LogChunk(Message, tag="log_chunk", kw_only=True):
+class LogChunk(Message, tag="log_chunk", frozen=True, kw_only=True):
     request_id: RequestId
     index: Position
     position: Position
@@ -476,7 +481,7 @@ class LogChunk(Message, tag="log_chunk", kw_only=True):
     incarnation: Incarnation = 0
 
 
-class LogEnd(Message, tag="log_end", kw_only=True):
+class LogEnd(Message, tag="log_end", frozen=True, kw_only=True):
     request_id: RequestId
     finish_reason: FinishReason
     num_tokens: Position
@@ -486,7 +491,7 @@ class LogEnd(Message, tag="log_end", kw_only=True):
     incarnation: Incarnation = 0  # the router that ended it
 
 
-class LogTakeover(Message, tag="log_takeover", kw_only=True):
+class LogTakeover(Message, tag="log_takeover", frozen=True, kw_only=True):
     """A router that took the lease claims a request still running: written with the subject's
     last sequence expected, so any append its predecessor still tries afterwards is refused."""
 
@@ -498,7 +503,7 @@ class LogTakeover(Message, tag="log_takeover", kw_only=True):
 LogRecord = LogStart | LogDispatch | LogChunk | LogEnd | LogTakeover
 
 
-class LogOpen(Message, tag="log_open", kw_only=True):
+class LogOpen(Message, tag="log_open", frozen=True, kw_only=True):
     """The request index (services/router/retention.py): the request's records may be in the token
     log and it has not ended. Written before its LogStart, so a successor router finds every running
     request here without reading the log of every request ever made."""
@@ -507,7 +512,7 @@ class LogOpen(Message, tag="log_open", kw_only=True):
     owner: ClientName
 
 
-class LogClosed(Message, tag="log_closed", kw_only=True):
+class LogClosed(Message, tag="log_closed", frozen=True, kw_only=True):
     """The request index: the request ended, and its records up to `end_sequence` leave the token
     log once it has been over for the router's --ended-keep. `size` (bytes) counts against its
     owner's share of the log until then."""
@@ -519,7 +524,7 @@ class LogClosed(Message, tag="log_closed", kw_only=True):
     ended_at: float  # unix seconds
 
 
-class IndexComplete(Message, tag="index_complete", kw_only=True):
+class IndexComplete(Message, tag="index_complete", frozen=True, kw_only=True):
     """The request index covers every request in the token log (a log older than the index has been
     read whole once, and indexed)."""
 
@@ -529,7 +534,7 @@ class IndexComplete(Message, tag="index_complete", kw_only=True):
 IndexEntry = LogOpen | LogClosed
 
 
-class EngineEntry(Message, tag="engine", kw_only=True):
+class EngineEntry(Message, tag="engine", frozen=True, kw_only=True):
     """Engine registry value: who serves the engine now. `epoch` changes only by compare-and-set."""
 
     engine_id: EngineId
@@ -538,7 +543,7 @@ class EngineEntry(Message, tag="engine", kw_only=True):
     health: Literal["serving", "quarantined"] = "serving"
 
 
-class EngineStatus(Message, tag="engine_status", kw_only=True):
+class EngineStatus(Message, tag="engine_status", frozen=True, kw_only=True):
     engine_id: EngineId
     epoch: Epoch
     pid: int
@@ -547,7 +552,7 @@ class EngineStatus(Message, tag="engine_status", kw_only=True):
     weight_version: WeightVersion | None = None  # what its worker last reported serving
 
 
-class RequestStatus(Message, tag="request_status", kw_only=True):
+class RequestStatus(Message, tag="request_status", frozen=True, kw_only=True):
     request_id: RequestId
     engine_id: str
     attempt: int
@@ -556,13 +561,13 @@ class RequestStatus(Message, tag="request_status", kw_only=True):
     resumes: int
 
 
-class RouterStatus(Message, tag="router_status", kw_only=True):
+class RouterStatus(Message, tag="router_status", frozen=True, kw_only=True):
     engines: list[EngineStatus]
     requests: list[RequestStatus]
     incarnation: Incarnation = 0  # the answering router's lease incarnation
 
 
-class StatusRequest(Message, tag="status", kw_only=True):
+class StatusRequest(Message, tag="status", frozen=True, kw_only=True):
     pass
 
 
@@ -588,7 +593,7 @@ class PoisonedRecord(BadMessage):
         self.reason = reason
 
 
-class RecordSkipped(Message, tag="record_skipped", kw_only=True):
+class RecordSkipped(Message, tag="record_skipped", frozen=True, kw_only=True):
     """An alert: a stored record that does not decode was skipped (once per record and process).
     On `belayer.<cluster>.evt.record_skipped.<service>`."""
 
@@ -602,7 +607,12 @@ class RecordSkipped(Message, tag="record_skipped", kw_only=True):
 T = TypeVar("T")
 
 
-def decoder_for(kind: type[T]) -> msgspec.json.Decoder[T]:
+@typing.overload
+def decoder_for(kind: type[T]) -> msgspec.json.Decoder[T]: ...
+@typing.overload
+def decoder_for(kind: types.UnionType) -> msgspec.json.Decoder[Any]: ...
+def decoder_for(kind: Any) -> msgspec.json.Decoder[Any]:
+    """A decoder of one Struct, or of a union of tagged ones (what a subject may carry)."""
     return msgspec.json.Decoder(kind)
 
 
@@ -612,7 +622,8 @@ _encoder = msgspec.json.Encoder()
 @functools.cache
 def current_version(kind: type[Message]) -> int:
     """The version this code writes for `kind`: the default of its `v` field."""
-    return next(f.default for f in msgspec.structs.fields(kind) if f.name == "v")
+    version: int = next(f.default for f in msgspec.structs.fields(kind) if f.name == "v")
+    return version
 
 
 def encode(message: Message) -> bytes:
@@ -685,7 +696,7 @@ SandboxUser = Annotated[
 ]
 
 
-class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
+class SandboxSpec(Message, tag="sandbox_spec", frozen=True, kw_only=True):
     """How a sandbox container is created; kept in every checkpoint so a restore recreates it.
 
     Safe by default: no network, every capability dropped, no-new-privileges, bounded memory and
@@ -705,12 +716,12 @@ class SandboxSpec(Message, tag="sandbox_spec", kw_only=True):
     user: SandboxUser = ""
 
 
-class SandboxCreate(Message, tag="sandbox_create", kw_only=True):
+class SandboxCreate(Message, tag="sandbox_create", frozen=True, kw_only=True):
     spec: SandboxSpec
     sandbox: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,64}\Z")] = ""  # empty: the checkpointer names it
 
 
-class SandboxExec(Message, tag="sandbox_exec", kw_only=True):
+class SandboxExec(Message, tag="sandbox_exec", frozen=True, kw_only=True):
     """Run one action, `/bin/sh -c command`, as the sandbox's action `step` + 1. The whole process
     group is SIGKILLed past `timeout_s`. `expect_step`, when given, refuses the action unless the
     sandbox has completed exactly that many actions."""
@@ -721,7 +732,7 @@ class SandboxExec(Message, tag="sandbox_exec", kw_only=True):
     expect_step: Step | None = None
 
 
-class SandboxCheckpoint(Message, tag="sandbox_checkpoint", kw_only=True):
+class SandboxCheckpoint(Message, tag="sandbox_checkpoint", frozen=True, kw_only=True):
     """Checkpoint the sandbox at action boundary k for a trajectory, with the LLM context L_k:
     its tokens, or `context_ref`, a reference that lives as long as the checkpoint."""
 
@@ -733,20 +744,20 @@ class SandboxCheckpoint(Message, tag="sandbox_checkpoint", kw_only=True):
     timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 120.0
 
 
-class SandboxRestore(Message, tag="sandbox_restore", kw_only=True):
+class SandboxRestore(Message, tag="sandbox_restore", frozen=True, kw_only=True):
     trajectory: TrajectoryId
     timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 300.0
 
 
-class SandboxDestroy(Message, tag="sandbox_destroy", kw_only=True):
+class SandboxDestroy(Message, tag="sandbox_destroy", frozen=True, kw_only=True):
     sandbox: SandboxId
 
 
-class SandboxList(Message, tag="sandbox_list", kw_only=True):
+class SandboxList(Message, tag="sandbox_list", frozen=True, kw_only=True):
     pass
 
 
-class TrajectoryEnd(Message, tag="trajectory_end", kw_only=True):
+class TrajectoryEnd(Message, tag="trajectory_end", frozen=True, kw_only=True):
     """The trajectory is over: its checkpoints and its prefix pointer are deleted."""
 
     trajectory: TrajectoryId
@@ -763,7 +774,7 @@ SandboxRequest = (
 )
 
 
-class SandboxInfo(Message, tag="sandbox_info", kw_only=True):
+class SandboxInfo(Message, tag="sandbox_info", frozen=True, kw_only=True):
     sandbox: SandboxId
     host_id: HostId
     container_id: str
@@ -774,12 +785,12 @@ class SandboxInfo(Message, tag="sandbox_info", kw_only=True):
     incarnation: Annotated[int, Meta(ge=0)] = 0
 
 
-class SandboxListing(Message, tag="sandbox_listing", kw_only=True):
+class SandboxListing(Message, tag="sandbox_listing", frozen=True, kw_only=True):
     host_id: HostId
     sandboxes: list[SandboxInfo]
 
 
-class ExecResult(Message, tag="exec_result", kw_only=True):
+class ExecResult(Message, tag="exec_result", frozen=True, kw_only=True):
     """An observation. An exit code of 137 or a timeout is still an observation; an environment
     failure never is one (it is the ServiceError "env-failure" and an EnvFailure event)."""
 
@@ -793,7 +804,7 @@ class ExecResult(Message, tag="exec_result", kw_only=True):
     duration_s: float = 0.0
 
 
-class CheckpointResult(Message, tag="checkpoint_result", kw_only=True):
+class CheckpointResult(Message, tag="checkpoint_result", frozen=True, kw_only=True):
     trajectory: TrajectoryId
     sandbox: SandboxId
     checkpoint_id: CheckpointId
@@ -805,7 +816,7 @@ class CheckpointResult(Message, tag="checkpoint_result", kw_only=True):
     total_s: float
 
 
-class RestoreResult(Message, tag="restore_result", kw_only=True):
+class RestoreResult(Message, tag="restore_result", frozen=True, kw_only=True):
     """Where the trajectory resumes: `source` says whether the newest checkpoint, an older one or the
     base image was used; `rejected` says why newer checkpoints were not."""
 
@@ -823,7 +834,7 @@ class RestoreResult(Message, tag="restore_result", kw_only=True):
     restore_s: float = 0.0
 
 
-class CheckpointReady(Message, tag="checkpoint_ready", kw_only=True):
+class CheckpointReady(Message, tag="checkpoint_ready", frozen=True, kw_only=True):
     trajectory: TrajectoryId
     sandbox: SandboxId
     host_id: HostId
@@ -836,7 +847,7 @@ class CheckpointReady(Message, tag="checkpoint_ready", kw_only=True):
     total_s: float
 
 
-class EnvFailure(Message, tag="env_failure", kw_only=True):
+class EnvFailure(Message, tag="env_failure", frozen=True, kw_only=True):
     """The sandbox's environment failed (judged from the container's state, not an exit code)."""
 
     sandbox: SandboxId
@@ -847,7 +858,7 @@ class EnvFailure(Message, tag="env_failure", kw_only=True):
     step: Step = 0
 
 
-class TrajectoryEnded(Message, tag="trajectory_ended", kw_only=True):
+class TrajectoryEnded(Message, tag="trajectory_ended", frozen=True, kw_only=True):
     """Event `belayer.<cluster>.evt.trajectory_ended.<trajectory>`: `host_id` ended the
     trajectory and deleted its pointer and shared copies; every other host deletes its own."""
 
@@ -855,7 +866,7 @@ class TrajectoryEnded(Message, tag="trajectory_ended", kw_only=True):
     host_id: HostId
 
 
-class SandboxRestored(Message, tag="sandbox_restored", kw_only=True):
+class SandboxRestored(Message, tag="sandbox_restored", frozen=True, kw_only=True):
     trajectory: TrajectoryId
     sandbox: SandboxId
     host_id: HostId
@@ -870,7 +881,7 @@ class SandboxRestored(Message, tag="sandbox_restored", kw_only=True):
 SandboxEvent = CheckpointReady | EnvFailure | SandboxRestored
 
 
-class PrefixPointer(Message, tag="prefix_pointer", kw_only=True):
+class PrefixPointer(Message, tag="prefix_pointer", frozen=True, kw_only=True):
     """Prefix-pointer bucket value: a trajectory's latest ready checkpoint. Moves only forward in
     (incarnation, k), by compare-and-set; an empty `checkpoint_id` means the base image."""
 
@@ -898,7 +909,7 @@ POLICY_PATTERN = r"adaptive|never|always|every-[1-9][0-9]{0,5}"
 PolicyName = Annotated[str, Meta(max_length=32, pattern=rf"^({POLICY_PATTERN})?\Z")]
 
 
-class PolicyDecide(Message, tag="policy_decide", kw_only=True):
+class PolicyDecide(Message, tag="policy_decide", frozen=True, kw_only=True):
     """Should trajectory `trajectory` checkpoint its sandbox now, having completed `step` actions?"""
 
     trajectory: TrajectoryId
@@ -914,7 +925,7 @@ class PolicyDecide(Message, tag="policy_decide", kw_only=True):
     policy: PolicyName = ""  # empty: the service's --policy
 
 
-class PolicyDecision(Message, tag="policy_decision", kw_only=True):
+class PolicyDecision(Message, tag="policy_decision", frozen=True, kw_only=True):
     """The answer, and the `policy_decision` event: the verdict with every input and term."""
 
     trajectory: TrajectoryId
@@ -939,7 +950,7 @@ class PolicyDecision(Message, tag="policy_decision", kw_only=True):
     contention_cost_s: float = 0.0  # K·c
 
 
-class EnvStep(Message, tag="env_step", kw_only=True):
+class EnvStep(Message, tag="env_step", frozen=True, kw_only=True):
     """An action of a trajectory ended: its environment time, and whether the environment failed."""
 
     trajectory: TrajectoryId
@@ -949,7 +960,7 @@ class EnvStep(Message, tag="env_step", kw_only=True):
     failed: bool = False
 
 
-class LlmResponse(Message, tag="llm_response", kw_only=True):
+class LlmResponse(Message, tag="llm_response", frozen=True, kw_only=True):
     """An LLM turn of a trajectory completed: how long the response took (a sample of T)."""
 
     trajectory: TrajectoryId
@@ -957,7 +968,7 @@ class LlmResponse(Message, tag="llm_response", kw_only=True):
     tokens: Annotated[int, Meta(ge=0)] = 0
 
 
-class CheckpointTimeout(Message, tag="checkpoint_timeout", kw_only=True):
+class CheckpointTimeout(Message, tag="checkpoint_timeout", frozen=True, kw_only=True):
     """A checkpoint did not answer in time: the host cools down (no checkpoints for a while)."""
 
     trajectory: TrajectoryId
@@ -966,7 +977,7 @@ class CheckpointTimeout(Message, tag="checkpoint_timeout", kw_only=True):
     waited_s: Annotated[float, Meta(ge=0.0)]
 
 
-class ChaosKill(Message, tag="chaos_kill", kw_only=True):
+class ChaosKill(Message, tag="chaos_kill", frozen=True, kw_only=True):
     """The chaos injector killed a trajectory's sandbox container (through the Docker API)."""
 
     trajectory: TrajectoryId
@@ -977,7 +988,7 @@ class ChaosKill(Message, tag="chaos_kill", kw_only=True):
     delay_s: float  # after that action started
 
 
-class ChaosFault(Message, tag="chaos_fault", kw_only=True):
+class ChaosFault(Message, tag="chaos_fault", frozen=True, kw_only=True):
     """`belayer chaos` injected a fault (cli/chaos.py): its kind, what it struck, and how many
     requests or trajectories were in flight there."""
 
@@ -987,7 +998,7 @@ class ChaosFault(Message, tag="chaos_fault", kw_only=True):
     at_s: float  # seconds into the campaign
 
 
-class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
+class PolicyFallback(Message, tag="policy_fallback", frozen=True, kw_only=True):
     """The policy service did not answer, so the driver decided with a named policy of its own."""
 
     trajectory: TrajectoryId
@@ -1004,7 +1015,7 @@ class PolicyFallback(Message, tag="policy_fallback", kw_only=True):
 # Placed after the sandbox section because the table names its Structs at import time.
 
 
-class TrainerStep(Message, tag="trainer_step", kw_only=True):
+class TrainerStep(Message, tag="trainer_step", frozen=True, kw_only=True):
     """Event `belayer.<cluster>.evt.trainer_step.<run>`: one GRPO step done and its weights published."""
 
     run: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
@@ -1033,7 +1044,7 @@ RunId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,40}\Z")]
 GroupName = Literal["actor", "reference", "reward", "rollout"]
 
 
-class ActorUpdate(Message, tag="actor_update", kw_only=True):
+class ActorUpdate(Message, tag="actor_update", frozen=True, kw_only=True):
     """One GRPO step on the whole batch; each rank takes rows rank, rank + world, ... of it. A
     rank whose state already holds `step` answers that step's result again and changes nothing,
     so a call re-run after a fault never trains a sample twice."""
@@ -1048,7 +1059,7 @@ class ActorUpdate(Message, tag="actor_update", kw_only=True):
     ref_logp: list[list[float]] = []
 
 
-class ActorUpdated(Message, tag="actor_updated", kw_only=True):
+class ActorUpdated(Message, tag="actor_updated", frozen=True, kw_only=True):
     step: int  # updates applied, this one included
     weight_version: WeightVersion  # of the weights after it
     loss: float
@@ -1059,7 +1070,7 @@ class ActorUpdated(Message, tag="actor_updated", kw_only=True):
     tokens: int
 
 
-class RewardRequest(Message, tag="reward_request", kw_only=True):
+class RewardRequest(Message, tag="reward_request", frozen=True, kw_only=True):
     """The reward group scores each (prompt item, answer tokens) pair of a step."""
 
     step: Annotated[int, Meta(ge=0)]
@@ -1067,11 +1078,11 @@ class RewardRequest(Message, tag="reward_request", kw_only=True):
     answers: Annotated[list[Tokens], Meta(max_length=4096)]
 
 
-class Rewards(Message, tag="rewards", kw_only=True):
+class Rewards(Message, tag="rewards", frozen=True, kw_only=True):
     rewards: list[float]
 
 
-class RefLogprobsRequest(Message, tag="ref_logprobs_request", kw_only=True):
+class RefLogprobsRequest(Message, tag="ref_logprobs_request", frozen=True, kw_only=True):
     """The reference group's log-probs of every response token (prompt + response per sample)."""
 
     step: Annotated[int, Meta(ge=0)]
@@ -1079,11 +1090,11 @@ class RefLogprobsRequest(Message, tag="ref_logprobs_request", kw_only=True):
     prompt_lens: list[Annotated[int, Meta(ge=1)]]
 
 
-class RefLogprobs(Message, tag="ref_logprobs", kw_only=True):
+class RefLogprobs(Message, tag="ref_logprobs", frozen=True, kw_only=True):
     logp: list[list[float]]  # per sample, one per response token
 
 
-class GroupHeartbeat(Message, tag="group_heartbeat", kw_only=True):
+class GroupHeartbeat(Message, tag="group_heartbeat", frozen=True, kw_only=True):
     """Event `belayer.<cluster>.evt.group_heartbeat.<run>`: a group worker is alive; `progress`
     counts units of work done (forward/backward passes), `cpu_s` its process CPU time. A worker
     whose heartbeats stop, or whose progress and CPU time both stand still, is hung."""
@@ -1097,7 +1108,7 @@ class GroupHeartbeat(Message, tag="group_heartbeat", kw_only=True):
     cpu_s: float
 
 
-class GroupFailed(Message, tag="group_failed", kw_only=True):
+class GroupFailed(Message, tag="group_failed", frozen=True, kw_only=True):
     run: RunId
     group: GroupName
     rank: int  # -1: the group as a whole (a call timeout)
@@ -1108,7 +1119,7 @@ class GroupFailed(Message, tag="group_failed", kw_only=True):
     detected_s: float  # from the call's start to the detection
 
 
-class GroupRebuilt(Message, tag="group_rebuilt", kw_only=True):
+class GroupRebuilt(Message, tag="group_rebuilt", frozen=True, kw_only=True):
     run: RunId
     group: GroupName
     rebuild: int  # this group's rebuilds so far, this one included
@@ -1118,7 +1129,7 @@ class GroupRebuilt(Message, tag="group_rebuilt", kw_only=True):
     total_s: float
 
 
-class Reschedule(Message, tag="reschedule", kw_only=True):
+class Reschedule(Message, tag="reschedule", frozen=True, kw_only=True):
     run: RunId
     attempt: int
     from_step: int  # the checkpoint's step the run goes on from
@@ -1212,7 +1223,7 @@ TensorDType = Literal["float32", "float16", "bfloat16", "uint8", "int64"]
 ByteCount = Annotated[int, Meta(ge=0, le=1 << 46)]
 
 
-class TensorLayout(Message, tag="tensor_layout", kw_only=True):
+class TensorLayout(Message, tag="tensor_layout", frozen=True, kw_only=True):
     """One tensor inside a segment: C-contiguous `shape` of `dtype` at byte `offset` (64-aligned)."""
 
     name: Annotated[str, Meta(min_length=1, max_length=256)]
@@ -1222,7 +1233,7 @@ class TensorLayout(Message, tag="tensor_layout", kw_only=True):
     nbytes: ByteCount
 
 
-class CudaIpcHandle(Message, tag="cuda_ipc", kw_only=True):
+class CudaIpcHandle(Message, tag="cuda_ipc", frozen=True, kw_only=True):
     """torch's CUDA IPC export of one uint8 buffer laid out like the segment (same offsets)."""
 
     device: Annotated[int, Meta(ge=0)]
@@ -1235,7 +1246,7 @@ class CudaIpcHandle(Message, tag="cuda_ipc", kw_only=True):
     event_sync_required: bool = False
 
 
-class SegmentManifest(Message, tag="segment_manifest", kw_only=True):
+class SegmentManifest(Message, tag="segment_manifest", frozen=True, kw_only=True):
     """Written at the head of every segment and repeated in the handles: a mapper checks both agree."""
 
     owner: Literal["weights", "kv"]
@@ -1245,14 +1256,14 @@ class SegmentManifest(Message, tag="segment_manifest", kw_only=True):
     tensors: Annotated[list[TensorLayout], Meta(max_length=4096)]
 
 
-class WeightHandles(Message, tag="weight_handles", kw_only=True):
+class WeightHandles(Message, tag="weight_handles", frozen=True, kw_only=True):
     version: WeightVersion
     segment: SegmentName  # a file name under /dev/shm
     manifest: SegmentManifest
     cuda: CudaIpcHandle | None = None  # set when the server holds the weights on a GPU
 
 
-class ArenaHandle(Message, tag="arena_handle", kw_only=True):
+class ArenaHandle(Message, tag="arena_handle", frozen=True, kw_only=True):
     engine_id: EngineId
     preset: Annotated[str, Meta(min_length=1, max_length=64)]
     num_blocks: Annotated[int, Meta(ge=1)]
@@ -1262,15 +1273,15 @@ class ArenaHandle(Message, tag="arena_handle", kw_only=True):
     cuda: CudaIpcHandle | None = None
 
 
-class WeightsList(Message, tag="weights_list", kw_only=True):
+class WeightsList(Message, tag="weights_list", frozen=True, kw_only=True):
     pass
 
 
-class WeightsHandlesRequest(Message, tag="weights_handles", kw_only=True):
+class WeightsHandlesRequest(Message, tag="weights_handles", frozen=True, kw_only=True):
     version: WeightVersion | None = None  # None: the newest
 
 
-class WeightsPin(Message, tag="weights_pin", kw_only=True):
+class WeightsPin(Message, tag="weights_pin", frozen=True, kw_only=True):
     """Pin a version for `holder`, a process `pid` on this host; the reply is its handles, so a
     holder that pins first and then maps can never map a freed version."""
 
@@ -1279,12 +1290,12 @@ class WeightsPin(Message, tag="weights_pin", kw_only=True):
     pid: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)]
 
 
-class WeightsUnpin(Message, tag="weights_unpin", kw_only=True):
+class WeightsUnpin(Message, tag="weights_unpin", frozen=True, kw_only=True):
     version: WeightVersion
     holder: HolderId
 
 
-class WeightsPublish(Message, tag="weights_publish", kw_only=True):
+class WeightsPublish(Message, tag="weights_publish", frozen=True, kw_only=True):
     """Load a weights file (written by params.save_params) as a new version and make it the newest:
     a path on the weight server's host, or an object in the cluster's weights bucket (a trainer on
     another host puts it there first). Exactly one of the two."""
@@ -1297,23 +1308,23 @@ class WeightsPublish(Message, tag="weights_publish", kw_only=True):
             raise ValueError("give exactly one of `path` and `object_name`")
 
 
-class ServerPing(Message, tag="server_ping", kw_only=True):
+class ServerPing(Message, tag="server_ping", frozen=True, kw_only=True):
     pass
 
 
-class WeightVersionInfo(Message, tag="weight_version_info", kw_only=True):
+class WeightVersionInfo(Message, tag="weight_version_info", frozen=True, kw_only=True):
     version: WeightVersion
     segment: SegmentName
     size: ByteCount
     holders: list[PinHolder]
 
 
-class WeightVersions(Message, tag="weight_versions", kw_only=True):
+class WeightVersions(Message, tag="weight_versions", frozen=True, kw_only=True):
     newest: WeightVersion
     versions: list[WeightVersionInfo]
 
 
-class WeightServerAlive(Message, tag="weight_server_alive", kw_only=True):
+class WeightServerAlive(Message, tag="weight_server_alive", frozen=True, kw_only=True):
     pid: int
     instance: InstanceId
     newest: WeightVersion
@@ -1322,7 +1333,7 @@ class WeightServerAlive(Message, tag="weight_server_alive", kw_only=True):
     segments: dict[WeightVersion, SegmentName] = {}  # each held version's current segment
 
 
-class KvArenaRequest(Message, tag="kv_arena", kw_only=True):
+class KvArenaRequest(Message, tag="kv_arena", frozen=True, kw_only=True):
     """The engine's arena: created zeroed on the first call, the same segment after; a different
     shape for an existing engine is refused ("shape-mismatch")."""
 
@@ -1336,7 +1347,7 @@ class KvArenaRequest(Message, tag="kv_arena", kw_only=True):
     watch_pid: Annotated[int, Meta(ge=0)] = 0
 
 
-class EngineRestart(Message, tag="engine_restart", kw_only=True):
+class EngineRestart(Message, tag="engine_restart", frozen=True, kw_only=True):
     """Replace the engine's workers by the cold path: main and shadow killed and their deaths
     confirmed, a worker started from scratch (its own weights and arena), a new shadow behind it.
     Sent on `belayer.<cluster>.engines.<engine>.restart` to the supervisor that runs the engine."""
@@ -1344,12 +1355,12 @@ class EngineRestart(Message, tag="engine_restart", kw_only=True):
     reason: Annotated[str, Meta(max_length=200)]  # why, for the handover event and the logs
 
 
-class EngineUnquarantine(Message, tag="engine_unquarantine", kw_only=True):
+class EngineUnquarantine(Message, tag="engine_unquarantine", frozen=True, kw_only=True):
     """The operator's way back: clear the engine's quarantine and start its workers again. Sent on
     `belayer.<cluster>.engines.<engine>.unquarantine`; answered with EngineRestarted (old_pid 0)."""
 
 
-class EngineRestarted(Message, tag="engine_restarted", kw_only=True):
+class EngineRestarted(Message, tag="engine_restarted", frozen=True, kw_only=True):
     engine_id: EngineId
     old_pid: int
     new_pid: int
@@ -1357,7 +1368,7 @@ class EngineRestarted(Message, tag="engine_restarted", kw_only=True):
     took_s: float  # from the request's arrival to the new worker serving
 
 
-class KvFlush(Message, tag="kv_flush", kw_only=True):
+class KvFlush(Message, tag="kv_flush", frozen=True, kw_only=True):
     """Zero the engine's arena (a real write of every byte) after the main of `epoch` died: refused
     unless `epoch` is the engine's current one in the registry and its worker is not a live
     holder, so a flush that arrives late or is forged cannot zero a serving main's arena."""
@@ -1366,13 +1377,13 @@ class KvFlush(Message, tag="kv_flush", kw_only=True):
     epoch: Epoch
 
 
-class KvRelease(Message, tag="kv_release", kw_only=True):
+class KvRelease(Message, tag="kv_release", frozen=True, kw_only=True):
     """Free the engine's arena (its segment is unlinked; existing mappings stay valid)."""
 
     engine_id: EngineId
 
 
-class KvServerAlive(Message, tag="kv_server_alive", kw_only=True):
+class KvServerAlive(Message, tag="kv_server_alive", frozen=True, kw_only=True):
     pid: int
     instance: InstanceId
     engines: list[EngineId]
@@ -1387,7 +1398,7 @@ class KvServerAlive(Message, tag="kv_server_alive", kw_only=True):
 # not decode is logged and dropped, so a stray print on either side cannot take an engine down.
 
 
-class WorkerIdle(Message, tag="worker_idle", kw_only=True):
+class WorkerIdle(Message, tag="worker_idle", frozen=True, kw_only=True):
     """A shadow has built everything it needs to serve and stands by. The instances are those of
     the weight and KV servers that own what it mapped (None: nothing mapped from that server): a
     restarted server owns none of it, and the supervisor must see that before a handover."""
@@ -1396,20 +1407,20 @@ class WorkerIdle(Message, tag="worker_idle", kw_only=True):
     kv_instance: InstanceId | None = None
 
 
-class MainFailed(Message, tag="main_failed", kw_only=True):
+class MainFailed(Message, tag="main_failed", frozen=True, kw_only=True):
     """A shadow saw its main fail: it exited (its pidfd), or it hangs (its heartbeat file is stale)."""
 
     reason: Literal["exit", "hang"]
     heartbeat_age_s: Annotated[float, Meta(ge=0.0)] = 0.0  # a hang's staleness; 0 for an exit
 
 
-class WorkerReady(Message, tag="worker_ready", kw_only=True):
+class WorkerReady(Message, tag="worker_ready", frozen=True, kw_only=True):
     """The worker serves: it installed itself in the engine registry under `epoch`."""
 
     epoch: Epoch
 
 
-class WorkerUnhealthy(Message, tag="worker_unhealthy", kw_only=True):
+class WorkerUnhealthy(Message, tag="worker_unhealthy", frozen=True, kw_only=True):
     """The worker will not serve (a promoted shadow failed its device check) and exits."""
 
     why: str
@@ -1418,14 +1429,14 @@ class WorkerUnhealthy(Message, tag="worker_unhealthy", kw_only=True):
 WorkerReport = WorkerIdle | MainFailed | WorkerReady | WorkerUnhealthy
 
 
-class PromoteShadow(Message, tag="promote_shadow", kw_only=True):
+class PromoteShadow(Message, tag="promote_shadow", frozen=True, kw_only=True):
     """Take over: the main is confirmed dead, both servers answer and the arena is flushed."""
 
 
 ShadowCommand = PromoteShadow  # a union of one so far; a new command joins it here
 
 
-class EngineWorkers(Message, tag="engine_workers", kw_only=True):
+class EngineWorkers(Message, tag="engine_workers", frozen=True, kw_only=True):
     """One engine in the shadow supervisor's state file: its worker pids (0: none now)."""
 
     main: Annotated[int, Meta(ge=0)] = 0
@@ -1446,13 +1457,13 @@ ShadowState = dict[EngineId, EngineWorkers]
 # reaps a rank, always after that rank's RankForked.
 
 
-class ForkServerReady(Message, tag="fork_server_ready", kw_only=True):
+class ForkServerReady(Message, tag="fork_server_ready", frozen=True, kw_only=True):
     """The server has imported torch and the rank code, and takes ForkRank commands."""
 
     pid: int
 
 
-class ForkRank(Message, tag="fork_rank", kw_only=True):
+class ForkRank(Message, tag="fork_rank", frozen=True, kw_only=True):
     """Fork a rank that runs `python -m belayer_rl.services.trainer_group` with `argv`, its
     stdout and stderr appended to `log_path`."""
 
@@ -1460,15 +1471,15 @@ class ForkRank(Message, tag="fork_rank", kw_only=True):
     log_path: str
 
 
-class RankForked(Message, tag="rank_forked", kw_only=True):
+class RankForked(Message, tag="rank_forked", frozen=True, kw_only=True):
     pid: Annotated[int, Meta(gt=0)]
 
 
-class ForkRefused(Message, tag="fork_refused", kw_only=True):
+class ForkRefused(Message, tag="fork_refused", frozen=True, kw_only=True):
     why: str
 
 
-class RankExited(Message, tag="rank_exited", kw_only=True):
+class RankExited(Message, tag="rank_exited", frozen=True, kw_only=True):
     """A forked rank was reaped; `returncode` as subprocess gives it (-N: killed by signal N)."""
 
     pid: Annotated[int, Meta(gt=0)]

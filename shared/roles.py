@@ -28,7 +28,7 @@ import nkeys
 
 from belayer_rl.shared import files
 from belayer_rl.shared.access import inbox_prefix, public_key
-from belayer_rl.shared.declaration import PERMISSION_SCOPE, Service, kv_stream
+from belayer_rl.shared.declaration import PERMISSION_SCOPE, Service, Subject, kv_stream
 from belayer_rl.shared.subjects import Subjects
 
 # The key that signs checkpoint manifests (services/checkpointer/store.py): 32 random bytes in hex.
@@ -100,7 +100,10 @@ def _js_read(stream: str) -> list[str]:
 def service_role(services: Sequence[Service], s: Subjects) -> Role:
     """The role of the services that share one credential (a process and the driver beside it):
     what their declarations say they subscribe to, publish, own and read, nothing more."""
-    fill = lambda subject: subject(s, PERMISSION_SCOPE)  # noqa: E731
+
+    def fill(subject: Subject) -> str:
+        return subject(s, PERMISSION_SCOPE)
+
     return Role(
         publish=tuple(fill(subject) for service in services for subject in service.publishes),
         subscribe=tuple(
@@ -268,7 +271,10 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
     entry: dict[str, object] = {"nkey": user.public_key}
     if role.everything:
         return entry
-    fill = lambda subject: fill_engine(subject, user.engine).replace("{client}", user.name)  # noqa: E731
+
+    def fill(subject: str) -> str:
+        return fill_engine(subject, user.engine).replace("{client}", user.name)
+
     publish = [fill(p) for p in role.publish]
     if role.to_clients:
         publish += client_inboxes
@@ -282,14 +288,15 @@ def permissions(user: User, role: Role, s: Subjects, client_inboxes: list[str]) 
     subscribe.append(f"{inbox_prefix(user.public_key)}.>")
     # a service answers the runtime's stats endpoint, its own only
     subscribe += [s.service_stats(fill(key)) for key in role.stats]
-    entry["permissions"] = {
+    allowed: dict[str, object] = {
         # An empty allow list would allow everything: a role that publishes nothing of its own
         # (it only replies) gets one subject nobody listens to.
         "publish": {"allow": sorted(set(publish)) or [f"{s.root}.nothing"]},
         "subscribe": {"allow": sorted(set(subscribe))},
     }
     if role.replies:
-        entry["permissions"]["allow_responses"] = True  # type: ignore[index]
+        allowed["allow_responses"] = True
+    entry["permissions"] = allowed
     return entry
 
 
@@ -320,7 +327,8 @@ def user_role(name: str, table: dict[str, Role]) -> tuple[str, str]:
 
 
 def new_seed() -> str:
-    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    seed: bytes = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode()
 
 
 def private_file(path: Path, text: str) -> Path:

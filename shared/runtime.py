@@ -369,7 +369,8 @@ class Runtime:
 
         return on_message
 
-    def _error(self, code: protocol.ErrorCode, message: str) -> ErrorReply:
+    def _error(self, code: str, message: str) -> ErrorReply:
+        """`code`: one of protocol.ErrorCode, or one a newer service answered and a handler passed on."""
         self.errors[code] += 1
         return ErrorReply(code=code, message=message)
 

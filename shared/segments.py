@@ -27,6 +27,7 @@ import math
 import mmap
 import os
 import struct
+import typing
 import warnings
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from belayer_rl.shared.protocol import (
     ArenaHandle,
     CudaIpcHandle,
     SegmentManifest,
+    TensorDType,
     TensorLayout,
     WeightHandles,
 )
@@ -54,7 +56,9 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "int64": torch.int64,
 }
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, TensorDType] = {
+    dtype: typing.cast(TensorDType, name) for name, dtype in DTYPES.items()
+}
 
 _manifest_decoder = msgspec.json.Decoder(SegmentManifest)
 
@@ -71,7 +75,10 @@ def _align(n: int) -> int:
 
 
 def plan(
-    owner: str, key: str, instance: str, specs: list[tuple[str, tuple[int, ...], torch.dtype]]
+    owner: typing.Literal["weights", "kv"],
+    key: str,
+    instance: str,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
 ) -> SegmentManifest:
     """The manifest of a segment holding `specs` (name, shape, dtype) back to back after the header.
 
@@ -89,7 +96,7 @@ def plan(
             )
             offset = _align(offset + nbytes)
         manifest = SegmentManifest(
-            owner=owner,  # type: ignore[arg-type]
+            owner=owner,
             key=key,
             instance=instance,
             size=max(offset, data_start),
@@ -136,6 +143,7 @@ class Segment:
         self.name = name
         self.path = SHM_DIR / name
         self.manifest = manifest
+        self._mm: mmap.mmap | None = None
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             if group is not None:
@@ -145,7 +153,7 @@ class Segment:
                 os.posix_fallocate(fd, 0, manifest.size)
             else:
                 os.ftruncate(fd, manifest.size)
-            self._mm = mmap.mmap(
+            mapping = mmap.mmap(
                 fd, manifest.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
         except BaseException:
@@ -155,8 +163,9 @@ class Segment:
             raise
         os.close(fd)
         encoded = msgspec.json.encode(manifest)
-        self._mm[: _HEAD.size + len(encoded)] = _HEAD.pack(MAGIC, len(encoded)) + encoded
-        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)  # [size], shares the mapping
+        mapping[: _HEAD.size + len(encoded)] = _HEAD.pack(MAGIC, len(encoded)) + encoded
+        self._mm = mapping
+        self.buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # [size], shares the mapping
         self.tensors = _views(self.buffer, manifest)
 
     def close(self) -> None:
@@ -244,7 +253,7 @@ def import_cuda(handle: CudaIpcHandle) -> torch.Tensor:
     """Open another process's CUDA buffer: uint8 [storage_size_bytes] on its device, no copy."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor(
+    tensor: torch.Tensor = rebuild_cuda_tensor(
         torch.Tensor,
         (handle.storage_size_bytes,),
         (1,),
@@ -261,6 +270,7 @@ def import_cuda(handle: CudaIpcHandle) -> torch.Tensor:
         handle.event_handle or None,
         handle.event_sync_required,
     )
+    return tensor
 
 
 def use_cuda(handle: CudaIpcHandle | None) -> bool:

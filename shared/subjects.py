@@ -106,7 +106,7 @@ class Subjects:
 
     # ------------------------------------------------------------ every service
 
-    def trainer_group(self, run: str, group: str, rank: int, verb: str) -> str:
+    def trainer_group(self, run: str, group: str, rank: int | str, verb: str) -> str:
         """A trainer group worker's RPC (services/trainer_group): `verb` is update, ..."""
         return f"{self.root}.trainer.{run}.{group}.{rank}.{verb}"
 

@@ -100,16 +100,17 @@ class Checkpointer:
         self.engine = engine
         self.nc = nc
         self.kv = kv
-        config.state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir = config.state  # resolved by the config
+        state_dir.mkdir(parents=True, exist_ok=True)
         try:  # a key file named by the operator must exist: a new key would disown every checkpoint
             key = checkpoint_key(
-                config.checkpoint_key or config.state_dir / "checkpoint.key",
+                config.checkpoint_key or state_dir / "checkpoint.key",
                 create=config.checkpoint_key is None,
             )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--checkpoint-key: {exc}") from None
-        self.store = Store(config.state_dir / "checkpoints", key)
-        self.records_dir = config.state_dir / "sandboxes"
+        self.store = Store(state_dir / "checkpoints", key)
+        self.records_dir = state_dir / "sandboxes"
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.sandboxes: dict[str, Sandbox] = {}
         self.tasks: set[asyncio.Task[object]] = set()
@@ -321,9 +322,9 @@ class Checkpointer:
         await self.publish(self.subjects.event("env_failure", sb.record.sandbox), event)
         return ServiceError("env-failure", f"{failure.reason}: {failure.detail}")
 
-    async def publish(self, subject: str, message: msgspec.Struct) -> None:
+    async def publish(self, subject: str, message: protocol.Message) -> None:
         try:
-            await bus.publish(self.nc, subject, message)  # type: ignore[arg-type]
+            await bus.publish(self.nc, subject, message)
         except Exception as exc:  # the bus may be reconnecting; the result still tells the caller
             log.warning("event on %s not published: %s", subject, exc)
 
@@ -392,7 +393,7 @@ class Checkpointer:
                     raise
                 if (trouble := host_trouble(exc)) is not None:
                     raise trouble from None
-                code = "no-image" if not sb.record.image_id else "create-failed"
+                code: protocol.ErrorCode = "no-image" if not sb.record.image_id else "create-failed"
                 detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
                 raise ServiceError(code, f"sandbox {name} from {req.spec.image!r}: {detail}") from None
             self.save(sb)

@@ -22,6 +22,7 @@ import posixpath
 import stat
 import subprocess
 import tarfile
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,13 +148,20 @@ def check(archive_path: Path, max_bytes: int | None = None) -> list[Entry]:
     return entries
 
 
+def sparse_map(member: tarfile.TarInfo) -> list[tuple[int, int]] | None:
+    """A sparse file's data regions, (offset, size) each; None for a file that is not sparse.
+    (typeshed calls the attribute an int; tarfile sets it to this list.)"""
+    return typing.cast("list[tuple[int, int]] | None", member.sparse)
+
+
 def _data_bytes(member: tarfile.TarInfo) -> int:
     """What the file takes on disk once installed: for a sparse one, its data regions, each counted
     in whole blocks (a map of one-byte regions still allocates a block for each)."""
-    if member.sparse is None:
+    regions = sparse_map(member)
+    if regions is None:
         return member.size
     end, total = 0, 0
-    for offset, size in member.sparse:
+    for offset, size in regions:
         if offset < end or size < 0 or offset + size > member.size:
             raise HostileLayer(f"sparse file {member.name!r} has an overlapping or outlying region")
         end = offset + size
@@ -253,7 +261,7 @@ def _write_file(tar: tarfile.TarFile, m: tarfile.TarInfo, parent: int, name: str
         assert source is not None
         # A sparse file gets only its data regions written, its holes stay holes; `check` has
         # made sure the regions are ordered and inside the file.
-        for offset, size in m.sparse if m.sparse is not None else [(0, m.size)]:
+        for offset, size in sparse_map(m) or [(0, m.size)]:
             source.seek(offset)
             while size > 0 and (chunk := source.read(min(size, COPY_CHUNK))):
                 size -= len(chunk)

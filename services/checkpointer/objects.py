@@ -104,6 +104,7 @@ async def download(
     packed = folder / f"{TMP_PREFIX}down-{checkpoint_id}.tar"
     try:
         with packed.open("wb") as f:
+            # nats-py types `writeinto` as a BufferedWriter; it only calls write(), which _Bounded has.
             await obs.get(name, writeinto=_Bounded(f, max_bytes, name))  # type: ignore[arg-type]
         return await asyncio.to_thread(unpack, packed, store, trajectory, checkpoint_id)
     finally:

@@ -13,11 +13,12 @@ def docker_unreachable(url: str | None = None, timeout_s: float = 1.0) -> str | 
     """None when the engine at `url` ($DOCKER_HOST, else the default socket) answers its ping;
     otherwise a sentence saying why not."""
     url = url or os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER
+    address: str | tuple[str, int]
     if url.startswith("unix://"):
         family, address = socket.AF_UNIX, url[len("unix://") :]
     elif url.startswith(("tcp://", "http://")):
         host, _, port = url.split("://", 1)[1].rstrip("/").partition(":")
-        family, address = socket.AF_INET, (host, int(port or 2375))  # type: ignore[assignment]
+        family, address = socket.AF_INET, (host, int(port or 2375))
     else:
         return f"unsupported Docker URL {url!r}"
     try:

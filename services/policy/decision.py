@@ -363,7 +363,7 @@ class Policy:
             raise ValueError(f"unknown policy {name!r}: adaptive, never, always or every-N (1 <= N < 10^6)")
         if name.startswith("every-"):
             return cls(kind="every", every=int(name[6:]))
-        return cls(kind=name)  # type: ignore[arg-type]
+        return cls(kind=name)  # type: ignore[arg-type]  # POLICY_PATTERN lets only the kinds' names here
 
     @property
     def name(self) -> str:

@@ -29,7 +29,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -92,10 +92,13 @@ class RolloutSettings:
             raise ValueError("the fallback policy must be never, always or every-N, not adaptive")
 
 
+TimelineKind = Literal["turn", "action", "checkpoint", "checkpoint-failed", "failure", "recovery", "kill"]
+
+
 class TimelineEntry(msgspec.Struct, kw_only=True):
     """One line of a trajectory's timeline (JSON lines): what happened, from when to when."""
 
-    kind: Literal["turn", "action", "checkpoint", "checkpoint-failed", "failure", "recovery", "kill"]
+    kind: TimelineKind
     start_s: float  # seconds since the batch started
     end_s: float
     step: int
@@ -216,7 +219,7 @@ class Trajectory:
         return self.kept is not None and self.kept.k == self.k and self.kept.context == self.context
 
     def mark(
-        self, kind: str, start_s: float, detail: str = "", step: int | None = None, tokens: int = 0
+        self, kind: TimelineKind, start_s: float, detail: str = "", step: int | None = None, tokens: int = 0
     ) -> None:
         self.timeline.append(
             TimelineEntry(
@@ -226,7 +229,7 @@ class Trajectory:
                 step=self.k if step is None else step,
                 detail=detail,
                 tokens=tokens,
-            )  # type: ignore[arg-type]
+            )
         )
 
     # ------------------------------------------------------------ the loop
@@ -381,7 +384,7 @@ class Trajectory:
             return generation.tokens, seconds
         raise AssertionError("unreachable")
 
-    async def consult_while(self, request: asyncio.Future[object], started: float) -> None:
+    async def consult_while(self, request: asyncio.Future[Any], started: float) -> None:
         """Ask the policy now and every consult_every_s until it says checkpoint or the response ends."""
         while not request.done():
             if self.checkpoint is None and self.k != self.ready_k:

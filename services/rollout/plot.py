@@ -33,6 +33,7 @@ def plot_timelines(folder: Path, png: Path) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.artist import Artist
     from matplotlib.patches import Patch
 
     timelines = read_timelines(folder)
@@ -51,8 +52,8 @@ def plot_timelines(folder: Path, png: Path) -> int:
     axis.set_yticks(range(len(timelines)), list(timelines), fontsize=7)
     axis.invert_yaxis()
     axis.set_xlabel("seconds since the batch started")
-    handles = [Patch(color=color, label=kind) for kind, color in COLORS.items()]
-    handles.append(axis.plot([], [], marker="x", color="black", linestyle="", label="kill")[0])  # type: ignore[arg-type]
+    handles: list[Artist] = [Patch(color=color, label=kind) for kind, color in COLORS.items()]
+    handles.append(axis.plot([], [], marker="x", color="black", linestyle="", label="kill")[0])
     axis.legend(
         handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=7, fontsize=8, frameon=False
     )

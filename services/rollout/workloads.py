@@ -153,5 +153,5 @@ def workload(name: str, count: int, **options: float) -> list[Task]:
     if name == "math":
         return math_tasks(count)
     if name == "shell":
-        return shell_tasks(count, **options)  # type: ignore[arg-type]
+        return shell_tasks(count, **options)  # type: ignore[arg-type]  # turns (whole) and action_s, as the shell workload's flags give them
     raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")

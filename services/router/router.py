@@ -885,7 +885,9 @@ class Router:
         if engine is not None and engine.pid == failed.pid and failed.epoch in (0, engine.epoch):
             await self.engine_failed(engine, failed.reason, failed.detail, announce=False)
 
-    async def engine_failed(self, engine: Engine, reason: str, detail: str, *, announce: bool = True) -> None:
+    async def engine_failed(
+        self, engine: Engine, reason: protocol.EngineFailure, detail: str, *, announce: bool = True
+    ) -> None:
         if engine.failed_reason != "exit":  # an exit is final; a stall may end
             engine.failed_reason = reason
         if not engine.alive and not engine.requests:
@@ -898,7 +900,7 @@ class Router:
                 engine_id=engine.engine_id,
                 epoch=engine.epoch,
                 pid=engine.pid,
-                reason=reason,  # type: ignore[arg-type]
+                reason=reason,
                 detail=f"{detail}; {len(interrupted)} requests interrupted",
             )
             await bus.publish(self.nc, self.subjects.event("worker_failed", engine.engine_id), failed)

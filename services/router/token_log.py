@@ -159,10 +159,11 @@ async def append(
             except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as read_failure:
                 failure = read_failure  # unreadable for now: ask again
                 continue
+            last_seq = last.seq or 0  # a stored record always has one
             if last.headers is not None and last.headers.get("Nats-Msg-Id") == msg_id:
                 if usage is not None:
                     usage.add(record, size)
-                return last.seq
+                return last_seq
             try:
                 last_record: LogRecord | None = protocol.decode(_record_decoder, last.data or b"")
             except protocol.BadMessage:
@@ -183,7 +184,7 @@ async def append(
                 raise bus.ServiceError(
                     "fenced", f"{record.request_id} was started again after the request this router knew"
                 ) from exc
-            after = last.seq  # our own records, or older ones: follow the last
+            after = last_seq  # our own records, or older ones: follow the last
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
             failure = exc
     raise bus.ServiceError("log-unavailable", f"token log append failed {MAX_PUBLISH_TRIES} times: {failure}")

@@ -41,9 +41,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -109,9 +110,13 @@ def parse_report(line: bytes, source: str) -> WorkerReport | None:
         return None
 
 
+# A main serves, a shadow idles until it takes over, a cold worker is started from nothing.
+SlotRole = Literal["main", "shadow", "cold"]
+
+
 @dataclass(eq=False)  # hashed by identity: the supervisor keeps a set of them
 class WorkerProcess:
-    role: str  # "main", "shadow" or "cold"
+    role: SlotRole
     process: asyncio.subprocess.Process
     heartbeat_file: Path
     reports: asyncio.Queue[WorkerReport | None] = field(default_factory=asyncio.Queue)  # None: stdout closed
@@ -227,8 +232,8 @@ class ShadowSupervisor:
         self.quarantining = asyncio.Lock()  # quarantines and unquarantines, one at a time
         config.state_dir.mkdir(parents=True, exist_ok=True)
 
-    def spawn_task(self, coro: object, name: str) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
         task.set_name(name)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -236,7 +241,7 @@ class ShadowSupervisor:
     # ------------------------------------------------------------ starting workers
 
     def worker_argv(
-        self, slot: EngineSlot, role: str, heartbeat_file: Path, watch: WorkerProcess | None
+        self, slot: EngineSlot, role: SlotRole, heartbeat_file: Path, watch: WorkerProcess | None
     ) -> list[str]:
         c = self.config
         worker = WorkerConfig(
@@ -245,7 +250,7 @@ class ShadowSupervisor:
             preset=c.preset,
             weights_seed=c.weights_seed,
             num_blocks=c.num_blocks,
-            role="main" if role == "cold" else role,  # type: ignore[arg-type]
+            role="main" if role == "cold" else role,
             heartbeat_file=heartbeat_file,
             shared_memory=role != "cold",
             follow_versions=role == "cold",  # a trainer's versions, once the weight server answers
@@ -258,7 +263,7 @@ class ShadowSupervisor:
         return [sys.executable, "-m", "belayer_rl.services.worker", *to_argv(worker)]
 
     async def start_worker(
-        self, slot: EngineSlot, role: str, watch: WorkerProcess | None = None
+        self, slot: EngineSlot, role: SlotRole, watch: WorkerProcess | None = None
     ) -> WorkerProcess:
         """Start a worker; return once it serves (main, cold) or idles ready to take over (shadow)."""
         slot.generation += 1

@@ -166,7 +166,9 @@ class Actor:
                     hook.remove()
             terms = torch.tensor([float(parts.loss.detach()), parts.clipped_tokens, parts.kl_sum])
             if dp is not None:
-                for t in self.params.values():
+                for name, t in self.params.items():
+                    if t.grad is None:  # every rank must sum every gradient, or the collective hangs
+                        raise RuntimeError(f"no gradient for {name} after the backward pass")
                     dp.sum(t.grad)
                 dp.sum(terms)
                 dp.passed()
@@ -194,7 +196,7 @@ class Actor:
             tokens=total_tokens,
         )
 
-    def _restore(self, weights: Params, optimizer_state: dict) -> None:  # type: ignore[type-arg]
+    def _restore(self, weights: Params, optimizer_state: dict) -> None:
         with torch.no_grad():
             for name, t in self.params.items():
                 t.copy_(weights[name])
@@ -203,11 +205,11 @@ class Actor:
     def state(self) -> dict[str, object]:
         return {"params": self.weights(), "optimizer": _clone_state(self.optimizer.state_dict())}
 
-    def load_state(self, state: dict) -> None:  # type: ignore[type-arg]
+    def load_state(self, state: dict) -> None:
         self._restore(state["params"], state["optimizer"])
 
 
-def _clone_state(state: dict) -> dict:  # type: ignore[type-arg]
+def _clone_state(state: dict) -> dict:
     """A deep copy of an optimizer state dict (its tensors cloned)."""
     return {
         "state": {

@@ -24,6 +24,7 @@ import os
 import random
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -119,14 +120,17 @@ class FaultPoints:
 
 
 class Target(Protocol):
-    name: str
-    pids: list[int]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pids(self) -> list[int]: ...
 
 
 class Running(Protocol):
     step: int
 
-    def groups_by_name(self) -> dict[str, Target]: ...
+    def groups_by_name(self) -> Mapping[str, Target]: ...
 
 
 async def inject(trainer: Running, faults: list[Fault], log: list[str]) -> None:

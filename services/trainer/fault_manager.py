@@ -116,7 +116,9 @@ class FaultBoundExceeded(Exception):
 
 
 class Group(Protocol):
-    name: Literal["actor", "reference", "reward", "rollout"]
+    @property
+    def name(self) -> Literal["actor", "reference", "reward", "rollout"]: ...
+
     rebuilds: int
 
     async def start(self) -> None: ...

@@ -199,8 +199,8 @@ class ForkServer:
                 rank = self.ranks[report.pid] = ForkedRank(report.pid, pidfd)
                 self.answers.put_nowait(rank)
             elif isinstance(report, RankExited):
-                if (rank := self.ranks.pop(report.pid, None)) is not None:
-                    rank.exit(report.returncode)
+                if (exited := self.ranks.pop(report.pid, None)) is not None:
+                    exited.exit(report.returncode)
             else:
                 self.answers.put_nowait(report)
         # The server is gone, and the kernel SIGKILLs the ranks it had as it goes: confirm each
@@ -259,7 +259,7 @@ class LocalGroup:
 
     @property
     def name(self) -> Literal["actor", "reference", "reward"]:
-        return self.worker.group  # type: ignore[return-value]
+        return self.worker.group
 
     @property
     def state_file(self) -> Path:
@@ -374,8 +374,8 @@ class LocalGroup:
                     except Exception as exc:  # a reply that does not decode, a closed connection
                         raise GroupFault("exception", rank, f"{type(exc).__name__}: {exc}") from None
         finally:
-            for task in [*replies, watch]:
-                task.cancel()
+            for running in [*replies, watch]:
+                running.cancel()
             await asyncio.gather(*replies, watch, return_exceptions=True)
         return [results[rank] for rank in sorted(results)]
 

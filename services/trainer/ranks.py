@@ -15,6 +15,7 @@ import datetime
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -51,7 +52,7 @@ def version_of(weights: Params) -> str:
 class GlooGroup:
     """The DataParallel of an actor update over torch.distributed (gloo)."""
 
-    def __init__(self, on_pass: callable) -> None:  # type: ignore[valid-type]
+    def __init__(self, on_pass: Callable[[], None]) -> None:
         self.on_pass = on_pass
 
     def sum(self, tensor: torch.Tensor) -> None:
@@ -196,7 +197,7 @@ class ActorRank:
             "last": msgspec.to_builtins(self.last) if self.last is not None else None,
         }
 
-    def load(self, state: dict) -> None:  # type: ignore[type-arg]
+    def load(self, state: dict) -> None:
         self.step = int(state["step"])
         self.version = str(state["version"])
         self.actor.load_state(state["actor"])

@@ -57,7 +57,8 @@ class RankActor:
         torch.set_num_threads(config.threads)
         self.config = config
         kinds = {"actor": ActorRank, "reference": ReferenceRank, "reward": RewardRank}
-        self.rank = kinds[config.group](config)
+        # One of the three: each verb below is called only on its own group's ranks.
+        self.rank: Any = kinds[config.group](config)
 
     def pid(self) -> int:
         return os.getpid()
@@ -97,7 +98,7 @@ class RayGroup:
 
     @property
     def name(self) -> Literal["actor", "reference", "reward"]:
-        return self.worker.group  # type: ignore[return-value]
+        return self.worker.group
 
     @property
     def state_file(self) -> Path:

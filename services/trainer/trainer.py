@@ -300,7 +300,7 @@ class Trainer:
             "rng": torch.get_rng_state(),
         }
 
-    def load_state(self, state: dict) -> None:  # type: ignore[type-arg]
+    def load_state(self, state: dict) -> None:
         """Blocking. In group mode the group's state file is rewritten: (re)start the group after."""
         if self.group is None:
             self.actor.load_state(state["actor"])

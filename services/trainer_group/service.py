@@ -53,7 +53,7 @@ async def setup(rt: Runtime, config: TrainerGroupConfig) -> None:
     async def heartbeat() -> None:
         beat = GroupHeartbeat(
             run=config.run,
-            group=config.group,  # type: ignore[arg-type]
+            group=config.group,
             rank=config.rank,
             pid=os.getpid(),
             step=rank.step,

@@ -173,8 +173,8 @@ class WeightServer:
 
     async def load_initial(self) -> None:
         c = self.config
-        if c.weights_path is not None:
-            await self.add(lambda: load_params(c.weights_path))
+        if (path := c.weights_path) is not None:
+            await self.add(lambda: load_params(path))
         else:
             await self.add(
                 lambda: (

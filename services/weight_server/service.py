@@ -20,12 +20,10 @@ async def setup(rt: Runtime, config: WeightServerConfig) -> None:
     server = WeightServer(config)
     rt.on_close(server.close)  # closed after every handler: nothing stays in /dev/shm
     await server.load_initial()
-    server.nc = await rt.connect()
+    server.nc = nc = await rt.connect()
     server.objects = await bus.with_retries(
         "declare the weights bucket",
-        lambda: bus.object_store(
-            server.nc.jetstream(), rt.subjects.weights_object_bucket, WEIGHTS_BUCKET_BYTES
-        ),
+        lambda: bus.object_store(nc.jetstream(), rt.subjects.weights_object_bucket, WEIGHTS_BUCKET_BYTES),
     )
     await rt.serve(
         *WEIGHT_SERVER.endpoints(

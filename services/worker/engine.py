@@ -344,13 +344,16 @@ class Engine:
             if start + n == len(s.tokens):  # caught up: the last row predicts the next token
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(s)
-        on_device = {"dtype": torch.long, "device": self.device}
+
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
         batch = ForwardBatch(
-            tokens=torch.tensor(tokens, **on_device),
-            positions=torch.tensor(positions, **on_device),
-            slots=torch.tensor(slots, **on_device),
+            tokens=on_device(tokens),
+            positions=on_device(positions),
+            slots=on_device(slots),
             seqs=rows,
-            logit_rows=torch.tensor(logit_rows, **on_device),
+            logit_rows=on_device(logit_rows),
         )
         return batch, sampled
 

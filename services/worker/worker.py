@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -30,7 +31,7 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.services.worker.engine import Engine, EngineRejected, SeqEvent, SeqSpec
 from belayer_rl.services.worker.weights import PinnedWeights
-from belayer_rl.shared import bus
+from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.metrics import Metrics, WorkerMetrics
@@ -72,13 +73,13 @@ class Attempt:
         self.key = (self.dispatch.request_id, self.dispatch.attempt)
         self.tokens = list(self.dispatch.prefix_tokens)
 
-    def held(self, finish_reason: str | None = None) -> HeldAttempt:
+    def held(self, finish_reason: protocol.FinishReason | None = None) -> HeldAttempt:
         return HeldAttempt(
             request_id=self.dispatch.request_id,
             attempt=self.dispatch.attempt,
             incarnation=self.dispatch.incarnation,
             tokens=list(self.tokens),
-            finish_reason=finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish_reason,
         )
 
 
@@ -277,7 +278,7 @@ class Worker:
                 await self._publish_event(event)
 
     async def _publish_event(self, event: SeqEvent) -> None:
-        request_id, attempt_id = event.key
+        request_id, attempt_id = typing.cast(tuple[str, int], event.key)  # an Attempt's key
         attempt = self.attempts.get(request_id)
         if attempt is None or attempt.dispatch.attempt != attempt_id:
             return  # cancelled or superseded while the step ran
@@ -301,13 +302,15 @@ class Worker:
             self.forget_ended()
             await self._publish_done(attempt, event.finished, event.position + len(event.new_tokens), "")
 
-    async def _publish_done(self, attempt: Attempt, reason: str, num_tokens: int, error: str) -> None:
+    async def _publish_done(
+        self, attempt: Attempt, reason: protocol.FinishReason, num_tokens: int, error: str
+    ) -> None:
         done = WorkerDone(
             request_id=attempt.dispatch.request_id,
             attempt=attempt.dispatch.attempt,
             epoch=self.epoch,
             engine_id=self.config.engine_id,
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,
             num_tokens=num_tokens,
             error=error,
         )
