@@ -38,9 +38,9 @@ from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
 from belayer_rl.services.policy.decision import Guards, Interval, Slowdown, TimedResponse, fit_slowdown
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, TimelineEntry, TrajectoryResult
-from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
 from belayer_rl.services.rollout.driver import Batch, BatchSummary, mean_step_wall_s, run_batch
 from belayer_rl.services.rollout.plot import read_timelines
+from belayer_rl.services.rollout.sandbox_faults import KillSchedule, SandboxChaos
 from belayer_rl.services.rollout.simulator import Measured, SimConfig, simulate
 from belayer_rl.services.rollout.workloads import RESPONSE_TOKENS, shell_tasks
 from belayer_rl.shared.bus import ServiceError

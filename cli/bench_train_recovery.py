@@ -43,7 +43,7 @@ import uvloop
 
 from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, local_cluster
-from belayer_rl.services.trainer import chaos as chaos_faults
+from belayer_rl.services.trainer import group_faults as chaos_faults
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.services.trainer.tasks import ReverseDigits

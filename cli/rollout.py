@@ -89,8 +89,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 async def rollout(args: argparse.Namespace):
     from belayer_rl.services.policy.decision import Policy
     from belayer_rl.services.rollout.agent import RolloutSettings, Services
-    from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
     from belayer_rl.services.rollout.driver import Batch, run_batch
+    from belayer_rl.services.rollout.sandbox_faults import KillSchedule, SandboxChaos
     from belayer_rl.services.rollout.workloads import workload
     from belayer_rl.shared.client import Client
 

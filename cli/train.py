@@ -9,7 +9,7 @@ Writes DIR/steps.jsonl (one TrainerStep per line; a step replayed after a resche
 again), DIR/reward.png and DIR/summary.json; with --checkpoint-every, DIR/checkpoints, from which
 a rerun with the same flags resumes. The actor runs as --world ranks under the fault manager
 (--backend local: processes; ray: Ray actors), the reward as a group of its own, and so does the
-reference with --kl-beta; --chaos injects a seeded schedule of faults (services/trainer/chaos.py).
+reference with --kl-beta; --chaos injects a seeded schedule of faults (services/trainer/group_faults.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from belayer_rl.services.trainer import chaos
+    from belayer_rl.services.trainer import group_faults as chaos
 
     try:
         chaos.schedule(args.chaos, args.chaos_seed)
@@ -120,7 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 async def train(args: argparse.Namespace) -> int:
     import torch
 
-    from belayer_rl.services.trainer import chaos
+    from belayer_rl.services.trainer import group_faults as chaos
     from belayer_rl.services.trainer.actor import ActorSettings
     from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
     from belayer_rl.services.trainer.grpo import GrpoConfig

@@ -661,7 +661,7 @@ class TrainerGroupConfig(ServiceConfig):
     step_delay_s: float = setting(0.0, "tests: seconds each forward/backward pass is made to last")
     fault_points: str = setting(
         "",
-        "chaos: GROUP:RANK:STEP:POINT:ACTION,... where a rank signals itself, once (services/trainer/chaos.py)",
+        "chaos: GROUP:RANK:STEP:POINT:ACTION,... where a rank signals itself, once (services/trainer/group_faults.py)",
     )
 
     def __post_init__(self) -> None:

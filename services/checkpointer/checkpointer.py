@@ -32,13 +32,13 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from belayer_rl.services.checkpointer import layer, objects, phases, pointer
+from belayer_rl.services.checkpointer.client import container_name
 from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import (
     OUTPUT_CAP,
-    Engine,
+    DockerEngine,
     EnvironmentFailure,
     SandboxPolicy,
-    container_name,
     host_memory_mb,
     host_trouble,
 )
@@ -87,7 +87,7 @@ class Checkpointer:
     def __init__(
         self,
         config: CheckpointerConfig,
-        engine: Engine,
+        engine: DockerEngine,
         nc: NATS,
         kv: KeyValue,
         skipped: Skipped,

@@ -28,6 +28,11 @@ from belayer_rl.shared.subjects import Subjects
 RPC_SLACK_S = 10.0  # on top of the operation's own timeout
 
 
+def container_name(host_id: str, sandbox: str) -> str:
+    """The Docker container of a sandbox on a host: what an operator, or a fault injector, looks for."""
+    return f"belayer-{host_id}-{sandbox}"
+
+
 class SandboxClient:
     def __init__(
         self, nc: NATS, host_id: str, *, subjects: Subjects = Subjects(), client: str = "cli"

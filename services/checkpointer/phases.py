@@ -38,7 +38,7 @@ from nats.js.kv import KeyValue
 from belayer_rl.services.checkpointer import layer, pointer
 from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import (
-    Engine,
+    DockerEngine,
     EnvironmentFailure,
     ImageInspect,
     SandboxPolicy,
@@ -78,7 +78,7 @@ class Host:
     """What the phases use of the Docker host they run on; built once by the checkpointer."""
 
     host_id: str
-    engine: Engine
+    engine: DockerEngine
     store: Store
     kv: KeyValue  # the prefix pointers
     max_layer_bytes: int  # a layer archive holding more is refused at restore

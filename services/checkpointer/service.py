@@ -16,7 +16,7 @@ from typing import Any
 from belayer_rl.services.checkpointer import objects, pointer
 from belayer_rl.services.checkpointer.checkpointer import Checkpointer
 from belayer_rl.services.checkpointer.declaration import CHECKPOINTER
-from belayer_rl.services.checkpointer.sandbox import Engine
+from belayer_rl.services.checkpointer.sandbox import DockerEngine
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.metrics import CheckpointerMetrics
@@ -68,7 +68,7 @@ async def setup(rt: Runtime, config: CheckpointerConfig) -> None:
     kv = await bus.with_retries(
         "declare prefix pointers", lambda: pointer.declare(nc.jetstream(), rt.subjects, config.replicas)
     )
-    engine = await Engine.connect(config.docker_url, config.docker_timeout_s, config.dump_stall_s)
+    engine = await DockerEngine.connect(config.docker_url, config.docker_timeout_s, config.dump_stall_s)
     rt.on_close(engine.close)
     checkpointer = Checkpointer(config, engine, nc, kv, rt.record_skipped, CheckpointerMetrics(rt.metrics))
     if config.object_store:

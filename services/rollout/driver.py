@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, Trajectory, TrajectoryResult
-from belayer_rl.services.rollout.chaos import SandboxChaos
+from belayer_rl.services.rollout.sandbox_faults import SandboxChaos
 from belayer_rl.services.rollout.workloads import Task, seeded
 
 

@@ -148,7 +148,7 @@ class Request:
 
 
 @dataclass
-class Engine:
+class EngineState:
     engine_id: str
     epoch: int
     pid: int
@@ -192,7 +192,7 @@ class Router:
         self.requests: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
         self.ended: collections.deque[Request] = collections.deque()
-        self.engines: dict[str, Engine] = {}
+        self.engines: dict[str, EngineState] = {}
         # Attempt ids grow across router incarnations, so whatever a worker still runs for an
         # earlier router can never match a current attempt. Set once the lease is taken.
         self.next_attempt = 0
@@ -621,7 +621,7 @@ class Router:
             self.engines[request.engine_id].requests.discard(request.request_id)
         request.engine_id = None
 
-    def outstanding(self, engine: Engine) -> int:
+    def outstanding(self, engine: EngineState) -> int:
         return sum(self.requests[r].remaining for r in engine.requests)
 
     def enqueue(self, request: Request) -> None:
@@ -760,7 +760,7 @@ class Router:
         )  # fmt: skip
 
     async def announce_resumed(
-        self, request_id: str, attempt: int, on: Engine | AdoptReply, from_position: int, reason: str
+        self, request_id: str, attempt: int, on: EngineState | AdoptReply, from_position: int, reason: str
     ) -> None:
         """The event of a request carried on by `attempt` on engine `on` from `from_position`."""
         resumed = RequestResumed(
@@ -846,7 +846,7 @@ class Router:
         if engine is not None:
             await self.engine_failed(engine, "exit", f"replaced by epoch {epoch}")
         log.info("engine %s: worker pid %d at epoch %d", engine_id, pid, epoch)
-        self.engines[engine_id] = Engine(engine_id=engine_id, epoch=epoch, pid=pid, last_beat=now)
+        self.engines[engine_id] = EngineState(engine_id=engine_id, epoch=epoch, pid=pid, last_beat=now)
         self.dispatch_waiting()
 
     async def fenced_by_successor(self, engine_id: str, epoch: int, claim: str) -> bool:
@@ -886,7 +886,7 @@ class Router:
             await self.engine_failed(engine, failed.reason, failed.detail, announce=False)
 
     async def engine_failed(
-        self, engine: Engine, reason: protocol.EngineFailure, detail: str, *, announce: bool = True
+        self, engine: EngineState, reason: protocol.EngineFailure, detail: str, *, announce: bool = True
     ) -> None:
         if engine.failed_reason != "exit":  # an exit is final; a stall may end
             engine.failed_reason = reason

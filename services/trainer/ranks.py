@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from belayer_rl.services.trainer import checkpoint
 from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, initial_weights, token_logprobs
-from belayer_rl.services.trainer.chaos import FaultPoints
+from belayer_rl.services.trainer.group_faults import FaultPoints
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.shared.config import TrainerGroupConfig
 from belayer_rl.shared.params import Params, save_params

@@ -28,10 +28,9 @@ from collections.abc import Callable
 import aiodocker
 import pytest
 
-from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.sandbox import container_name
+from belayer_rl.services.checkpointer.client import SandboxClient, container_name
 from belayer_rl.services.rollout.agent import RolloutSettings, Trajectory, TrajectoryResult
-from belayer_rl.services.rollout.chaos import KillSchedule, SandboxChaos
+from belayer_rl.services.rollout.sandbox_faults import KillSchedule, SandboxChaos
 from belayer_rl.services.rollout.workloads import Task, shell_tasks
 from belayer_rl.shared import bus, tokenizer
 from belayer_rl.shared.protocol import CheckpointResult, PolicyDecision, PolicyFallback

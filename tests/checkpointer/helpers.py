@@ -14,7 +14,7 @@ from pathlib import Path
 import aiodocker
 import msgspec
 
-from belayer_rl.services.checkpointer.sandbox import HOST_CGROUPS, parent_of
+from belayer_rl.services.checkpointer.linux import HOST_CGROUPS, parent_of
 from belayer_rl.services.checkpointer.store import (
     MANIFEST,
     FileSum,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from belayer_rl.services.checkpointer.sandbox import CgroupView, read_oom_kills, thaw_cgroup
+from belayer_rl.services.checkpointer.linux import CgroupView, read_oom_kills, thaw_cgroup
 
 CHECKPOINTER, SANDBOX_PROCESS = 4242, 777
 

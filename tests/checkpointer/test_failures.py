@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, HOST_CGROUPS, has_capability
+from belayer_rl.services.checkpointer.linux import HOST_CGROUPS, has_capability
+from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE
 from belayer_rl.shared import protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.sandbox import ProcScanner, process_alive
+from belayer_rl.services.checkpointer.linux import ProcScanner, process_alive
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import CHECKPOINT_PHASES
 from belayer_rl.shared.protocol import SandboxRestored, SandboxSpec

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from belayer_rl.services.trainer import chaos, checkpoint
+from belayer_rl.services.trainer import checkpoint
+from belayer_rl.services.trainer import group_faults as chaos
 from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, FaultManagerConfig
 from belayer_rl.services.trainer.tasks import DIGIT_TOKENS, ReverseDigits
 from belayer_rl.services.trainer.trainer import NO_METRICS, GroupBackend, Trainer, TrainSettings

@@ -19,7 +19,7 @@ from collections import Counter
 import aiodocker
 from nats.aio.client import Client as NATS
 
-from belayer_rl.services.checkpointer.sandbox import container_name
+from belayer_rl.services.checkpointer.client import container_name
 from belayer_rl.services.rollout.agent import Trajectory
 from belayer_rl.services.rollout.workloads import seeded
 from belayer_rl.shared import bus
