@@ -745,10 +745,11 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     creds.set_defaults(run=cmd_creds)
 
-    from belayer_rl.cli import bench, chaos, demo
+    from belayer_rl.cli import bench, demo
     from belayer_rl.cli import policy as policy_cli
     from belayer_rl.cli import rollout as rollout_cli
     from belayer_rl.cli import train as train_cli
+    from belayer_rl.cli.chaos import campaign as chaos
 
     demo.add_parser(commands)
     chaos.add_parser(commands)

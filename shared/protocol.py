@@ -989,7 +989,7 @@ class ChaosKill(Message, tag="chaos_kill", frozen=True, kw_only=True):
 
 
 class ChaosFault(Message, tag="chaos_fault", frozen=True, kw_only=True):
-    """`belayer chaos` injected a fault (cli/chaos.py): its kind, what it struck, and how many
+    """`belayer chaos` injected a fault (cli/chaos/injector.py): its kind, what it struck, and how many
     requests or trajectories were in flight there."""
 
     kind: Annotated[str, Meta(max_length=32)]

@@ -17,7 +17,9 @@ import sys
 
 import pytest
 
-from belayer_rl.cli.chaos import FAULT_KINDS, ChaosConfig, check_token_log, render, run_campaign
+from belayer_rl.cli.chaos.campaign import render, run_campaign
+from belayer_rl.cli.chaos.config import FAULT_KINDS, ChaosConfig
+from belayer_rl.cli.chaos.oracle import check_token_log
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client

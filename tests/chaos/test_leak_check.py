@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from belayer_rl.cli.chaos import outliving, start_ticks
+from belayer_rl.cli.chaos.oracle import outliving, start_ticks
 
 
 def test_a_process_still_running_is_named_and_a_reused_pid_is_not() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiodocker
 import pytest
 
-from belayer_rl.cli.chaos import OwnDockerd
+from belayer_rl.cli.chaos.lab import OwnDockerd
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.shared import bus
