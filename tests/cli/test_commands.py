@@ -17,7 +17,8 @@ import pytest
 from nats.aio.msg import Msg
 
 from belayer_rl.cli.cluster import ClusterFile, ProcessRecord
-from belayer_rl.cli.main import CLEAR_SCREEN, build_parser
+from belayer_rl.cli.main import build_parser
+from belayer_rl.cli.status import CLEAR_SCREEN
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.subjects import Subjects
 from tests.cli.helpers import BELAYER, belayer, clean_env, events_process

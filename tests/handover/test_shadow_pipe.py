@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from belayer_rl.cli.main import read_shadows
+from belayer_rl.cli.status import read_shadows
 from belayer_rl.services.shadow_supervisor.supervisor import (
     ShadowSupervisor,
     StartFailed,
