@@ -3,7 +3,7 @@
 Owns: every request's state (tokens so far, current attempt, engine) and the router's view of the
 engines (epoch, pid, last heartbeat). There is one active router, the holder of the router lease
 (services/router/lease.py); a new one rebuilds the in-flight requests from the JetStream token log,
-claims each with a LogTakeover record, and resumes them. A router acts only while its lease holds:
+claims each with a LogTakeover record, and adopts or resumes them (takeover.py). A router acts only while its lease holds:
 a router that wakes from a pause past its lease drops what it hears and sends nothing.
 Listens: generate / attach / cancel / status RPC, client keepalives, the worker stream
 (WorkerChunk, WorkerDone), heartbeats, registrations, worker-failed and quarantine events.
@@ -25,9 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 
 import nats.errors
 import nats.js.errors
@@ -36,8 +34,10 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from belayer_rl.services.router import token_log
-from belayer_rl.services.router.lease import Lease, LeaseLost
+from belayer_rl.services.router.lease import Lease
 from belayer_rl.services.router.retention import Retention
+from belayer_rl.services.router.state import EngineState, Request
+from belayer_rl.services.router.takeover import Takeover
 from belayer_rl.services.router.token_log import LogWriter
 from belayer_rl.shared import bus, protocol, registry, subjects, tokenizer
 from belayer_rl.shared.access import INBOX
@@ -45,10 +45,8 @@ from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.metrics import Metrics, ResumeCause, RouterMetrics
 from belayer_rl.shared.protocol import (
-    MAX_BEAT_ATTEMPTS,
     Ack,
     AdoptReply,
-    AdoptRequest,
     AttachRequest,
     CancelDispatch,
     CancelRequest,
@@ -61,12 +59,10 @@ from belayer_rl.shared.protocol import (
     GenerateError,
     GenerateRequest,
     Heartbeat,
-    HeldAttempt,
     LogChunk,
     LogDispatch,
     LogEnd,
     LogStart,
-    LogTakeover,
     RequestFailed,
     RequestResumed,
     RequestStatus,
@@ -90,74 +86,15 @@ MAX_FORGOTTEN_PER_PASS = 10_000
 DISPATCH_RETRY_S = 0.05  # pause before re-placing a request whose dispatch was not acknowledged
 WEIGHTS_LIST_TIMEOUT_S = 0.5  # asking the weight server which version is newest
 WEIGHTS_QUIET_S = 10.0  # after it timed out, how long the router stops asking
-CLAIM_TRIES = 5  # reads of the log at start-up, while a predecessor's last appends still land
 MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts attempts
 END_RETRY_MAX_S = 5.0  # the longest pause before a LogEnd the writer gave up on is queued again
 END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
 MAX_WATCHERS = 8  # inboxes one request streams to at once: the newest that attached
-ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number in the incarnation
 # The resume cause of an engine's failure, by WorkerFailed.reason.
 FAILURE_CAUSE: dict[str, ResumeCause] = {"exit": "worker-exit", "heartbeat-timeout": "heartbeat-timeout"}
 
 
 # ---------------------------------------------------------------- state
-
-
-@dataclass
-class Request:
-    start: LogStart
-    tokens: list[int] = field(default_factory=list)
-    attempt: int = 0  # 0: not dispatched by this router
-    engine_id: str | None = None
-    epoch: int = 0
-    resumes: int = 0
-    dispatches: int = 0
-    logged_chunks: int = 0  # full chunks queued for the token log
-    dispatching: bool = False
-    prefer_engine: str | None = None  # only this engine until prefer_until (grace, spreading)
-    prefer_until: float = 0.0
-    waiting_since: float | None = None  # monotonic time it started waiting for an engine
-    progress_at: float = 0.0  # monotonic time of its attempt's dispatch or last new token
-    end: GenerateEnd | GenerateError | None = None
-    ended_at: float = 0.0
-    # Client inboxes, oldest first (a dict keeps order): at most MAX_WATCHERS, the newest.
-    watchers: dict[str, None] = field(default_factory=dict)
-    followed_at: float = field(default_factory=time.monotonic)  # a client's last sign of interest
-    refused_by: dict[tuple[str, int], str] = field(default_factory=dict)  # (engine, epoch) -> why
-    # Since when, and why first, it waits for the first token of a resumed attempt (metrics).
-    interrupted: tuple[float, ResumeCause] | None = None
-    # A request rebuilt from the token log: positions from here up to what a re-attaching client
-    # says it had were relayed by the previous router, so producing them again is regeneration.
-    # None for a request this router started: its clients have only what it relayed.
-    replayed_to: int | None = None
-    client_had: int = 0  # the most tokens a client re-attaching to a rebuilt request reported
-    end_record: LogEnd | None = None  # once ended: its log record,
-    end_logged: asyncio.Future[ServiceError | None] | None = (
-        None  # and whether it is durable (None: read from the log)
-    )
-    # Where its last accepted token came from: (engine, epoch, attempt); what a chunk records.
-    source: tuple[str, int, int] = ("", 0, 0)
-
-    @property
-    def request_id(self) -> str:
-        return self.start.request_id
-
-    @property
-    def remaining(self) -> int:
-        return self.start.max_tokens - len(self.tokens)
-
-
-@dataclass
-class EngineState:
-    engine_id: str
-    epoch: int
-    pid: int
-    last_beat: float
-    alive: bool = True
-    quarantined: bool = False
-    failed_reason: str = ""  # why it is not alive: "exit" is final, "heartbeat-timeout" may end
-    requests: set[str] = field(default_factory=set)
-    weight_version: str | None = None  # its current version, from its heartbeats
 
 
 class Router:
@@ -206,6 +143,12 @@ class Router:
         self.loading: dict[tuple[str, str], asyncio.Future[Request | None]] = {}
         # (engine, epoch) of workers that answered what no honest worker would: never used again.
         self.distrusted: set[tuple[str, int]] = set()
+        self.takeover = Takeover(self)  # rebuilds from the log what this router did not see
+
+    async def rebuild(self) -> RouterStarted:
+        """Once the lease is held: the running requests rebuilt from the token log, claimed, and
+        adopted or resumed (takeover.py)."""
+        return await self.takeover.rebuild()
 
     # ------------------------------------------------------------ client RPC
 
@@ -360,15 +303,15 @@ class Router:
         if entry.start.owner not in ("", client):
             return None  # another client's: not this one's to wake
         self.writer.usage.set(request_id, entry.start.owner, entry.size)  # (before a takeover is added)
-        if entry.end is None and not await self.claim({request_id: entry}):
+        if entry.end is None and not await self.takeover.claim({request_id: entry}):
             raise ServiceError(
                 "log-unavailable", f"{request_id} moved in the token log as it was read; ask again"
             )
         if request_id in self.requests:  # started by a generate meanwhile
             return self.requests[request_id]
         if entry.end is not None:
-            return self.remember_ended(entry)
-        request = self.rebuilt_running(entry)
+            return self.takeover.remember_ended(entry)
+        request = self.takeover.rebuilt_running(entry)
         self.requests[request_id] = self.running[request_id] = request
         try:
             await self.retention.open(request_id, entry.start.owner)
@@ -1012,230 +955,6 @@ class Router:
 
     # ------------------------------------------------------------ restart and reconnect
 
-    async def rebuild(self) -> RouterStarted:
-        """Rebuild the requests the index says are running from the token log; they are claimed
-        and resumed. Those that ended before are read when a client asks for them (`load`).
-        Called once the lease is held."""
-        self.next_attempt = self.lease.incarnation << ATTEMPT_BITS
-        self.writer.incarnation = self.lease.incarnation
-        self.adopting = []  # from here on, what the workers stream waits until they are asked
-        whole = not await self.retention.complete()  # an upgraded log: read it whole, once
-        for _ in range(CLAIM_TRIES):
-            indexed = await self.retention.open_ids()
-            logged, skipped = await token_log.read_all(self.js, self.subjects, None if whole else indexed)
-            for request_id, entry in logged.items():  # (before the takeovers are added)
-                self.writer.usage.set(request_id, entry.start.owner, entry.size)
-            if await self.claim(logged):
-                break
-        else:
-            raise ServiceError("unavailable", f"the token log kept moving through {CLAIM_TRIES} reads")
-        for poisoned in skipped:
-            await self.skipped(poisoned)
-        unreadable = {poisoned.key for poisoned in skipped}  # left where they are, met again
-        for request_id in indexed - logged.keys():
-            if self.subjects.token_log(request_id) not in unreadable:  # opened; its start never landed
-                await self.retention.unopen(request_id)
-        running: list[Request] = []
-        for request_id, entry in logged.items():
-            if entry.end is None:
-                if request_id not in indexed:  # (an upgraded log)
-                    await self.retention.open(request_id, entry.start.owner)
-                running.append(self.rebuilt_running(entry))
-            else:  # it ended before its index entry was closed
-                self.remember_ended(entry)
-                self.retention.ended(request_id, entry.last_sequence)
-        if whole:  # every running request is indexed now; the ended ones are being closed
-            await self.retention.mark_complete()
-        # Ask the workers before placing the running requests: an engine the answers install
-        # would otherwise dispatch them from the log at once.
-        adopted = await self.adopt(running, {rid: entry.dispatches for rid, entry in logged.items()})
-        for request in running:
-            self.requests[request.request_id] = self.running[request.request_id] = request
-            if request.request_id in adopted:
-                await self.carry_on(request, *adopted[request.request_id])
-            else:
-                self.enqueue(request)
-        # In arrival order, and what arrives meanwhile after them: placed by position, so what
-        # the answers held already is skipped.
-        while self.adopting:
-            await self.handle_worker_message(*self.adopting.pop(0))
-        self.adopting = None
-        if self.adopting_overflowed:  # an adopted attempt's chunk or end may be among the dropped
-            for request_id in adopted:
-                request = self.requests[request_id]
-                if request.end is None and request.engine_id is not None:
-                    await self.resume(request, "gap", "worker messages dropped while adopting")
-        return RouterStarted(
-            router_pid=os.getpid(),
-            rebuilt_requests=len(logged),
-            resumed_requests=len(running),
-            incarnation=self.lease.incarnation,
-        )
-
-    async def adopt(
-        self, running: list[Request], dispatched: dict[str, set[tuple[str, int, int]]]
-    ) -> dict[str, tuple[AdoptReply, HeldAttempt]]:
-        """Ask every serving engine what it holds (which also fences off every earlier router
-        there), and match each running request with the attempt whose tokens extend its log: those
-        are carried on, not generated again. Attempts nobody adopts are cancelled.
-
-        A worker's answer is its own engine's word, nothing more: it is taken only for the engine
-        whose subject was asked (the bus lets nobody else answer there), and an attempt in it only
-        where one of the request's LogDispatch records (`dispatched`) names that engine, epoch and
-        attempt. Otherwise one engine could end another's request with tokens of its own making.
-        A LogDispatch is queued, not awaited, so a real attempt may lack its record: it is
-        counted, and its request adopts an older recorded attempt or resumes from the log."""
-        entries, _ = await registry.entries(self.kv)
-        wanted = [r.request_id for r in running][:MAX_BEAT_ATTEMPTS]  # the rest resume from the log
-        answers = await asyncio.gather(
-            *(self.ask_held(e.engine_id, e.epoch, wanted) for e in entries if e.health == "serving")
-        )
-        replies = [reply for reply in answers if reply is not None]
-        newest: dict[str, tuple[AdoptReply, HeldAttempt]] = {}  # request id -> its latest attempt
-        for reply in replies:
-            await self.see_worker(reply.engine_id, reply.epoch, reply.pid)
-            for held in reply.attempts:
-                recorded = (reply.engine_id, reply.epoch, held.attempt) in dispatched.get(held.request_id, ())
-                if not recorded or held.attempt >> ATTEMPT_BITS != held.incarnation:
-                    self.metrics.adopt_refused.labels("unrecorded").inc()
-                    continue
-                seen = newest.get(held.request_id)
-                if seen is None or held.attempt > seen[1].attempt:
-                    newest[held.request_id] = (reply, held)
-        adopted: dict[str, tuple[AdoptReply, HeldAttempt]] = {}  # request id -> the attempt carried on
-        for request in running:
-            found = newest.get(request.request_id)
-            if found is None:
-                continue
-            reply, held = found
-            engine = self.engines.get(reply.engine_id)
-            if (
-                engine is None
-                or engine.epoch != reply.epoch
-                or held.tokens[: len(request.tokens)] != request.tokens
-            ):
-                self.metrics.adopt_refused.labels("not-a-continuation").inc()
-                continue  # another epoch, or not a continuation of the log: resumed from the log
-            adopted[request.request_id] = found
-        taken = {(request_id, held.attempt) for request_id, (_, held) in adopted.items()}
-        for reply in replies:
-            for held in reply.attempts:
-                if held.finish_reason is None and (held.request_id, held.attempt) not in taken:
-                    cancel = CancelDispatch(
-                        request_id=held.request_id,
-                        attempt=held.attempt,
-                        incarnation=self.lease.incarnation,
-                        holder=self.lease.holder,
-                    )
-                    self.spawn(self.tell_worker(reply.engine_id, cancel), "cancel-dispatch")
-        return adopted
-
-    async def ask_held(self, engine_id: str, epoch: int, request_ids: list[str]) -> AdoptReply | None:
-        """What the engine's worker of `epoch` (the registry's) holds of `request_ids`; None when
-        it does not say, or says it as another engine (it is distrusted)."""
-        try:
-            reply = await bus.request_struct(
-                self.nc,
-                self.subjects.worker_adopt(engine_id),
-                AdoptRequest(
-                    incarnation=self.lease.incarnation, request_ids=request_ids, holder=self.lease.holder
-                ),
-                AdoptReply,
-                self.config.dispatch_timeout_s,
-            )
-        except ServiceError as exc:
-            if exc.code == "fenced":  # the worker says it has seen a later router
-                if await self.fenced_by_successor(engine_id, epoch, exc.message):
-                    raise LeaseLost(f"engine {engine_id}: {exc.message}") from exc
-                return None
-            # A worker of an older version, or gone: its requests resume from the log.
-            log.info("engine %s did not say what it holds: %s", engine_id, exc)
-            return None
-        except protocol.BadMessage as exc:
-            log.warning("engine %s answered what it holds unreadably: %s", engine_id, exc)
-            return None
-        if reply.engine_id != engine_id:
-            self.metrics.adopt_refused.labels("wrong-engine").inc(max(1, len(reply.attempts)))
-            await self.distrust(engine_id, epoch, f"answered what it holds as engine {reply.engine_id!r}")
-            return None
-        return reply
-
-    async def carry_on(self, request: Request, reply: AdoptReply, held: HeldAttempt) -> None:
-        """Take over a running request as its worker holds it: every token it generated so far,
-        and its attempt, whose further chunks are accepted as they come (or its end, when it ended
-        while no router listened)."""
-        logged = len(request.tokens)
-        request.tokens = list(held.tokens[: request.start.max_tokens])
-        request.replayed_to = len(request.tokens)  # what clients had came from these very tokens
-        if len(request.tokens) > logged:  # positions new to the router: its first since the failure
-            self.metrics.tokens_generated.inc(len(request.tokens) - logged)
-            self.observe_next_token(request)
-        log.info("%s adopted at %d from %s", request.request_id, len(request.tokens), reply.engine_id)
-        await self.announce_resumed(request.request_id, held.attempt, reply, len(request.tokens), "adopt")
-        request.source = (reply.engine_id, reply.epoch, held.attempt)
-        self.log_dispatch(request.request_id, request.source, logged)
-        if held.finish_reason is not None:
-            await self.finish(request, held.finish_reason)
-            return
-        engine = self.engines.get(reply.engine_id)
-        if engine is None or not engine.alive or engine.epoch != reply.epoch:
-            # It failed (or was replaced) since it answered: resumed from the tokens adopted,
-            # whose whole chunks are logged now, under the attempt that made them.
-            self.log_full_chunks(request)
-            self.enqueue(request)
-            return
-        request.attempt, request.epoch, request.engine_id = held.attempt, reply.epoch, reply.engine_id
-        engine.requests.add(request.request_id)
-        request.dispatches += 1
-        request.progress_at = time.monotonic()
-        request.waiting_since = None
-        self.log_full_chunks(request)
-
-    def rebuilt_running(self, entry: token_log.LoggedRequest) -> Request:
-        request = Request(start=entry.start, tokens=entry.tokens)
-        request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
-        request.resumes = 1
-        request.replayed_to = len(entry.tokens)  # its clients may have had more
-        self.interrupt(request, "router-restart")
-        return request
-
-    def remember_ended(self, entry: token_log.LoggedRequest) -> Request:
-        """An ended request read from the log: attachable for --ended-keep from now."""
-        assert entry.end is not None
-        request = Request(start=entry.start, tokens=entry.tokens)
-        request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
-        request.resumes = entry.end.resumes
-        request.end = _end_message(entry.start, entry.end)
-        request.ended_at = time.monotonic()
-        self.requests[entry.start.request_id] = request
-        self.ended.append(request)
-        return request
-
-    async def claim(self, logged: dict[str, token_log.LoggedRequest]) -> bool:
-        """Write a LogTakeover on every running request's subject, after the last record read
-        there; False when one of them moved meanwhile (a predecessor's last append landed), so the
-        log must be read again."""
-        running = {rid: entry for rid, entry in logged.items() if entry.end is None}
-        for request_id, entry in running.items():
-            if entry.incarnation > self.lease.incarnation:
-                raise LeaseLost(f"{request_id} was claimed by incarnation {entry.incarnation}")
-            self.writer.last[request_id] = entry.last_sequence
-
-        async def take(request_id: str, entry: token_log.LoggedRequest) -> bool:
-            takeover = LogTakeover(
-                request_id=request_id, incarnation=self.lease.incarnation, position=len(entry.tokens)
-            )
-            try:
-                await self.writer.append_now(takeover)
-            except ServiceError as exc:
-                if exc.code != "fenced":
-                    raise
-                return False
-            return True
-
-        taken = await asyncio.gather(*(take(rid, entry) for rid, entry in running.items()))
-        return all(taken)
-
     async def on_reconnect(self) -> None:
         """Messages in flight while the server was away are lost: resume everything running."""
         for request in list(self.running.values()):
@@ -1254,20 +973,3 @@ def check_inbox(reply_to: str) -> None:
     otherwise make the router forge messages for the sender."""
     if not reply_to.startswith(INBOX + "."):
         raise ServiceError("bad-request", f"reply_to must be an inbox ({INBOX}.*), got {reply_to!r}")
-
-
-def _end_message(start: LogStart, record: LogEnd) -> GenerateEnd | GenerateError:
-    if record.finish_reason == "error":
-        return GenerateError(
-            request_id=record.request_id,
-            code=record.error_code,
-            message=record.error,
-            num_tokens=record.num_tokens,
-        )
-    return GenerateEnd(
-        request_id=record.request_id,
-        finish_reason=record.finish_reason,
-        num_tokens=record.num_tokens,
-        resumes=record.resumes,
-        weight_version=start.weight_version,
-    )
