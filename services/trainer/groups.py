@@ -17,7 +17,6 @@ and an error reply each end it with a GroupFault for the fault manager.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupF
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig, to_argv
-from belayer_rl.shared.processes import dies_with_parent
+from belayer_rl.shared.processes import dies_with_parent, kill_process
 from belayer_rl.shared.protocol import (
     ActorUpdate,
     ActorUpdated,
@@ -215,9 +214,7 @@ class ForkServer:
     async def stop(self) -> None:
         """Kill the server (its ranks die with it) and wait until they are all dead."""
         if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
+            await kill_process(self.process, group=True)
         if self.reader is not None:
             await self.reader  # ends at the server's EOF, once its ranks are dead
             self.reader = None
@@ -311,11 +308,7 @@ class LocalGroup:
 
     async def stop(self) -> None:
         """SIGKILL every rank's process group and wait for each death."""
-        for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        for process in self.processes:
-            await process.wait()
+        await asyncio.gather(*(kill_process(process, group=True) for process in self.processes))
         self.processes = []
 
     async def close(self) -> None:
