@@ -111,7 +111,7 @@ async def unquarantine(target: Target, engine_id: str) -> protocol.EngineRestart
         await nc.close()
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="run one generation")
     gen.add_argument("prompt")
     gen.add_argument("--json", action="store_true", help="print request_id, tokens, text and resumes as JSON")

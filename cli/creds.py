@@ -88,7 +88,7 @@ def revoke(args: argparse.Namespace, cluster_id: str) -> int:
     return 0
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     creds = commands.add_parser(
         "creds", help="credentials and nats-server permissions for a cluster (compose, an external NATS)"
     )

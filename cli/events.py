@@ -117,7 +117,7 @@ async def follow_events(target: Target, selection: EventFilter, as_json: bool, c
         await nc.close()
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     events = commands.add_parser("events", help="follow the event stream, one line per event")
     events.add_argument("--json", action="store_true", help="print each event as JSON")
     events.add_argument("--heartbeats", action="store_true", help="include heartbeats")

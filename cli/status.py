@@ -228,7 +228,7 @@ async def router_status(target: Target) -> protocol.RouterStatus:
             return await client.status()
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="processes, engines and requests in flight")
     status.add_argument("--json", action="store_true", help="print one JSON object (one per refresh)")
     status.add_argument(

@@ -20,154 +20,119 @@ import contextlib
 import json
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import uvloop
 
 from belayer_rl.cli.target import resolve_target
+from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
+from belayer_rl.shared import config as flags
+from belayer_rl.shared.bus import Target
+from belayer_rl.shared.config import TrainerGroupConfig, same_as, setting
 
 if TYPE_CHECKING:
     from belayer_rl.shared.metrics import TrainerMetrics
     from belayer_rl.shared.protocol import TrainerStep
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    train = commands.add_parser("train", help="GRPO training on the cluster's rollouts")
-    train.add_argument("--workload", default="reverse", choices=("reverse",))
-    train.add_argument("--length", type=int, default=2, help="digits in each reverse prompt")
-    train.add_argument("--steps", type=int, default=100)
-    train.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    train.add_argument("--group-size", type=int, default=16, help="samples per prompt (G)")
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--ppo-epochs", type=int, default=2, help="optimizer passes over each batch")
-    train.add_argument(
-        "--kl-beta", type=float, default=0.0, help="weight of the k3 KL to the reference (the initial policy)"
-    )
-    train.add_argument("--off-policy", action="store_true", help="generate step n+1 while training step n")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--run-id", default=None, help="run id (default train-<seed>)")
-    train.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
-    train.add_argument(
-        "--backend",
-        default="local",
-        choices=("local", "ray", "inline"),
-        help="local: the actor as a group of processes under the fault manager; ray: as Ray actors;"
+@dataclass(frozen=True)
+class TrainConfig:
+    """`belayer train`'s settings. What the groups share with the trainer repeats their config's
+    field (`same_as`), so each default is written once; the fault manager's come from its own."""
+
+    workload: Literal["reverse"] = setting("reverse", "the task")
+    length: int = setting(2, "digits in each reverse prompt")
+    steps: int = setting(100, "training steps")
+    prompts: int = setting(16, "prompts per step")
+    group_size: int = setting(16, "samples per prompt (G)")
+    lr: float = same_as(TrainerGroupConfig, "lr")
+    ppo_epochs: int = same_as(TrainerGroupConfig, "ppo_epochs")
+    kl_beta: float = same_as(TrainerGroupConfig, "kl_beta")
+    off_policy: bool = setting(False, "generate step n+1 while training step n")
+    seed: int = setting(0, "seeds the initial weights, the data order and the sampling")
+    run_id: str | None = setting(None, "run id (default train-<seed>)")
+    checkpoint_every: int = setting(0, "steps between checkpoints (0: none)")
+    backend: Literal["local", "ray", "inline"] = setting(
+        "local",
+        "local: the actor as a group of processes under the fault manager; ray: as Ray actors;"
         " inline: in this process",
     )
-    train.add_argument(
-        "--ray-address", default=None, help="the Ray cluster to join (default: start a local one, 2 CPUs)"
+    ray_address: str | None = setting(None, "the Ray cluster to join (default: start a local one, 2 CPUs)")
+    world: int = setting(2, "data-parallel actor ranks (local and ray)")
+    cold_start: bool = setting(
+        False, "local backend: start every rank as a new Python process, not forked from the warm fork server"
     )
-    train.add_argument("--world", type=int, default=2, help="data-parallel actor ranks (local and ray)")
-    faults = train.add_argument_group("fault manager (local and ray backends)")
-    faults.add_argument(
-        "--no-retry", action="store_true", help="enable_retry off: a fault reschedules at once"
-    )
-    faults.add_argument("--max-task-retries", type=int, default=1)
-    faults.add_argument("--actor-max-rebuild-times", type=int, default=2)
-    faults.add_argument("--max-restarts", type=int, default=1, help="restarts in place of the reward worker")
-    faults.add_argument(
-        "--rollout-max-rebuild-times",
-        type=int,
-        default=1,
-        help="restarts of the rollout engines through the shadow supervisors' cold path",
-    )
-    faults.add_argument("--max-reschedule-times", type=int, default=1)
-    faults.add_argument("--call-timeout", type=float, default=120.0, help="seconds one group call may take")
-    faults.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="local backend: start every rank as a new Python process, not forked from the warm fork server",
-    )
-    faults.add_argument(
-        "--hang-timeout", type=float, default=30.0, help="seconds without progress that make a worker hung"
-    )
-    faults.add_argument(
-        "--rollout-timeout",
-        type=float,
-        default=60.0,
-        help="seconds without a generation finished that make the rollout side hung",
-    )
-    train.add_argument(
-        "--chaos",
-        default="",
-        metavar="SPEC",
-        help="faults to inject: GROUP@STEP:ACTION[@POINT],... (actor|reference|reward, kill|stop;"
+    chaos: str = setting(
+        "",
+        "faults to inject: GROUP@STEP:ACTION[@POINT],... (actor|reference|reward, kill|stop;"
         " points forward, backward, publish, state-write), e.g. actor@3:kill,actor@5:kill@backward",
     )
-    train.add_argument("--chaos-seed", type=int, default=0, help="seeds the faults' delays and ranks")
-    train.add_argument(
-        "--metrics-port", type=int, default=-1, help="serve Prometheus metrics here (0: a free port; -1: off)"
-    )
-    train.add_argument("--metrics-host", default="127.0.0.1")
-    train.add_argument("--out", type=Path, default=Path("train"))
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    chaos_seed: int = setting(0, "seeds the faults' delays and ranks")
+    metrics_port: int = setting(-1, "serve Prometheus metrics here (0: a free port; -1: off)")
+    metrics_host: str = setting("127.0.0.1", "where the metrics are served")
+    out: Path = setting(Path("train"), "the run's folder: steps, reward curve, summary, checkpoints")
+    progress: bool = setting(True, "the progress bar", flag="--progress")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser("train", help="GRPO training on the cluster's rollouts")
+    flags.add_flags(train, TrainConfig)
+    flags.add_flags(train.add_argument_group("fault manager (local and ray backends)"), FaultManagerConfig)
     train.set_defaults(run=cmd_train)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from belayer_rl.services.trainer import group_faults as chaos
 
+    config = flags.from_args(TrainConfig, args)
     try:
-        chaos.schedule(args.chaos, args.chaos_seed)
+        faults = flags.from_args(FaultManagerConfig, args, warm_start=not config.cold_start)
+        chaos.schedule(config.chaos, config.chaos_seed)
     except ValueError as exc:
         raise SystemExit(f"belayer train: {exc}") from None
-    if args.chaos and args.backend == "inline":
+    if config.chaos and config.backend == "inline":
         raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
-    return uvloop.run(train(args))
+    return uvloop.run(train(config, faults, resolve_target(args, role="trainer")))
 
 
-async def train(args: argparse.Namespace) -> int:
+async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target) -> int:
     import torch
 
     from belayer_rl.services.trainer import group_faults as chaos
     from belayer_rl.services.trainer.actor import ActorSettings
-    from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
     from belayer_rl.services.trainer.grpo import GrpoConfig
     from belayer_rl.services.trainer.plot import plot_rewards
     from belayer_rl.services.trainer.tasks import workload
     from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
     from belayer_rl.shared.client import Client
-    from belayer_rl.shared.config import TrainerGroupConfig
     from belayer_rl.shared.protocol import encode
 
     torch.set_num_threads(1)  # repeatable updates; the engine has the other cores
-    planned = chaos.schedule(args.chaos, args.chaos_seed)
-    task = workload(args.workload, length=args.length)
-    args.out.mkdir(parents=True, exist_ok=True)
+    planned = chaos.schedule(config.chaos, config.chaos_seed)
+    task = workload(config.workload, length=config.length)
+    config.out.mkdir(parents=True, exist_ok=True)
     settings = TrainSettings(
-        run=args.run_id or f"train-{args.seed}",
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group_size,
-        seed=args.seed,
-        off_policy=args.off_policy,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_dir=args.out / "checkpoints" if args.checkpoint_every else None,
-        actor=ActorSettings(lr=args.lr, ppo_epochs=args.ppo_epochs),
-        grpo=GrpoConfig(kl_beta=args.kl_beta),
+        run=config.run_id or f"train-{config.seed}",
+        steps=config.steps,
+        prompts_per_step=config.prompts,
+        group_size=config.group_size,
+        seed=config.seed,
+        off_policy=config.off_policy,
+        checkpoint_every=config.checkpoint_every,
+        checkpoint_dir=config.out / "checkpoints" if config.checkpoint_every else None,
+        actor=ActorSettings(lr=config.lr, ppo_epochs=config.ppo_epochs),
+        grpo=GrpoConfig(kl_beta=config.kl_beta),
     )
     steps: list[TrainerStep] = []
-    progress = Bar(args.steps, enabled=not args.no_progress and sys.stderr.isatty())
-    target = resolve_target(args, role="trainer")
+    progress = Bar(config.steps, enabled=config.progress and sys.stderr.isatty())
     async with (
-        serving_metrics(args.metrics_host, args.metrics_port) as metrics,
+        serving_metrics(config.metrics_host, config.metrics_port) as metrics,
         await Client.connect(target, "trainer") as client,
     ):
         group = None
-        if args.backend != "inline":
-            faults = FaultManagerConfig(
-                enable_retry=not args.no_retry,
-                max_task_retries=args.max_task_retries,
-                max_restarts=args.max_restarts,
-                actor_max_rebuild_times=args.actor_max_rebuild_times,
-                rollout_max_rebuild_times=args.rollout_max_rebuild_times,
-                max_reschedule_times=args.max_reschedule_times,
-                call_timeout_s=args.call_timeout,
-                hang_timeout_s=args.hang_timeout,
-                rollout_timeout_s=args.rollout_timeout,
-                warm_start=not args.cold_start,
-            )
+        if config.backend != "inline":
             worker = TrainerGroupConfig(
                 nats_url=target.url,
                 cluster_id=target.subjects.cluster_id,
@@ -177,35 +142,35 @@ async def train(args: argparse.Namespace) -> int:
                 nats_key=target.access.key,
                 metrics_port=-1,
                 run=settings.run,
-                world=args.world,
-                rendezvous=args.out / "actor" / "rendezvous",
-                seed=args.seed,
-                lr=args.lr,
-                ppo_epochs=args.ppo_epochs,
-                kl_beta=args.kl_beta,
-                workload=args.workload,
-                length=args.length,
+                world=config.world,
+                rendezvous=config.out / "actor" / "rendezvous",
+                seed=config.seed,
+                lr=config.lr,
+                ppo_epochs=config.ppo_epochs,
+                kl_beta=config.kl_beta,
+                workload=config.workload,
+                length=config.length,
                 allowed=",".join(map(str, task.allowed_tokens)),
-                fault_points=chaos.armed(planned, args.world),
+                fault_points=chaos.armed(planned, config.world),
             )
-            if args.backend == "ray":
+            if config.backend == "ray":
                 import ray
 
                 # ray.init annotates these narrower than it takes (a level's name, fractional CPUs).
                 options: dict[str, Any]
-                if args.ray_address:
-                    options = {"address": args.ray_address, "logging_level": "WARNING"}
+                if config.ray_address:
+                    options = {"address": config.ray_address, "logging_level": "WARNING"}
                 else:  # capped, so that it fits beside the cluster on a laptop
                     from belayer_rl.services.trainer.ray_groups import cpus_for
 
-                    cpus = max(2.0, cpus_for(args.world, with_reference=args.kl_beta > 0))
+                    cpus = max(2.0, cpus_for(config.world, with_reference=config.kl_beta > 0))
                     options = {
                         "num_cpus": cpus,
                         "object_store_memory": 200_000_000,
                         "include_dashboard": False,
                     }
                 ray.init(**options)
-            group = GroupBackend.create(args.backend, client, worker, args.out / "actor", faults, metrics)
+            group = GroupBackend.create(config.backend, client, worker, config.out / "actor", faults, metrics)
         trainer = Trainer(client, task, settings, group, metrics)
         for skipped in await trainer.resume():
             print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)
@@ -213,7 +178,7 @@ async def train(args: argparse.Namespace) -> int:
             await trainer.publish()
         before = await trainer.accuracy(task.held_out)
         progress.advance(trainer.step)
-        log = (args.out / "steps.jsonl").open("ab")
+        log = (config.out / "steps.jsonl").open("ab")
 
         def on_step(result: StepResult) -> None:
             e = result.event
@@ -229,7 +194,7 @@ async def train(args: argparse.Namespace) -> int:
             progress.advance(1)
 
         for fault in planned:
-            print(f"chaos (seed {args.chaos_seed}): {fault}", flush=True)
+            print(f"chaos (seed {config.chaos_seed}): {fault}", flush=True)
         timed = [f for f in planned if not f.point]
         injected: list[str] = []
         injector = asyncio.create_task(chaos.inject(trainer, timed, injected)) if timed else None
@@ -246,11 +211,11 @@ async def train(args: argparse.Namespace) -> int:
         for fault in timed[len(injected) :]:
             print(f"chaos: not carried out (the run ended first): {fault}", flush=True)
         for fault in (f for f in planned if f.point):
-            done = chaos.fired(fault, args.out / "actor", args.world)
+            done = chaos.fired(fault, config.out / "actor", config.world)
             print(f"chaos: {fault}: {'fired' if done else 'not reached'}", flush=True)
         after = await trainer.accuracy(task.held_out)
     if steps:
-        plot_rewards(steps, args.out / "reward.png", f"{task.name}, seed {args.seed}")
+        plot_rewards(steps, config.out / "reward.png", f"{task.name}, seed {config.seed}")
     summary = {
         "run": settings.run,
         "workload": task.name,
@@ -260,10 +225,10 @@ async def train(args: argparse.Namespace) -> int:
         "held_out_accuracy_after": after,
         "chance": task.chance,
     }
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (config.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(
         f"{task.name}: held-out exact match {before:.0%} -> {after:.0%} (chance {task.chance:.0%}) after"
-        f" {trainer.step} steps; weights {trainer.version}; see {args.out}"
+        f" {trainer.step} steps; weights {trainer.version}; see {config.out}"
     )
     return 0
 

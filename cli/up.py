@@ -117,7 +117,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     up = commands.add_parser("up", help="start a local cluster in the background")
     flags.add_flags(up, ClusterConfig, skip=UP_SKIP)  # --state-dir and --nats are global flags
     up.set_defaults(run=cmd_up)

@@ -124,7 +124,7 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
+def add_flags(parser: argparse._ActionsContainer, cls: type, *, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of the config class `cls` (fields in `skip` left out)."""
     for field, annotation in _cli_fields(cls, skip):
         kind = _base_type(annotation)

@@ -16,6 +16,7 @@ import torch
 
 from belayer_rl.services.trainer.grpo import GrpoConfig, grpo_loss
 from belayer_rl.services.worker.model import sequence_logits
+from belayer_rl.shared.config import TrainerGroupConfig, same_as
 from belayer_rl.shared.params import Params, init_params
 from belayer_rl.shared.presets import PRESETS, ModelConfig
 
@@ -49,11 +50,12 @@ class NonFiniteUpdate(Exception):
 
 @dataclass(frozen=True)
 class ActorSettings:
-    lr: float = 3e-3
+    lr: float = same_as(TrainerGroupConfig, "lr")
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    ppo_epochs: int = 2  # passes over each batch: the second one sees ratios != 1 and clips
+    # Passes over each batch: the second one sees ratios != 1 and clips.
+    ppo_epochs: int = same_as(TrainerGroupConfig, "ppo_epochs")
 
     def __post_init__(self) -> None:
         if self.lr < 0 or self.grad_clip <= 0 or self.ppo_epochs < 1:

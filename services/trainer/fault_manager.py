@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
+from belayer_rl.shared.config import setting
 from belayer_rl.shared.protocol import GroupFailed, GroupRebuilt
 
 log = logging.getLogger("belayer.trainer.faults")
@@ -52,15 +53,20 @@ FaultKind = Literal["exit", "exception", "hang", "timeout", "start"]
 class FaultManagerConfig:
     """The `fault_manager` keys. Each bound counts attempts of its own rung, per run."""
 
-    enable_retry: bool = True
-    max_restarts: int = 1  # restarts in place of a single-process group's worker
-    max_task_retries: int = 1  # re-runs of a call that raised, on the same workers
-    actor_max_rebuild_times: int = 2  # targeted rebuilds of the actor (with the reference)
-    rollout_max_rebuild_times: int = 1  # restarts of the rollout engines (through the cold path)
-    max_reschedule_times: int = 1  # whole-workflow restarts from the last trainer checkpoint
-    call_timeout_s: float = 120.0
-    hang_timeout_s: float = 30.0
-    rollout_timeout_s: float = 60.0  # a step's rollout with no generation finished this long: hung
+    # The fields made by setting() are `belayer train` flags (cli/train.py); the rest are code's.
+    enable_retry: bool = setting(True, "enable_retry: a call that raised runs again first", flag="--retry")
+    max_restarts: int = setting(1, "restarts in place of a single-process group's worker (the reward's)")
+    max_task_retries: int = setting(1, "re-runs of a call that raised, on the same workers")
+    actor_max_rebuild_times: int = setting(2, "targeted rebuilds of the actor (with the reference)")
+    rollout_max_rebuild_times: int = setting(
+        1, "restarts of the rollout engines through the shadow supervisors' cold path"
+    )
+    max_reschedule_times: int = setting(1, "whole-workflow restarts from the last trainer checkpoint")
+    call_timeout_s: float = setting(120.0, "seconds one group call may take")
+    hang_timeout_s: float = setting(30.0, "seconds without progress that make a worker hung")
+    rollout_timeout_s: float = setting(
+        60.0, "seconds without a generation finished that make the rollout side hung"
+    )
     start_timeout_s: float = 120.0
     joint_window_s: float = 30.0  # a rollout failure this close to an actor failure: both at once
     joint_grace_s: float = 1.0  # how long an actor failure waits for the rollout side's report

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from belayer_rl.shared.config import TrainerGroupConfig, same_as
+
 
 @dataclass(frozen=True)
 class GrpoConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.28  # asymmetric clip: a low-probability token may grow a little further
-    kl_beta: float = 0.0  # 0: no reference policy is consulted
+    eps_low: float = same_as(TrainerGroupConfig, "eps_low")
+    # Asymmetric clip: a low-probability token may grow a little further.
+    eps_high: float = same_as(TrainerGroupConfig, "eps_high")
+    kl_beta: float = same_as(TrainerGroupConfig, "kl_beta")  # 0: no reference policy is consulted
     eps_adv: float = 1e-6
 
     def __post_init__(self) -> None:
