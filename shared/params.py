@@ -4,7 +4,7 @@ weight-version names and the weights file format.
 Part of the contract: the weight server creates, loads and checks the weights it serves, a trainer
 saves the files it publishes, and a worker that owns its weights does the same as the server, so
 a version name means the same tensors everywhere. Tensors, but no model code: the forward pass
-that reads these weights is services/worker/model.py; the shapes come from shared/presets.py.
+that reads these weights is shared/model.py; the shapes come from shared/presets.py.
 """
 
 from __future__ import annotations

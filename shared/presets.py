@@ -4,7 +4,7 @@ table of the weights and the shape of an engine's KV arena.
 Part of the contract: the weight server checks weights against a preset, the KV server sizes
 arenas from one, and the worker builds its engine from one, so the description lives here and not
 with any of them. Pure description: no tensors and no torch. The weights as tensors (checking,
-initialisation, files) are shared/params.py; the forward pass is services/worker/model.py.
+initialisation, files) are shared/params.py; the forward pass is shared/model.py.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_the_graph_sees_the_imports(graph: Graph) -> None:
     """Guards the checks below against a resolver that silently finds nothing."""
     pairs = {(e.source, e.target) for e in graph.edges}
     assert f"{PACKAGE}.shared.bus" in graph.modules
-    assert (f"{PACKAGE}.services.worker.engine", f"{PACKAGE}.services.worker.model") in pairs
+    assert (f"{PACKAGE}.services.worker.engine", f"{PACKAGE}.shared.model") in pairs
     assert (f"{PACKAGE}.services.weight_server.server", f"{PACKAGE}.shared.segments") in pairs
 
 
@@ -189,3 +189,40 @@ def test_no_loop_between_service_folders(graph: Graph) -> None:
         inside = sorted({str(e) for src, dst, e in crossing if src in component and dst in component})
         report.append(f"services {sorted(component)} import each other:\n  " + "\n  ".join(inside))
     assert not loops, "\n".join(report)
+
+
+# What a process folder offers the other folders of services/: its typed client and its declaration.
+SURFACE = ("client", "declaration")
+# The checkpoint policy's decision is pure arithmetic that the rollout side also runs itself (its
+# fallback when the service does not answer, and its simulator): one implementation on both sides
+# by design, with the wire's conversions to and from it.
+SHARED_LOGIC = {("rollout", "policy.decision"), ("rollout", "policy.wire")}
+
+
+def process_folders() -> set[str]:
+    """The folders of services/ that are kinds of process (`python -m belayer_rl.services.<name>`);
+    the others (rollout, trainer) are libraries that cli/ drives."""
+    return {path.parent.name for path in (ROOT / "services").glob("*/__main__.py")}
+
+
+def test_a_process_folder_is_reached_only_through_its_client_or_declaration(graph: Graph) -> None:
+    processes = process_folders()
+    bad = []
+    for e in graph.edges:
+        src, dst = service(e.source), service(e.target)
+        if src is None or dst is None or src == dst or dst not in processes:
+            continue
+        module = ".".join(e.target.split(".")[3:4])
+        if module not in SURFACE and (src, f"{dst}.{module}") not in SHARED_LOGIC:
+            bad.append(str(e))
+    assert not bad, "another service's internals (import its client or declaration):\n" + "\n".join(bad)
+
+
+def test_the_surface_check_sees_a_reach_into_internals(graph: Graph) -> None:
+    """Mutation: the check run on the graph with one made-up edge into a worker's internals."""
+    made_up = Edge(f"{PACKAGE}.services.router.router", f"{PACKAGE}.services.worker.engine", "made-up:1")
+    assert "worker" in process_folders() and "rollout" not in process_folders()
+    with pytest.raises(AssertionError, match="internals"):
+        test_a_process_folder_is_reached_only_through_its_client_or_declaration(
+            Graph(graph.modules, [*graph.edges, made_up])
+        )

@@ -11,7 +11,7 @@ from belayer_rl.services.worker.engine import (
     SeqSpec,
 )
 from belayer_rl.services.worker.kv_cache import allocate_arena
-from belayer_rl.services.worker.model import sequence_logits
+from belayer_rl.shared.model import sequence_logits
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.tokenizer import EOS_TOKEN, VOCAB_SIZE, decode_bytes

@@ -9,7 +9,7 @@ import torch
 
 from belayer_rl.services.worker.block_manager import BlockManager
 from belayer_rl.services.worker.kv_cache import PagedKVCache, allocate_arena
-from belayer_rl.services.worker.model import ForwardBatch, SeqRows, forward
+from belayer_rl.shared.model import ForwardBatch, SeqRows, forward
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS
 

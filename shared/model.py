@@ -8,6 +8,9 @@ weights (shared/params.py). Knows nothing about tokenization, scheduling or samp
 runs whatever rows the caller packed into a `ForwardBatch` and returns logits for the rows it asks
 for.
 
+Two services run it: the worker's engine to generate and the trainer's actor to learn. A sample's
+log-probabilities must be the same on both sides, so both take it from here.
+
 Deterministic mode: every matmul whose row count depends on the batch is done as a `bmm` of
 per-row `[1, d_in] @ [d_in, d_out]` products, and attention runs per query over exactly
 `keys[0:pos+1]`, so a position's logits are bitwise the same whatever it is batched with and
