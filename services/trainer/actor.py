@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 
 from belayer_rl.services.trainer.grpo import GrpoConfig, grpo_loss
-from belayer_rl.shared.model import sequence_logits
 from belayer_rl.shared.config import TrainerGroupConfig, same_as
+from belayer_rl.shared.model import sequence_logits
 from belayer_rl.shared.params import Params, init_params
 from belayer_rl.shared.presets import PRESETS, ModelConfig
 

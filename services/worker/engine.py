@@ -29,8 +29,8 @@ import torch
 
 from belayer_rl.services.worker.block_manager import BlockManager
 from belayer_rl.services.worker.kv_cache import PagedKVCache, allocate_arena
-from belayer_rl.shared.model import ForwardBatch, SeqRows, forward
 from belayer_rl.services.worker.sampling import sample
+from belayer_rl.shared.model import ForwardBatch, SeqRows, forward
 from belayer_rl.shared.params import Params, check_params, init_params, load_params, seed_version
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.tokenizer import EOS_TOKEN, VOCAB_SIZE, decode_bytes
