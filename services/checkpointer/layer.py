@@ -261,7 +261,8 @@ def _write_file(tar: tarfile.TarFile, m: tarfile.TarInfo, parent: int, name: str
         assert source is not None
         # A sparse file gets only its data regions written, its holes stay holes; `check` has
         # made sure the regions are ordered and inside the file.
-        for offset, size in sparse_map(m) or [(0, m.size)]:
+        regions = sparse_map(m)
+        for offset, size in regions if regions is not None else [(0, m.size)]:
             source.seek(offset)
             while size > 0 and (chunk := source.read(min(size, COPY_CHUNK))):
                 size -= len(chunk)
