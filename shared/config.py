@@ -651,7 +651,7 @@ class TrainerGroupConfig(ServiceConfig):
     ppo_epochs: int = setting(2, "optimizer passes over each batch")
     eps_low: float = setting(0.2, "the clip's lower epsilon")
     eps_high: float = setting(0.28, "the clip's upper epsilon")
-    kl_beta: float = setting(0.0, "weight of the k3 KL to the reference policy")
+    kl_beta: float = setting(0.0, "weight of the k3 KL to the reference policy (the initial one)")
     workload: str = setting("reverse", "the reward group's workload")
     length: int = setting(2, "the reward group's workload option: digits per prompt")
     allowed: str = setting("", "comma-separated token ids the policy is defined over (empty: all)")
