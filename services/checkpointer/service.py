@@ -1,9 +1,8 @@
-"""The checkpointer as a service: what it listens to and what it starts; `setup` is what
-the runtime runs (shared/runtime.py).
+"""The checkpointer as a service: what it starts and when it serves what its declaration
+lists (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
-Owns the sandbox containers of its host (services/checkpointer/checkpointer.py). RPC arrives on
-`belayer.<cluster>.sandbox.<host>.<verb>.<client>` through one subscription, so requests are seen in the order they
-were sent; each runs as its own task (a long action on one sandbox does not hold up another) and
+Owns the sandbox containers of its host (services/checkpointer/checkpointer.py). Its RPC arrives
+through one subscription, so requests are seen in the order they were sent; each runs as its own task (a long action on one sandbox does not hold up another) and
 takes its place in its sandbox's FIFO before its first wait. A drain lets running actions and
 checkpoints finish within --drain-timeout.
 """

@@ -1,5 +1,5 @@
-"""The kv server as a service: what it listens to and what it starts; `setup` is what
-the runtime runs (shared/runtime.py).
+"""The kv server as a service: what it starts and when it serves what its declaration
+lists (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
 Stopping removes every arena segment; a start removes those a crashed predecessor with the same
 --shm-prefix left behind.

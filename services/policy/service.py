@@ -1,10 +1,8 @@
-"""The policy service: what it listens to and what it publishes; `setup` is what the runtime runs
-(shared/runtime.py).
+"""The policy service: what it starts and when it serves what its declaration
+lists (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
-Answers PolicyDecide on `belayer.<cluster>.policy.decide` and publishes each answer as
-`belayer.<cluster>.evt.policy_decision.<trajectory>`. Learns from `env_step` and `llm_response`
-(the rollout driver), `checkpoint_ready` (the checkpointers) and `checkpoint_timeout` events.
-One instance per cluster: its estimates are the cluster's (no queue group, like every service).
+Answers each decision request and publishes the answer as an event. Learns from what the rollout
+driver and the checkpointers report. One instance per cluster: its estimates are the cluster's (no queue group, like every service).
 """
 
 from __future__ import annotations

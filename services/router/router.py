@@ -5,11 +5,9 @@ engines (epoch, pid, last heartbeat). There is one active router, the holder of 
 (services/router/lease.py); a new one rebuilds the in-flight requests from the JetStream token log,
 claims each with a LogTakeover record, and adopts or resumes them (takeover.py). A router acts only while its lease holds:
 a router that wakes from a pause past its lease drops what it hears and sends nothing.
-Listens: generate / attach / cancel / status RPC, client keepalives, the worker stream
-(WorkerChunk, WorkerDone), heartbeats, registrations, worker-failed and quarantine events.
-Asks: the weight server which version is newest, for a request that names none.
-Publishes: TokenChunk / GenerateEnd / GenerateError to each client's inbox, Dispatch and
-CancelDispatch to workers, the token log, and events (worker-failed, request-resumed, ...).
+What it listens to, publishes and owns is its declaration (declaration.py); it also asks the
+weight server which version is newest, for a request that names none, and streams each request's
+chunks and end into its clients' inboxes.
 
 Exactness rests on three rules: a worker's token is accepted only from the request's current
 (engine, epoch, attempt); tokens are placed by position, so a duplicate changes nothing and a gap

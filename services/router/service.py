@@ -2,8 +2,8 @@
 (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
 Owns request routing and the token log (services/router/router.py), and the log's retention: the
-request index and each client's share (retention.py). A drain stops intake and flushes the token log, so a successor resumes every
-request from it.
+request index and each client's share (retention.py). A drain stops intake and flushes the token
+log, so a successor resumes every request from it.
 
 A router that starts while another one holds the lease waits for it (a warm standby: connected,
 listening to the workers, not yet serving clients), then claims the log and serves.

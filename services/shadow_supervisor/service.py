@@ -1,9 +1,9 @@
-"""The shadow supervisor as a service: what it listens to and what it starts; `setup` is what
-the runtime runs (shared/runtime.py).
+"""The shadow supervisor as a service: what it starts and when it serves what its declaration
+lists (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
 It alone starts, replaces and kills the workers of its engines (services/shadow_supervisor/
 supervisor.py); stopping it stops every worker it started, those still starting included. Each
-engine's restart and unquarantine subjects are served once its workers run.
+engine's endpoints are served once its workers run.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""A trainer group worker as a service: what it owns, listens to and publishes; `setup` is what
-the runtime runs (shared/runtime.py).
+"""A trainer group worker as a service: what it starts and when it serves what its declaration
+lists (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
-Owns one rank of a group (services/trainer/ranks.py) and answers on
-`belayer.<cluster>.trainer.<run>.<group>.<rank>.<verb>`, one call at a time, the work in a thread:
-the actor's `update` (rank 0 then publishes the new weights to the weight server over the bus and
-writes the group's state file), the reference's `logprobs`, the reward's `reward`. Publishes `group_heartbeat` every --heartbeat seconds with its progress
+Owns one rank of a group (services/trainer/ranks.py) and answers its group's one call, one call at
+a time, the work in a thread: the actor's `update` (rank 0 then publishes the new weights to the weight server over the bus and
+writes the group's state file), the reference's `logprobs`, the reward's `reward`. Heartbeats every --heartbeat seconds with its progress
 counter and CPU time, from the event loop, so a long step keeps beating and a stopped process
 (SIGSTOP) falls silent. Its CPU time is that of the threads doing its work, so a worker thread
 that deadlocks shows no progress and no CPU time while the heartbeats go on.

@@ -1,9 +1,9 @@
-"""The worker as a service: what it listens to and what it starts; `setup` is what
-the runtime runs (shared/runtime.py).
+"""The worker as a service: what it starts and when it serves what its declaration
+lists (declaration.py); `setup` is what the runtime runs (shared/runtime.py).
 
 Builds its engine (own weights and arena, or mapped from the weight and KV servers; a cold worker
-owns its arena and maps the weight server's versions too), then serves
-its engine's dispatch and cancel subjects and heartbeats. Under a shadow supervisor a shadow first
+owns its arena and maps the weight server's versions too), then serves its engine's endpoints and
+heartbeats. Under a shadow supervisor a shadow first
 idles (services/worker/shadow.py) until it is told to take over.
 """
 
