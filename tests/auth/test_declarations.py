@@ -175,3 +175,28 @@ def test_status_asks_every_kind_of_process_under_the_key_it_answers_on() -> None
     )
     assert {"worker.e0.11", "worker.e0.12", "worker.e1.13"} <= set(keys)
     assert not any(key.startswith("trainer") for key in keys)  # a training run's groups: the trainer's own
+
+
+def test_every_declared_process_starts_from_its_module_with_its_name_and_flags() -> None:
+    """`python -m belayer_rl.services.<folder>` is the generic entry point (shared/declaration.py
+    main) for every declared kind of process: its prog, its summary and its config's flags."""
+    import subprocess
+    import sys
+
+    folders = {
+        service.name: service.setup.split(":")[0].split(".")[2] for service in SERVICES if service.setup
+    }
+    assert set(folders) == {s.name for s in SERVICES if s.runs != "driver"}
+    for service in SERVICES:
+        if not service.setup:
+            continue
+        done = subprocess.run(
+            [sys.executable, "-m", f"belayer_rl.services.{folders[service.name]}", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: belayer-{service.name} "), done.stdout[:200]
+        assert service.summary in " ".join(done.stdout.split()), service.name
+        assert "--nats-url" in done.stdout or "--nats" in done.stdout
