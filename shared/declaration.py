@@ -125,7 +125,6 @@ class Service:
     scopes: Callable[[Any], tuple[Scope, ...]] = lambda config: (Scope(),)
     process: Callable[[Scope], str] | None = None  # its process name; None for `name`
     signals_during_setup: bool = True
-    notes: tuple[str, ...] = ()  # what an operator must know when deploying it (compose.yaml)
 
     @property
     def role_name(self) -> str:

@@ -55,5 +55,4 @@ CHECKPOINTER = Service(
     scopes=lambda config: (Scope(host=config.host_id),),
     process=lambda x: f"checkpointer-{x.host}",
     stats=lambda x: f"checkpointer.{x.host}",
-    notes=("root-equivalent: it drives the Docker socket and CRIU",),
 )
