@@ -1,6 +1,7 @@
 """The checkpointer, declared (shared/declaration.py): one per Docker host, answering as
 checkpointer.<host>; every host's shares one credential. It owns the host's sandbox containers,
-their checkpoints, the prefix pointers and the checkpoint objects."""
+their checkpoints, the prefix pointers and the checkpoint objects. Root-equivalent on its host: it
+drives the Docker socket and CRIU."""
 
 from __future__ import annotations
 
