@@ -494,7 +494,7 @@ class KvServerConfig(SharedMemoryServerConfig):
             raise ConfigError(f"--max-arena-mb must be > 0, got {self.max_arena_mb}")
 
 
-# The phases of a full checkpoint, in order (services/checkpointer/phases.py runs them); named
+# The phases of a full checkpoint, in order (services/checkpointer/checkpoint.py runs them); named
 # here for --crash-at, the chaos flag that SIGKILLs the checkpointer when one is reached.
 CHECKPOINT_PHASES = ("freeze", "archive", "dump", "unfreeze", "seal", "publish", "advance")
 

@@ -6,7 +6,7 @@ Each sandbox has one strict FIFO (an asyncio.Lock, which serves waiters in arriv
 which its actions, checkpoints and restores pass, so a checkpoint labelled k sees exactly the
 state right after action k (invariant 3). Environment failures are judged from the container's
 state and raised as ServiceError("env-failure") with an EnvFailure event (invariant 4).
-full_checkpoint and full_restore themselves are in phases.py; this module queues them, bounds
+full_checkpoint and full_restore themselves are in checkpoint.py and restore.py; this module queues them, bounds
 them in time, saves the record and announces what they did, and reconciles what a crash in the
 middle left behind.
 """
@@ -31,8 +31,9 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from belayer_rl.services.checkpointer import layer, objects, phases, pointer
+from belayer_rl.services.checkpointer import checkpoint, layer, objects, pointer, restore
 from belayer_rl.services.checkpointer.client import container_name
+from belayer_rl.services.checkpointer.host import Host, fresh_container
 from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import (
     OUTPUT_CAP,
@@ -115,7 +116,7 @@ class Checkpointer:
         self.sandboxes: dict[str, Sandbox] = {}
         self.tasks: set[asyncio.Task[object]] = set()
         self.objects: ObjectStore | None = None  # set when config.object_store
-        self.host = phases.Host(
+        self.host = Host(
             host_id=config.host_id, engine=engine, store=self.store, kv=kv,
             max_layer_bytes=int(config.max_layer_gb * (1 << 30)), crash_at=config.crash_at,
             policy=SandboxPolicy(
@@ -380,7 +381,7 @@ class Checkpointer:
             try:
                 image = await self.engine.inspect_image(req.spec.image)
                 sb.record.image_id = image.id
-                await phases.fresh_container(self.host, sb.record, image)
+                await fresh_container(self.host, sb.record, image)
                 await self.engine.start(sb.record.container_id)
             except (aiodocker.DockerError, msgspec.ValidationError, ServiceError) as exc:
                 # ValidationError: the engine's reply does not fit; a daemon error like the others.
@@ -517,7 +518,7 @@ class Checkpointer:
         before the event, the upload and garbage collection, which need not hold up the next action."""
         try:
             try:
-                result = await phases.full_checkpoint(self.host, sb.record, req, abandoned)
+                result = await checkpoint.full_checkpoint(self.host, sb.record, req, abandoned)
             except EnvironmentFailure as failure:
                 raise await self.env_failure(sb, failure) from None
             self.save(sb)
@@ -601,7 +602,7 @@ class Checkpointer:
         started = time.monotonic()
         async with sb.fifo:
             check_owner(sb, current.trajectory)
-            result = await phases.full_restore(self.host, sb.record, current, started)
+            result = await restore.full_restore(self.host, sb.record, current, started)
             self.save(sb)
         self.metrics.restores.labels(result.source, store).inc()
         self.metrics.restore_duration.observe(result.restore_s)

@@ -2,7 +2,7 @@
 them, /proc (a container's processes, their parents, sessions, time namespaces, liveness) and the
 command lines of every process, read where a stuck read cannot hold the service up.
 
-Knows nothing about Docker, checkpoints or NATS: sandbox.py and phases.py ask it.
+Knows nothing about Docker, checkpoints or NATS: sandbox.py asks it.
 """
 
 from __future__ import annotations

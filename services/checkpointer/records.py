@@ -1,8 +1,8 @@
 """What the checkpointer keeps of one sandbox: its record, written to `<state>/sandboxes/<id>.json`
 and, as the base a restore from the image starts with, to `<state>/checkpoints/<trajectory>/trajectory.json`.
 
-Below both the checkpointer and its phases: the phases read and update a record, the checkpointer
-owns where it is written and when. Knows nothing about Docker or NATS.
+Below both the checkpointer and its procedures (checkpoint.py, restore.py): they read and update a
+record, the checkpointer owns where it is written and when. Knows nothing about Docker or NATS.
 """
 
 from __future__ import annotations
