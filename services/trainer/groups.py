@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
@@ -33,7 +33,7 @@ from belayer_rl.services.trainer.fault_manager import FaultManagerConfig, GroupF
 from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.config import TrainerGroupConfig, to_argv
-from belayer_rl.shared.processes import dies_with_parent, kill_process
+from belayer_rl.shared.processes import Child, dies_with_parent, kill_process
 from belayer_rl.shared.protocol import (
     ActorUpdate,
     ActorUpdated,
@@ -58,18 +58,6 @@ R = TypeVar("R", bound=Message)
 
 WATCH_EVERY_S = 0.05
 EXIT_GRACE_S = 1.0  # how long a failed reply waits for a rank's exit to explain it
-
-
-class RankProcess(Protocol):
-    """A running rank as the group watches it: an asyncio subprocess, or a ForkedRank."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
 
 
 @dataclass
@@ -249,7 +237,7 @@ class LocalGroup:
     faults: FaultManagerConfig
     forks: ForkServer | None = None  # warm starts; None: every rank starts cold
     rebuilds: int = 0
-    processes: list[RankProcess] = field(default_factory=list)
+    processes: list[Child] = field(default_factory=list)  # asyncio subprocesses or ForkedRanks
     beats: dict[int, Beat] = field(default_factory=dict)
     builds: int = 0
     _listener: Subscription | None = None
@@ -293,7 +281,7 @@ class LocalGroup:
                 )
             await asyncio.sleep(WATCH_EVERY_S)
 
-    async def launch(self, config: TrainerGroupConfig, log_path: Path) -> RankProcess:
+    async def launch(self, config: TrainerGroupConfig, log_path: Path) -> Child:
         if self.forks is not None:
             try:
                 return await self.forks.fork(config, log_path)
