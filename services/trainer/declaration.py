@@ -13,10 +13,10 @@ TRAINER = Service(
     runs="driver",
     client=True,  # it generates its samples through the router
     subscribes=(
-        lambda s, x: s.event("router_started", ANY),  # the client re-attaches after a router restart
-        lambda s, x: s.event("group_heartbeat", ANY),
-        lambda s, x: s.event("worker_failed", ANY),  # the rollout side failing with the actor: reschedule
-        lambda s, x: s.event("handover", ANY),
+        event("router_started"),  # the client re-attaches after a router restart
+        event("group_heartbeat"),
+        event("worker_failed"),  # the rollout side failing with the actor: reschedule
+        event("handover"),
     ),
     publishes=(
         lambda s, x: s.trainer_group(ANY, ANY, ANY, "update"),  # calls to its group workers
