@@ -76,6 +76,7 @@ log = logging.getLogger("belayer.checkpointer")
 WATCH_BACKOFF_S = 0.5
 MAX_WATCH_BACKOFF_S = 10.0
 ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash is waited for
+UNRECORDED_REMOVE_TRIES, UNRECORDED_REMOVE_RETRY_S = 6, 2.0  # a busy overlay: 42 s of retries in all
 
 
 @dataclass
@@ -180,8 +181,7 @@ class Checkpointer:
         for container in await self.engine.ours(self.config.host_id):
             sb = known.pop(container.id, None)
             if sb is None:  # created but never recorded (a crash right after create): not ours to keep
-                log.info("removing unrecorded sandbox container %s", container.id[:12])
-                await self.engine.remove(container.id)
+                self.spawn(f"container {container.id[:12]}: removal", self.remove_unrecorded(container.id))
                 continue
             if container.state == "paused" or container.id in (dumps or {}):  # a crash mid-checkpoint
                 await sb.fifo.acquire()  # free: nothing is served yet. after_orphaned_dump releases it
@@ -209,6 +209,20 @@ class Checkpointer:
                 await self.rebuild_pointer(trajectory, current)
             except Exception:  # the bus, say: this trajectory keeps its pointer; the others go on
                 log.exception("trajectory %s: pointer not rebuilt", trajectory)
+
+    async def remove_unrecorded(self, container_id: str) -> None:
+        """Remove a container no record names, in the background and with retries: after a dockerd
+        restart its overlay can stay busy for a while ("device or resource busy"), and no sandbox
+        waits on it, so it must not stop the checkpointer from serving the others."""
+        log.info("removing unrecorded sandbox container %s", container_id[:12])
+        for attempt in range(UNRECORDED_REMOVE_TRIES):
+            try:
+                await self.engine.remove(container_id)
+                return
+            except aiodocker.DockerError as exc:
+                log.warning("container %s not removed yet (%s)", container_id[:12], exc.message)
+                await asyncio.sleep(UNRECORDED_REMOVE_RETRY_S * (attempt + 1))
+        log.error("container %s not removed: it is left for the next start", container_id[:12])
 
     async def judge_at_start(self, sb: Sandbox) -> None:
         """Fail a sandbox that died while no checkpointer watched, or whose action a crash cut."""

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from pathlib import Path
 
+import aiodocker
 import msgspec
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.checkpointer.linux import HOST_CGROUPS, has_capability
-from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE
+from belayer_rl.services.checkpointer.sandbox import CAP_SYS_RESOURCE, LABEL_HOST, LABEL_SANDBOX
 from belayer_rl.shared import protocol
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.protocol import EnvFailure, SandboxSpec
 from belayer_rl.shared.subjects import Subjects
+from tests.support import poll
 
 from .conftest import ROOT, Service
 from .helpers import events, freeze_behind_dockers_back, init_pid, kill_container
@@ -172,6 +175,48 @@ async def test_a_sandbox_frozen_behind_dockers_back_is_thawed_at_start(
     await client.destroy("iced", timeout_s=30)
     assert (await client.list()).sandboxes == []
     assert not Path(f"/proc/{pid}").exists()  # its init died: the kill reached it
+
+
+async def test_a_container_docker_cannot_remove_does_not_stop_the_checkpointer(
+    client: SandboxClient, service: Service, image: str
+) -> None:
+    """A labelled container no record names is removed at start. After a dockerd restart its
+    removal can fail for a while (the campaign saw an overlay "device or resource busy"), and the
+    checkpointer then ended at every start, a crash loop that stalled every trajectory of the host.
+    Here a file in the container's writable layer is made immutable, so Docker's removal really
+    fails ("operation not permitted"). The checkpointer serves meanwhile, and removes the container
+    once it can (mutation checked: with the removal awaited in reconcile, as before, it is never
+    ready)."""
+    service.kill()
+    docker = aiodocker.Docker()
+    try:
+        labels = {LABEL_HOST: service.host_id, LABEL_SANDBOX: "never-recorded"}
+        container = await docker.containers.run({"Image": image, "Cmd": ["sleep", "1000"], "Labels": labels})
+        upper = Path((await container.show())["GraphDriver"]["Data"]["UpperDir"])
+        pinned = upper / "pinned"
+        pinned.write_text("kept by chattr +i\n")
+        await asyncio.to_thread(subprocess.run, ["chattr", "+i", str(pinned)], check=True)
+        try:
+            service.start()
+            await service.ready(client)
+            await client.create(SandboxSpec(image=image), sandbox="served")
+            assert (await client.exec("served", "echo yes")).stdout == "yes\n"
+            assert (await container.show())["Id"] == container.id  # its removal failed so far
+        finally:
+            await asyncio.to_thread(subprocess.run, ["chattr", "-i", str(pinned)], check=True)
+
+        async def gone() -> bool | None:
+            try:
+                await container.show()
+            except aiodocker.DockerError as exc:
+                if exc.status == 404:
+                    return True
+            return None
+
+        await poll(gone, timeout_s=60)
+        assert service.process is not None and service.process.poll() is None
+    finally:
+        await docker.close()
 
 
 async def test_fifo_on_one_sandbox(client: SandboxClient, image: str) -> None:
