@@ -20,7 +20,7 @@ import contextlib
 import json
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -94,7 +94,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"belayer train: {exc}") from None
     if config.chaos and config.backend == "inline":
         raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
-    return uvloop.run(train(config, faults, resolve_target(args, role="trainer")))
+    from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, GroupFault, RescheduleNeeded
+
+    # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
+    config = replace(config, out=config.out.absolute())
+    try:
+        return uvloop.run(train(config, faults, resolve_target(args, role="trainer")))
+    except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
+        logs = config.out / "actor" / "logs"
+        raise SystemExit(f"belayer train: {exc} (the ranks' logs: {logs})") from None
 
 
 async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target) -> int:

@@ -154,7 +154,7 @@ class ActorRank:
             assert config.rendezvous is not None
             dist.init_process_group(
                 "gloo",
-                init_method=f"file://{config.rendezvous}",
+                init_method=config.rendezvous.absolute().as_uri(),  # file://relative/x would name a host
                 rank=config.rank,
                 world_size=config.world,
                 timeout=datetime.timedelta(seconds=config.init_timeout_s),

@@ -32,9 +32,15 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def belayer(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+def belayer(*args: str, timeout_s: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*BELAYER, *args], capture_output=True, text=True, env=clean_env(), timeout=timeout_s, check=False
+        [*BELAYER, *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=timeout_s,
+        check=False,
+        cwd=cwd,
     )
 
 

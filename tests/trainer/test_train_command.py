@@ -1,5 +1,7 @@
 """`belayer train` as a user runs it, against a real cluster: a line per step, the step log, the
-reward curve, and a rerun with more steps resuming from the run's checkpoints."""
+reward curve, and a rerun with more steps resuming from the run's checkpoints. As the README writes
+it, `--out` is a relative path, here taken from a folder other than the one the tests run in (a
+relative rendezvous once made the ranks wait for a file:// URL that named a host)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from tests.cli.helpers import belayer
 from tests.support import Cluster
 
 
-async def run_train(url: str, out: Path, steps: int, *more: str) -> str:
+async def run_train(url: str, folder: Path, steps: int, *more: str) -> str:
+    """`belayer train ... --out run`, run in `folder`."""
     done = await asyncio.to_thread(
         belayer, "--nats", url, "train", "--steps", str(steps), "--prompts", "4", "--group-size", "4",
-        "--checkpoint-every", "1", "--seed", "4", "--out", str(out), *more, timeout_s=300,
+        "--checkpoint-every", "1", "--seed", "4", "--out", "run", *more, timeout_s=300, cwd=folder,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -27,7 +30,7 @@ async def run_train(url: str, out: Path, steps: int, *more: str) -> str:
 async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Cluster, tmp_path: Path) -> None:
     url = train_cluster.nats.url
     out = tmp_path / "run"
-    first = await run_train(url, out, 3)
+    first = await run_train(url, tmp_path, 3)
     lines = [line for line in first.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and all(
         "reward" in line and "tok/s" in line and "recoveries" in line for line in lines
@@ -36,7 +39,7 @@ async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Clu
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Resumes after step 3; the kill lands a seeded 0.956 s after step 4, some steps later.
-    second = await run_train(url, out, 12, "--chaos", "actor@4:kill", "--chaos-seed", "2")
+    second = await run_train(url, tmp_path, 12, "--chaos", "actor@4:kill", "--chaos-seed", "2")
     assert "chaos (seed 2): kill actor" in second and "chaos: kill actor" in second, second
     assert [line.split()[1] for line in second.splitlines() if line.startswith("step ")] == [
         str(n) for n in range(4, 13)
