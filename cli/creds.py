@@ -44,7 +44,7 @@ def cmd_creds(args: argparse.Namespace) -> int:
         # What no container reads (cli.creds, admin.creds, the folder) goes to whoever ran sudo:
         # the next step is their own `belayer --nats-creds creds/cli.creds ...`.
         invoker = int(os.environ.get("SUDO_UID", os.geteuid())), int(os.environ.get("SUDO_GID", os.getegid()))
-        owners = compose_owners(args.out, engines)
+        owners = compose_owners(SERVICES, args.out, engines)
         try:
             for path in [args.out, *args.out.iterdir()]:
                 uid, gid = (owners[path], owners[path]) if path in owners else invoker

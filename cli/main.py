@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from belayer_rl.cli import calls, creds, events, status, up
+from belayer_rl.cli import calls, compose_file, creds, events, status, up
 from belayer_rl.cli.target import add_target_flags
 from belayer_rl.shared.config import ConfigError, default_state_dir
 
@@ -77,6 +77,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     from belayer_rl.cli import sandbox as sandbox_cli
 
     sandbox_cli.add_parser(commands)
+    compose_file.add_parser(commands)
     return parser
 
 

@@ -98,6 +98,37 @@ def event(kind: str, ident: Callable[[Scope], str] = lambda scope: ANY) -> Subje
 
 
 @dataclass(frozen=True)
+class Variable:
+    """A setting Compose reads from the environment (or an .env file): `$NAME` in a Compose args."""
+
+    default: str
+    help: str
+
+
+@dataclass(frozen=True)
+class Compose:
+    """How compose.yaml runs the service (`belayer compose-file` writes the file from the
+    declarations): what a deployment needs that no endpoint says."""
+
+    uid: int  # its own uid and group (0: root); the secrets it reads are given to this uid alone
+    note: str = ""  # the comment above its block: why it runs as it does
+    args: tuple[str, ...] = ()  # flags past the bus's and the metrics'; "$NAME" is a variable's value
+    variables: Mapping[str, Variable] = field(default_factory=dict)  # the settings it introduces
+    per_engine: str = ""  # a container per engine, "<per_engine>-<engine>", its uid `uid` + the index
+    standby: str = ""  # the name of a second container of the same service (a warm standby)
+    standby_note: str = ""
+    groups: tuple[str, ...] = ()  # the services whose files it reads: it holds their groups
+    # Why it joins the IPC (/dev/shm) and pid namespaces that servers and engines share; "": it does not.
+    shares_namespaces: str = ""
+    environment: Mapping[str, str] = field(default_factory=dict)
+    # files of the credentials folder beyond its role's: file -> where it reads it ({engine} filled)
+    secrets: Mapping[str, str] = field(default_factory=dict)
+    after: tuple[str, ...] = ()  # the services that must be healthy before it starts
+    stop_grace: str = ""  # Compose's stop_grace_period, when its drain needs more than the default
+    keys: Mapping[str, Any] = field(default_factory=dict)  # further Compose keys, as Compose spells them
+
+
+@dataclass(frozen=True)
 class Service:
     """One kind of process (or, `runs="driver"`, a library that runs inside a CLI command and
     shares a role with a kind of process)."""
@@ -125,6 +156,7 @@ class Service:
     scopes: Callable[[Any], tuple[Scope, ...]] = lambda config: (Scope(),)
     process: Callable[[Scope], str] | None = None  # its process name; None for `name`
     signals_during_setup: bool = True
+    compose: Compose | None = None  # None: not a container of compose.yaml (another service runs it)
 
     @property
     def role_name(self) -> str:
@@ -163,6 +195,11 @@ class Service:
 
     def process_name(self, scope: Scope) -> str:
         return self.process(scope) if self.process else self.name
+
+    @property
+    def module(self) -> str:
+        """What `python -m` runs: the package its setup lives in."""
+        return self.setup.split(":")[0].rsplit(".", 1)[0]
 
 
 def stats_keys(

@@ -337,28 +337,35 @@ def private_file(path: Path, text: str) -> Path:
     return files.write_whole(path, text.encode(), mode=0o600, keep_owner=True)
 
 
-# Under Compose each service runs as a uid of its own (compose.yaml's `user:` lines, which
-# tests/compose checks against this table), and that uid owns its own secrets only: in the pid
-# namespace the servers and engines share, a process of one container cannot open another's
+# Under Compose each service runs as a uid of its own (its declaration's `Compose.uid`; the i-th
+# engine's container as that uid + i), and that uid owns its own secrets only: in the pid namespace
+# the servers and engines share, a process of one container cannot open another's
 # /proc/<pid>/root/run/secrets, nor read the file if it could. Each uid is also its group.
-COMPOSE_UIDS = {
-    "nats": 2000,  # auth.conf
-    "router": 2001,
-    "weight-server": 2002,  # the engines hold its group: they map its weight segments
-    "kv-server": 2003,  # it holds each engine's group: one engine's arena is shared with that engine only
-    "policy": 2004,
-    "trainer": 2005,
-    "checkpointer": 0,  # root-equivalent anyway: it drives the Docker socket
-}
-COMPOSE_FIRST_ENGINE_UID = 2100  # the i-th engine of --engines runs as 2100 + i, its supervisor too
+NATS_UID = 2000  # the bus's container: it reads auth.conf
 
 
-def compose_owners(folder: Path, engines: tuple[str, ...]) -> dict[Path, int]:
+def secret_files(service: Service, engine: str = "") -> tuple[str, dict[str, str]]:
+    """What a service's container reads from the credentials folder: its role's credential, and
+    the other files its Compose declaration names (file -> the name it reads it under)."""
+    assert service.compose is not None
+    own = f"{service.role_name}-{engine}.creds" if engine else f"{service.role_name}.creds"
+    others = {
+        file.replace("{engine}", engine): target.replace("{engine}", engine)
+        for file, target in service.compose.secrets.items()
+    }
+    return own, others
+
+
+def compose_owners(services: Sequence[Service], folder: Path, engines: tuple[str, ...]) -> dict[Path, int]:
     """The uid that owns each file of a credentials folder under Compose. Files no container
     reads (cli, admin, cluster, the every-engine supervisor) stay the writer's."""
-    by_user = {f"{name}.creds": uid for name, uid in COMPOSE_UIDS.items()}
-    by_user |= {"auth.conf": COMPOSE_UIDS["nats"], CHECKPOINT_KEY_FILE: COMPOSE_UIDS["checkpointer"]}
-    for i, engine in enumerate(engines):
-        for role in ("engine", "shadow-supervisor"):
-            by_user[f"{role}-{engine}.creds"] = COMPOSE_FIRST_ENGINE_UID + i
-    return {folder / name: uid for name, uid in by_user.items() if (folder / name).exists()}
+    by_file = {"auth.conf": NATS_UID}
+    for service in services:
+        c = service.compose
+        if c is None:
+            continue
+        placed = [(e, c.uid + i) for i, e in enumerate(engines)] if c.per_engine else [("", c.uid)]
+        for engine, uid in placed:
+            own, others = secret_files(service, engine)
+            by_file |= dict.fromkeys([own, *others], uid)
+    return {folder / name: uid for name, uid in by_file.items() if (folder / name).exists()}

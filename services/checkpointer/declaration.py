@@ -9,9 +9,11 @@ from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.declaration import (
     STREAM_NAMES,
+    Compose,
     Listen,
     Scope,
     Service,
+    Variable,
     event,
     kv_put,
     kv_stream,
@@ -19,6 +21,9 @@ from belayer_rl.shared.declaration import (
     object_stream,
     on_event,
 )
+
+# Its store under Compose: the volume `checkpoints`, at its path inside the Docker engine's data root.
+STORE = "$BELAYER_DOCKER_ROOT/volumes/${COMPOSE_PROJECT_NAME}_checkpoints/_data"
 
 SANDBOX_REPLY = p.SandboxInfo | p.ExecResult | p.CheckpointResult | p.RestoreResult | p.SandboxListing | p.Ack
 
@@ -56,4 +61,43 @@ CHECKPOINTER = Service(
     scopes=lambda config: (Scope(host=config.host_id),),
     process=lambda x: f"checkpointer-{x.host}",
     stats=lambda x: f"checkpointer.{x.host}",
+    compose=Compose(
+        uid=0,
+        note="""Runs sandbox containers on this host's Docker engine and checkpoints them. ROOT-EQUIVALENT ON
+THE HOST: whoever controls it controls the Docker socket. It gets what it reads and writes and
+nothing else: the socket; the engine's data root at the same path (writable layers, and the
+containers/<id>/checkpoints folders restores fill); the host's pid namespace (/proc of the
+sandboxes' processes, read-only) and cgroups (their OOM counters and freezers; on a cgroup v2
+host it sees them from a private cgroup namespace, which it resolves). CRIU runs on the host:
+the engine (dockerd, runc) dumps and restores, into folders the checkpointer names by their
+host paths. So its store is the volume `checkpoints`, which lives inside the data root and is
+therefore at the same path for the engine and for the checkpointer.""",
+        args=("--host-id", "$BELAYER_HOST_ID", "--state-dir", f"{STORE}"),
+        variables={
+            "BELAYER_HOST_ID": Variable("compose", "the checkpointer's host id"),
+            "BELAYER_ALLOW_ROOT_USER": Variable(
+                "false",
+                "let a sandbox ask to run its actions as root (see the checkpointer's README: a workload"
+                " that leaves processes running)",
+            ),
+            "BELAYER_DOCKER_ROOT": Variable("/var/lib/docker", "the Docker engine's data root"),
+        },
+        environment={
+            "BELAYER_CHECKPOINT_KEY": "/run/secrets/checkpoint.key",  # signs manifests; every host shares it
+            "BELAYER_ALLOW_ROOT_USER": "$BELAYER_ALLOW_ROOT_USER",
+        },
+        secrets={"checkpoint.key": "checkpoint.key"},
+        stop_grace="40s",  # its drain lets running actions and checkpoints finish (30 s)
+        keys={
+            "cap_drop": [],  # root with Docker's default capabilities: it reads and thaws the sandboxes' cgroups
+            "pid": "host",
+            "volumes": [
+                {"type": "bind", "source": "/var/run/docker.sock", "target": "/var/run/docker.sock"},
+                {"type": "bind", "source": "$BELAYER_DOCKER_ROOT", "target": "$BELAYER_DOCKER_ROOT"},
+                {"type": "volume", "source": "checkpoints", "target": STORE},
+                # writable: thawing a sandbox frozen behind Docker's back writes there
+                {"type": "bind", "source": "/sys/fs/cgroup", "target": "/sys/fs/cgroup"},
+            ],
+        },
+    ),
 )

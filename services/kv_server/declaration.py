@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import KvServerConfig
-from belayer_rl.shared.declaration import Listen, Service, kv_stream
+from belayer_rl.shared.declaration import Compose, Listen, Service, Variable, kv_stream
 
 KV_SERVER = Service(
     name="kv-server",
@@ -20,4 +20,15 @@ KV_SERVER = Service(
         "ping": Listen(lambda s, x: s.kv_ping, p.ServerPing, p.KvServerAlive),
     },
     reads=(lambda s: kv_stream(s.engine_registry_bucket),),
+    compose=Compose(
+        uid=2003,
+        args=("--shm-prefix", "belayer"),
+        groups=("shadow-supervisor",),  # each engine's own group: an arena is shared with its engine alone
+        shares_namespaces="""each engine's KV arena is its segment in /dev/shm, which the engine maps (576 MiB
+an engine at base: 12 layers x K,V x 512 blocks x 16 slots x 768 x 4 bytes, for the shadow
+supervisor's default --num-blocks). Two engines and two weight versions at base need 1,816 MiB,
+under the default BELAYER_SHM_SIZE; add 576m per engine beyond two. tmpfs holds only what is
+written, so an unused limit costs nothing.""",
+        variables={"BELAYER_SHM_SIZE": Variable("2g", "the /dev/shm the servers and engines share")},
+    ),
 )

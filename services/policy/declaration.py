@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import PolicyConfig
-from belayer_rl.shared.declaration import Listen, Service, event, on_event
+from belayer_rl.shared.declaration import Compose, Listen, Service, event, on_event
 
 POLICY = Service(
     name="policy",
@@ -21,4 +21,9 @@ POLICY = Service(
         "checkpoint_timeout": on_event("checkpoint_timeout"),
     },
     publishes=(event("policy_decision"),),
+    compose=Compose(
+        uid=2004,
+        note="""The checkpoint policy: decides when trajectories checkpoint, from what the rollout side and the
+checkpointer report. Stateless across restarts (its estimates are learnt again).""",
+    ),
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import RouterConfig
-from belayer_rl.shared.declaration import ANY, Listen, Service, event, kv_put, kv_stream, on_event
+from belayer_rl.shared.declaration import ANY, Compose, Listen, Service, event, kv_put, kv_stream, on_event
 
 ROUTER = Service(
     name="router",
@@ -55,4 +55,12 @@ ROUTER = Service(
     ),
     stats=lambda x: "router",
     to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
+    compose=Compose(
+        uid=2001,
+        args=("--handover-grace", "1"),  # a failed engine's requests wait this long for its shadow
+        standby="router-standby",
+        standby_note="""A warm standby: it waits for the router lease (healthy, "standby"), and takes over the
+requests in flight, adopting what the engines still run, when the active router stops or dies.
+Either container may be the active one: its /healthz says "ok", the other's "standby: ...".""",
+    ),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import ShadowSupervisorConfig
-from belayer_rl.shared.declaration import Listen, Scope, Service, event, kv_put, kv_stream
+from belayer_rl.shared.declaration import Compose, Listen, Scope, Service, Variable, event, kv_put, kv_stream
 
 SHADOW_SUPERVISOR = Service(
     name="shadow-supervisor",
@@ -45,4 +45,37 @@ SHADOW_SUPERVISOR = Service(
     lists=(lambda s: kv_stream(s.engine_registry_bucket),),
     scopes=lambda config: tuple(Scope(engine=engine) for engine in config.engines),
     all_engines=True,
+    compose=Compose(
+        uid=2100,
+        per_engine="engine",
+        note="""One container per engine: the shadow supervisor of that engine alone, with that engine's
+supervisor credential and its engine's credential (--engine-creds names the folder holding
+engine-<id>.creds), which it hands to the engine's workers; neither reaches another engine. A
+SIGKILLed main worker is replaced by its shadow inside this container.""",
+        args=(
+            "--engines",
+            "{engine}",
+            "--state-dir",
+            "/var/lib/belayer/workers",
+            "--engine-creds",
+            "/run/secrets",
+            "--preset",
+            "$BELAYER_MODEL",
+            "--weights-seed",
+            "$BELAYER_WEIGHTS_SEED",
+            "--hang-timeout",
+            "$BELAYER_HANG_TIMEOUT",
+        ),
+        variables={
+            "BELAYER_HANG_TIMEOUT": Variable(
+                "2", "seconds of a main worker's silence before its shadow takes over"
+            )
+        },
+        groups=("weight-server",),  # it maps the weights read-only
+        shares_namespaces="""the supervisor's pidfds and its workers' pids must mean the same processes
+everywhere, and the workers map the servers' segments.""",
+        secrets={"engine-{engine}.creds": "engine-{engine}.creds"},
+        after=("router", "weight-server", "kv-server"),
+        stop_grace="20s",  # its drain, then each worker's
+    ),
 )

@@ -5,7 +5,7 @@ rollout rebuild and reports its steps and its fault manager's decisions."""
 
 from __future__ import annotations
 
-from belayer_rl.shared.declaration import ANY, Service, event
+from belayer_rl.shared.declaration import ANY, Compose, Service, Variable, event
 
 TRAINER = Service(
     name="trainer",
@@ -34,5 +34,36 @@ TRAINER = Service(
         lambda s, x: s.router_cancel(x.client),
         lambda s, x: s.router_status,
         lambda s, x: s.router_keepalive(x.client),
+    ),
+    compose=Compose(
+        uid=2005,
+        note="""A GRPO training run (README, "Training"): a job, not a daemon, started on demand:
+  docker compose --profile train run --rm trainer [--steps N --chaos actor@3:kill ...]
+Its worker groups (actor ranks, reward) are processes inside its container, under its fault
+manager. The step log, reward curve and checkpoints go to the volume `train`, so a rerun with
+the same flags resumes from its last checkpoint. Metrics and /healthz on :9100 while it runs.""",
+        variables={"BELAYER_TRAIN_STEPS": Variable("100", "the steps of `--profile train run trainer`")},
+        after=("router", "weight-server"),
+        keys={
+            "profiles": ["train"],
+            "restart": "no",
+            "entrypoint": [
+                "belayer",
+                "train",
+                "--metrics-port",
+                "9100",
+                "--metrics-host",
+                "0.0.0.0",
+                "--no-progress",
+                "--out",
+                "/var/lib/belayer/run",
+                "--checkpoint-every",
+                "5",
+            ],
+            "command": ["--steps", "$BELAYER_TRAIN_STEPS"],
+            "volumes": [
+                "train:/var/lib/belayer"
+            ],  # a fresh volume takes the image's folder: writable by any uid
+        },
     ),
 )

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import WeightServerConfig
-from belayer_rl.shared.declaration import STREAM_NAMES, Listen, Service, event, object_put, object_stream
+from belayer_rl.shared.declaration import (
+    STREAM_NAMES,
+    Compose,
+    Listen,
+    Service,
+    Variable,
+    event,
+    object_put,
+    object_stream,
+)
 
 WEIGHT_SERVER = Service(
     name="weight-server",
@@ -27,4 +36,24 @@ WEIGHT_SERVER = Service(
         lambda s, x: STREAM_NAMES,
     ),
     owns=(lambda s: object_stream(s.weights_object_bucket),),  # declared here; it deletes what it loaded
+    compose=Compose(
+        uid=2002,
+        note="its weight segments are mode 0640: the engines hold its group",
+        args=(
+            "--shm-prefix",
+            "belayer",
+            "--preset",
+            "$BELAYER_MODEL",
+            "--weights-seed",
+            "$BELAYER_WEIGHTS_SEED",
+        ),
+        variables={
+            "BELAYER_MODEL": Variable("tiny", "the model preset the weight server and the engines load"),
+            "BELAYER_WEIGHTS_SEED": Variable("0", "the seed of the first weights"),
+        },
+        shares_namespaces="""its weight versions are segments in /dev/shm that the engines map (the largest
+preset, base, 87,037,440 parameters, takes 332 MiB of fp32 weights a version; two versions live
+while a new one is published and the old one still pinned); it checks that a pin's holder, a
+worker's pid, still lives.""",
+    ),
 )

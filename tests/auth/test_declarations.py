@@ -1,5 +1,6 @@
 """The declarations (shared/declaration.py) are the one place a service's surface is written: its
-role's permissions, its runtime endpoints and `belayer status` are made from them.
+role's permissions, its runtime endpoints, its compose.yaml container and `belayer status` are made
+from them.
 
 Read from the generated permissions, as nats-server would apply them: every subject a service
 subscribes to or publishes is allowed to its role, and a subject it answers requests on is
@@ -12,13 +13,16 @@ nats-server.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import yaml
 
+from belayer_rl.cli.compose_file import render
 from belayer_rl.services import SERVICES
 from belayer_rl.shared import protocol
-from belayer_rl.shared.declaration import Listen, Scope, Service, event, stats_keys
-from belayer_rl.shared.roles import Credentials
+from belayer_rl.shared.declaration import Compose, Listen, Scope, Service, Variable, event, stats_keys
+from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import Subjects
 
 NAMES = Subjects("c1")
@@ -142,10 +146,16 @@ PROBE = Service(
     listens={"ask": Listen(lambda s, x: f"{s.root}.probe.ask", protocol.StatsRequest, protocol.Ack)},
     publishes=(event("record_skipped"),),
     owns=(lambda s: f"PROBE_{s.cluster_id}",),
+    setup="tests.probe.service:setup",  # never started here: compose.yaml names its module
+    compose=Compose(
+        uid=2999, args=("--depth", "$PROBE_DEPTH"), variables={"PROBE_DEPTH": Variable("3", "how deep")}
+    ),
 )
 
 
-def test_a_new_declaration_gets_its_role_endpoints_and_status_row_with_no_other_edit() -> None:
+def test_a_new_declaration_gets_its_role_endpoints_status_row_and_container_with_no_other_edit(
+    tmp_path: Path,
+) -> None:
     services = (*SERVICES, PROBE)
     table = permissions(services)
     assert "probe" in table and "probe" not in permissions(SERVICES)
@@ -154,6 +164,17 @@ def test_a_new_declaration_gets_its_role_endpoints_and_status_row_with_no_other_
     assert allowed(table["probe"], "publish", "$JS.API.STREAM.UPDATE.PROBE_c1")
     assert not allowed(table["probe"], "publish", "belayer.c1.probe.ask")  # it serves, it does not call
     assert "probe" in stats_keys(services, {"e0": [7]}, hosts=["h1"])
+
+    compose = yaml.safe_load(render(services))
+    assert "probe" not in yaml.safe_load(render(SERVICES))["services"]
+    probe = compose["services"]["probe"]
+    assert probe["user"] == "2999:2999" and probe["command"][:3] == ["python", "-m", "tests.probe"]
+    assert probe["command"][-2:] == ["--depth", "${PROBE_DEPTH:-3}"]
+    assert probe["secrets"] == [{"source": "probe", "target": "probe.creds"}]
+    assert probe["environment"]["BELAYER_NATS_CREDS"] == "/run/secrets/probe.creds"
+    assert compose["secrets"]["probe"] == {"file": "${BELAYER_CREDS_DIR:-./creds}/probe.creds"}
+    (tmp_path / "probe.creds").write_text("")
+    assert compose_owners(services, tmp_path, ("e0",)) == {tmp_path / "probe.creds": 2999}
 
     async def answer(_: protocol.StatsRequest) -> protocol.Ack:
         return protocol.Ack()

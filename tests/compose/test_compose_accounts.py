@@ -1,6 +1,6 @@
-"""compose.yaml's accounts against shared/roles.py's COMPOSE_UIDS, without Docker.
+"""compose.yaml's accounts against the declarations' Compose uids, without Docker.
 
-`belayer creds --compose-owners` gives each secret to a uid from COMPOSE_UIDS; compose.yaml runs each
+`belayer creds --compose-owners` gives each secret to a uid from the declarations; compose.yaml runs each
 service as a uid of its own. The two must agree, or a service could not read its own secret (or
 could read another's). Also: no two services that hold different secrets share a uid, only the
 checkpointer holds capabilities, and the KV server and engines hold the groups their shared
@@ -18,7 +18,11 @@ import pytest
 import yaml
 
 from belayer_rl.services import SERVICES
-from belayer_rl.shared.roles import COMPOSE_FIRST_ENGINE_UID, COMPOSE_UIDS, Credentials, compose_owners
+from belayer_rl.services.checkpointer.declaration import CHECKPOINTER
+from belayer_rl.services.shadow_supervisor.declaration import SHADOW_SUPERVISOR
+from belayer_rl.services.weight_server.declaration import WEIGHT_SERVER
+from belayer_rl.shared.declaration import Service
+from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import Subjects
 
 COMPOSE_FILE = Path(__file__).resolve().parents[2] / "compose.yaml"
@@ -32,6 +36,11 @@ def engines() -> tuple[str, ...]:
     return tuple(name.removeprefix("engine-") for name in services() if name.startswith("engine-"))
 
 
+def compose_uid(service: Service) -> int:
+    assert service.compose is not None
+    return service.compose.uid
+
+
 def uid_of(service: dict) -> int:  # type: ignore[type-arg]
     uid, gid = service["user"].split(":")
     assert uid == gid, service["user"]  # each uid is its own group
@@ -42,7 +51,7 @@ def test_each_service_runs_as_the_owner_of_each_secret_it_reads(tmp_path: Path) 
     spec = yaml.safe_load(COMPOSE_FILE.read_text())
     files = {name: Path(entry["file"]).name for name, entry in spec["secrets"].items()}
     Credentials.generate(SERVICES, Subjects("default"), engines()).write(tmp_path)
-    owners = {path.name: uid for path, uid in compose_owners(tmp_path, engines()).items()}
+    owners = {path.name: uid for path, uid in compose_owners(SERVICES, tmp_path, engines()).items()}
     holders: dict[int, set[str]] = {}
     for name, service in services().items():
         uid = uid_of(service)
@@ -53,20 +62,20 @@ def test_each_service_runs_as_the_owner_of_each_secret_it_reads(tmp_path: Path) 
     # The router and its standby share a uid and a secret; no other two services share a uid.
     uids = [uid_of(s) for name, s in services().items() if name != "router-standby"]
     assert len(uids) == len(set(uids)), uids
-    assert holders[COMPOSE_FIRST_ENGINE_UID] == {"engine-e0.creds", "shadow-supervisor-e0.creds"}
+    assert holders[uid_of(services()["engine-e0"])] == {"engine-e0.creds", "shadow-supervisor-e0.creds"}
 
 
 def test_only_the_checkpointer_keeps_capabilities_and_shared_memory_has_its_groups() -> None:
     for name, service in services().items():
         if name == "checkpointer":
-            assert service["cap_drop"] == [] and uid_of(service) == COMPOSE_UIDS["checkpointer"] == 0
+            assert service["cap_drop"] == [] and uid_of(service) == compose_uid(CHECKPOINTER) == 0
         else:
             assert service["cap_drop"] == ["ALL"], name
             assert "no-new-privileges:true" in service["security_opt"], name
             assert uid_of(service) != 0, name
-    weights = str(COMPOSE_UIDS["weight-server"])
+    weights = str(compose_uid(WEIGHT_SERVER))
     engine_uids = {str(uid_of(services()[f"engine-{e}"])) for e in engines()}
-    assert engine_uids == {str(COMPOSE_FIRST_ENGINE_UID + i) for i in range(len(engines()))}
+    assert engine_uids == {str(compose_uid(SHADOW_SUPERVISOR) + i) for i in range(len(engines()))}
     assert set(services()["kv-server"]["group_add"]) == engine_uids
     for engine in engines():
         assert services()[f"engine-{engine}"]["group_add"] == [weights], engine
