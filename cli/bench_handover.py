@@ -27,10 +27,12 @@ import uvloop
 
 from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster, service
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster, service_child
+from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.declaration import Planned
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import Handover, TokenChunk, WorkerRegistration
@@ -202,7 +204,7 @@ async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: 
             )
             started = time.time()
             process = await asyncio.create_subprocess_exec(
-                *service(f"cold{i}", "belayer_rl.services.worker", config).argv,
+                *service_child(Planned(f"cold{i}", config), WORKER.module).argv,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
             )

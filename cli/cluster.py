@@ -20,7 +20,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,17 +38,16 @@ from belayer_rl.shared.config import (
     INSTANCE_ENV,
     CheckpointerConfig,
     ConfigError,
-    KvServerConfig,
-    PolicyConfig,
     RouterConfig,
     ServiceConfig,
     ShadowSupervisorConfig,
-    WeightServerConfig,
     WorkerConfig,
+    passed_on,
     positive,
     same_as,
     setting,
 )
+from belayer_rl.shared.declaration import Planned, Service
 from belayer_rl.shared.processes import (
     STOP_GRACE_S,
     Backoff,
@@ -58,14 +57,13 @@ from belayer_rl.shared.processes import (
     stop_process,
 )
 from belayer_rl.shared.protocol import ProcessEvent, WorkerFailed
-from belayer_rl.shared.roles import CHECKPOINT_KEY_FILE, Credentials
+from belayer_rl.shared.roles import Credentials
 from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects
 
 log = logging.getLogger("belayer.cluster")
 
 STOP_MARGIN_S = 5.0  # past a service's drain timeout: cancelling stragglers, closing, exiting
 STABLE_AFTER_S = 10.0  # a child that ran this long gets its backoff reset
-HANDOVER_GRACE_S = 1.0  # with shadows, a failed engine's requests wait this long for its shadow
 
 
 class ProcessRecord(msgspec.Struct, kw_only=True):
@@ -168,10 +166,27 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def service(name: str, module: str, config: ServiceConfig, engine_id: str | None = None) -> Child:
+def service_child(planned: Planned, module: str) -> Child:
     """A service process started from its config; stopping it waits out its drain timeout."""
+    config = planned.config
     argv = python_module(module, *flags.to_argv(config))
-    return Child(name, argv, engine_id=engine_id, stop_grace_s=config.drain_timeout_s + STOP_MARGIN_S)
+    engine = planned.engine or None
+    return Child(planned.name, argv, engine_id=engine, stop_grace_s=config.drain_timeout_s + STOP_MARGIN_S)
+
+
+class UpDeployment:
+    """The cluster a Supervisor runs, as the declarations' `up` reads it (shared/declaration.Deployment)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        c = supervisor.config
+        self.supervisor = supervisor
+        self.state_dir, self.shadows, self.standby_routers = c.state_dir, c.shadows, c.standby_routers
+        self.engines = tuple(f"e{i}" for i in range(c.engines))
+        self.sandboxes = supervisor.sandboxes()
+        self.shm_prefix, self.creds_dir = supervisor.shm_prefix, supervisor.creds_dir
+
+    def settings(self, cls: type[ServiceConfig], role: str) -> dict[str, Any]:
+        return passed_on(self.supervisor.config, cls) | self.supervisor.bus(role)
 
 
 class Supervisor:
@@ -211,101 +226,31 @@ class Supervisor:
             "nats_key": c.nats_key,
         }
 
-    def plan(self) -> list[Child]:
-        c = self.config
-        router = RouterConfig(
-            **self.bus("router"),
-            chunk_tokens=c.chunk_tokens,
-            heartbeat_timeout_s=c.heartbeat_timeout_s,
-            no_worker_deadline_s=c.no_worker_deadline_s,
-            client_timeout_s=c.client_timeout_s,
-            handover_grace_s=HANDOVER_GRACE_S if c.shadows else 0.0,
-            replicas=c.replicas,
-            log_max_mb=c.log_max_mb,
-            log_client_share=c.log_client_share,
-            ended_keep_s=c.ended_keep_s,
-            lease_ttl_s=c.lease_ttl_s,
-            progress_deadline_s=c.progress_deadline_s,
-            debug_accept_stale=c.debug_accept_stale,
-        )
-        # Started first, the first router takes the lease; every router is the same process, and
-        # whichever holds the lease acts (services/router/lease.py).
-        routers = [service("router", "belayer_rl.services.router", router)] + [
-            service(f"router-standby-{i}", "belayer_rl.services.router", router)
-            for i in range(1, c.standby_routers + 1)
+    def plan(self, services: Sequence[Service] = SERVICES) -> list[Child]:
+        """Every declared service's processes (each declaration's `up`), in the declarations' order."""
+        deployment = UpDeployment(self)
+        return [
+            service_child(planned, declared.module)
+            for declared in services
+            if declared.up is not None
+            for planned in declared.up(deployment)
         ]
-        workers = self.shadowed_workers() if c.shadows else [self.worker(f"e{i}") for i in range(c.engines)]
-        return [*routers, *workers, *self.sandbox_services()]
 
     @property
     def shm_prefix(self) -> str:
         """Shared-memory segment names of this cluster's servers start with it (one per state dir)."""
         return f"bl{hashlib.sha256(str(self.config.state_dir).encode()).hexdigest()[:10]}"
 
-    def shadowed_workers(self) -> list[Child]:
-        """The weight and KV servers, and the shadow supervisor that alone runs the workers."""
-        c = self.config
-        prefix = self.shm_prefix
-        weights = WeightServerConfig(
-            **self.bus("weight-server"), preset=c.preset, weights_seed=c.weights_seed, shm_prefix=prefix
-        )
-        arenas = KvServerConfig(**self.bus("kv-server"), shm_prefix=prefix)
-        servers = [
-            service("weight-server", "belayer_rl.services.weight_server", weights),
-            service("kv-server", "belayer_rl.services.kv_server", arenas),
-        ]
-        if not c.engines:
-            return servers
-        supervisor = ShadowSupervisorConfig(
-            **self.bus("shadow-supervisor"),
-            engine_creds=self.creds_dir,
-            engines=tuple(f"e{i}" for i in range(c.engines)),
-            state_dir=c.state_dir / "workers",
-            preset=c.preset,
-            weights_seed=c.weights_seed,
-            num_blocks=c.num_blocks,
-            hang_timeout_s=c.hang_timeout_s,
-            failure_window_s=c.failure_window_s,
-            quarantine_after=c.quarantine_after,
-        )
-        supervisor_child = service("shadow-supervisor", "belayer_rl.services.shadow_supervisor", supervisor)
-        return [*servers, supervisor_child]
-
-    def sandbox_services(self) -> list[Child]:
-        """The checkpointer and the checkpoint policy, when sandboxes are wanted and a Docker
-        engine answers."""
-        c = self.config
-        if not c.sandboxes:
-            return []
+    def sandboxes(self) -> bool:
+        """Whether sandboxes are wanted and a Docker engine answers (else: no checkpointer)."""
+        if not self.config.sandboxes:
+            return False
         from belayer_rl.services.checkpointer.probe import docker_unreachable
 
-        unreachable = docker_unreachable(c.docker_url)
+        unreachable = docker_unreachable(self.config.docker_url)
         if unreachable is not None:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
-            return []
-        # The cluster's shared key when its credentials have one (older `belayer creds` made none);
-        # else the checkpointer makes its own in its state folder.
-        shared = self.creds_dir / CHECKPOINT_KEY_FILE if self.creds_dir is not None else None
-        key = shared if shared is not None and shared.exists() else None
-        checkpointer = CheckpointerConfig(
-            **self.bus("checkpointer"), state_dir=c.state_dir / "checkpointer", checkpoint_key=key,
-            replicas=c.replicas, docker_url=c.docker_url,
-        )  # fmt: skip
-        return [
-            service("checkpointer", "belayer_rl.services.checkpointer", checkpointer),
-            service("policy", "belayer_rl.services.policy", PolicyConfig(**self.bus("policy"))),
-        ]
-
-    def worker(self, engine_id: str) -> Child:
-        c = self.config
-        worker = WorkerConfig(
-            **self.bus(f"engine-{engine_id}"),
-            engine_id=engine_id,
-            preset=c.preset,
-            weights_seed=c.weights_seed,
-            num_blocks=c.num_blocks,
-        )
-        return service(f"worker-{engine_id}", "belayer_rl.services.worker", worker, engine_id=engine_id)
+        return unreachable is None
 
     async def start(self) -> None:
         c = self.config

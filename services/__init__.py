@@ -1,5 +1,6 @@
 """The processes of a Belayer cluster, one folder per kind, and the declaration of each
-(shared/declaration.py): what the permissions, the entry points and `belayer status` are made from."""
+(shared/declaration.py): what the permissions, the entry points, `belayer up`'s plan, compose.yaml
+and `belayer status` are made from."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from belayer_rl.services.weight_server.declaration import WEIGHT_SERVER
 from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.shared.declaration import Service
 
+# In the order `belayer up` starts them: the servers before the engines that map their segments.
 SERVICES: tuple[Service, ...] = (
     ROUTER,
-    WORKER,
-    SHADOW_SUPERVISOR,
     WEIGHT_SERVER,
     KV_SERVER,
+    WORKER,
+    SHADOW_SUPERVISOR,
     CHECKPOINTER,
     POLICY,
     TRAINER_GROUP,

@@ -90,10 +90,21 @@ def same_as(owner: type, name: str, *, flag: str = "") -> Any:
     """A field that repeats another config's field (a cluster passes it on to a service): the
     default and help come from there, so they are written once."""
     source = {f.name: f for f in dataclasses.fields(owner)}[name]
-    metadata = dict(source.metadata)
+    metadata = dict(source.metadata) | {"same_as": name}
     if flag:
         metadata["flag"] = flag
     return dataclasses.field(default=source.default, metadata=metadata)
+
+
+def passed_on(config: Any, cls: type) -> dict[str, Any]:
+    """The fields of `config` made by same_as() that `cls` has too, by their name there: what a
+    cluster's config hands to one of its services' configs."""
+    wanted = {f.name for f in dataclasses.fields(cls)}
+    return {
+        f.metadata["same_as"]: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.metadata.get("same_as") in wanted
+    }
 
 
 def flag_name(field: dataclasses.Field[Any]) -> str:

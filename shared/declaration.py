@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 from belayer_rl.shared import runtime
 from belayer_rl.shared.config import ServiceConfig, parse_flags
@@ -97,6 +98,31 @@ def event(kind: str, ident: Callable[[Scope], str] = lambda scope: ANY) -> Subje
     return lambda s, x: s.event(kind, ident(x))
 
 
+class Deployment(Protocol):
+    """The cluster `belayer up` plans (cli/cluster.py), as a declaration's `up` reads it."""
+
+    state_dir: Path  # the cluster's state: a service keeps its own under it
+    engines: tuple[str, ...]
+    shadows: bool  # workers run under the shadow supervisor, beside the weight and KV servers
+    sandboxes: bool  # sandboxes wanted, and a Docker engine answered
+    standby_routers: int
+    shm_prefix: str  # this cluster's shared-memory segment names start with it
+    creds_dir: Path | None  # each role's credentials; None: the bus is open
+
+    def settings(self, cls: type[ServiceConfig], role: str) -> dict[str, Any]:
+        """The keywords of a `cls` of `role`: its bus, and what the cluster's flags hand on."""
+        ...
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A process `belayer up` runs."""
+
+    name: str
+    config: ServiceConfig
+    engine: str = ""  # the engine it is, for a bare worker: its exit fails that engine's requests
+
+
 @dataclass(frozen=True)
 class Variable:
     """A setting Compose reads from the environment (or an .env file): `$NAME` in a Compose args."""
@@ -157,6 +183,7 @@ class Service:
     process: Callable[[Scope], str] | None = None  # its process name; None for `name`
     signals_during_setup: bool = True
     compose: Compose | None = None  # None: not a container of compose.yaml (another service runs it)
+    up: Callable[[Deployment], Sequence[Planned]] | None = None  # its processes under `belayer up`
 
     @property
     def role_name(self) -> str:

@@ -10,7 +10,9 @@ from belayer_rl.shared.config import CheckpointerConfig
 from belayer_rl.shared.declaration import (
     STREAM_NAMES,
     Compose,
+    Deployment,
     Listen,
+    Planned,
     Scope,
     Service,
     Variable,
@@ -21,9 +23,26 @@ from belayer_rl.shared.declaration import (
     object_stream,
     on_event,
 )
+from belayer_rl.shared.roles import CHECKPOINT_KEY_FILE
 
 # Its store under Compose: the volume `checkpoints`, at its path inside the Docker engine's data root.
 STORE = "$BELAYER_DOCKER_ROOT/volumes/${COMPOSE_PROJECT_NAME}_checkpoints/_data"
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    """This host's checkpointer, when sandboxes are wanted and a Docker engine answers. It signs with
+    the cluster's shared key where its credentials have one (an older `belayer creds` made none),
+    else with a key of its own, made in its state folder."""
+    if not cluster.sandboxes:
+        return []
+    shared = cluster.creds_dir / CHECKPOINT_KEY_FILE if cluster.creds_dir is not None else None
+    mine = {
+        "state_dir": cluster.state_dir / "checkpointer",
+        "checkpoint_key": shared if shared is not None and shared.exists() else None,
+    }
+    settings = cluster.settings(CheckpointerConfig, "checkpointer") | mine
+    return [Planned("checkpointer", CheckpointerConfig(**settings))]
+
 
 SANDBOX_REPLY = p.SandboxInfo | p.ExecResult | p.CheckpointResult | p.RestoreResult | p.SandboxListing | p.Ack
 
@@ -86,7 +105,7 @@ therefore at the same path for the engine and for the checkpointer.""",
             "BELAYER_CHECKPOINT_KEY": "/run/secrets/checkpoint.key",  # signs manifests; every host shares it
             "BELAYER_ALLOW_ROOT_USER": "$BELAYER_ALLOW_ROOT_USER",
         },
-        secrets={"checkpoint.key": "checkpoint.key"},
+        secrets={CHECKPOINT_KEY_FILE: CHECKPOINT_KEY_FILE},
         stop_grace="40s",  # its drain lets running actions and checkpoints finish (30 s)
         keys={
             "cap_drop": [],  # root with Docker's default capabilities: it reads and thaws the sandboxes' cgroups
@@ -100,4 +119,5 @@ therefore at the same path for the engine and for the checkpointer.""",
             ],
         },
     ),
+    up=up,
 )

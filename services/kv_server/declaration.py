@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import KvServerConfig
-from belayer_rl.shared.declaration import Compose, Listen, Service, Variable, kv_stream
+from belayer_rl.shared.declaration import Compose, Deployment, Listen, Planned, Service, Variable, kv_stream
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    if not cluster.shadows:  # the workers keep their own caches
+        return []
+    settings = cluster.settings(KvServerConfig, "kv-server") | {"shm_prefix": cluster.shm_prefix}
+    return [Planned("kv-server", KvServerConfig(**settings))]
+
 
 KV_SERVER = Service(
     name="kv-server",
@@ -31,4 +39,5 @@ under the default BELAYER_SHM_SIZE; add 576m per engine beyond two. tmpfs holds 
 written, so an unused limit costs nothing.""",
         variables={"BELAYER_SHM_SIZE": Variable("2g", "the /dev/shm the servers and engines share")},
     ),
+    up=up,
 )

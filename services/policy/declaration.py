@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import PolicyConfig
-from belayer_rl.shared.declaration import Compose, Listen, Service, event, on_event
+from belayer_rl.shared.declaration import Compose, Deployment, Listen, Planned, Service, event, on_event
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    return (
+        [Planned("policy", PolicyConfig(**cluster.settings(PolicyConfig, "policy")))]
+        if cluster.sandboxes
+        else []
+    )
+
 
 POLICY = Service(
     name="policy",
@@ -26,4 +35,5 @@ POLICY = Service(
         note="""The checkpoint policy: decides when trajectories checkpoint, from what the rollout side and the
 checkpointer report. Stateless across restarts (its estimates are learnt again).""",
     ),
+    up=up,
 )

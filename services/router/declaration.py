@@ -8,7 +8,30 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import RouterConfig
-from belayer_rl.shared.declaration import ANY, Compose, Listen, Service, event, kv_put, kv_stream, on_event
+from belayer_rl.shared.declaration import (
+    ANY,
+    Compose,
+    Deployment,
+    Listen,
+    Planned,
+    Service,
+    event,
+    kv_put,
+    kv_stream,
+    on_event,
+)
+
+HANDOVER_GRACE_S = 1.0  # with shadows, a failed engine's requests wait this long for its shadow
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    """The router and its warm standbys, the same process: started first, the first takes the
+    lease, and whichever holds it acts (services/router/lease.py)."""
+    grace = HANDOVER_GRACE_S if cluster.shadows else 0.0
+    config = RouterConfig(**cluster.settings(RouterConfig, "router") | {"handover_grace_s": grace})
+    standbys = range(1, cluster.standby_routers + 1)
+    return [Planned("router", config), *(Planned(f"router-standby-{i}", config) for i in standbys)]
+
 
 ROUTER = Service(
     name="router",
@@ -55,6 +78,7 @@ ROUTER = Service(
     ),
     stats=lambda x: "router",
     to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
+    up=up,
     compose=Compose(
         uid=2001,
         args=("--handover-grace", "1"),  # a failed engine's requests wait this long for its shadow

@@ -9,7 +9,32 @@ from __future__ import annotations
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import ShadowSupervisorConfig
-from belayer_rl.shared.declaration import Compose, Listen, Scope, Service, Variable, event, kv_put, kv_stream
+from belayer_rl.shared.declaration import (
+    Compose,
+    Deployment,
+    Listen,
+    Planned,
+    Scope,
+    Service,
+    Variable,
+    event,
+    kv_put,
+    kv_stream,
+)
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    """One supervisor of every engine, under the every-engine credential."""
+    if not cluster.shadows or not cluster.engines:
+        return []
+    mine = {
+        "engine_creds": cluster.creds_dir,
+        "engines": cluster.engines,
+        "state_dir": cluster.state_dir / "workers",
+    }
+    settings = cluster.settings(ShadowSupervisorConfig, "shadow-supervisor")
+    return [Planned("shadow-supervisor", ShadowSupervisorConfig(**settings | mine))]
+
 
 SHADOW_SUPERVISOR = Service(
     name="shadow-supervisor",
@@ -45,6 +70,7 @@ SHADOW_SUPERVISOR = Service(
     lists=(lambda s: kv_stream(s.engine_registry_bucket),),
     scopes=lambda config: tuple(Scope(engine=engine) for engine in config.engines),
     all_engines=True,
+    up=up,
     compose=Compose(
         uid=2100,
         per_engine="engine",

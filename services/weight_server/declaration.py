@@ -8,13 +8,23 @@ from belayer_rl.shared.config import WeightServerConfig
 from belayer_rl.shared.declaration import (
     STREAM_NAMES,
     Compose,
+    Deployment,
     Listen,
+    Planned,
     Service,
     Variable,
     event,
     object_put,
     object_stream,
 )
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    if not cluster.shadows:  # the workers load their own weights
+        return []
+    settings = cluster.settings(WeightServerConfig, "weight-server") | {"shm_prefix": cluster.shm_prefix}
+    return [Planned("weight-server", WeightServerConfig(**settings))]
+
 
 WEIGHT_SERVER = Service(
     name="weight-server",
@@ -56,4 +66,5 @@ preset, base, 87,037,440 parameters, takes 332 MiB of fp32 weights a version; tw
 while a new one is published and the old one still pinned); it checks that a pin's holder, a
 worker's pid, still lives.""",
     ),
+    up=up,
 )

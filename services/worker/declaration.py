@@ -8,7 +8,30 @@ import os
 
 from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import WorkerConfig
-from belayer_rl.shared.declaration import Listen, Scope, Service, event, kv_put, kv_stream, on_event
+from belayer_rl.shared.declaration import (
+    Deployment,
+    Listen,
+    Planned,
+    Scope,
+    Service,
+    event,
+    kv_put,
+    kv_stream,
+    on_event,
+)
+
+
+def up(cluster: Deployment) -> list[Planned]:
+    """A bare worker per engine, where no shadow supervisor runs them."""
+    if cluster.shadows:
+        return []
+    return [
+        Planned(
+            f"worker-{e}", WorkerConfig(**cluster.settings(WorkerConfig, f"engine-{e}") | {"engine_id": e}), e
+        )
+        for e in cluster.engines
+    ]
+
 
 WORKER = Service(
     name="worker",
@@ -45,4 +68,5 @@ WORKER = Service(
     # Until the engine is built SIGTERM keeps its default action: there is nothing to drain, and a
     # worker stuck waiting for a server must still go when its supervisor goes.
     signals_during_setup=False,
+    up=up,
 )

@@ -1,6 +1,6 @@
 """The declarations (shared/declaration.py) are the one place a service's surface is written: its
-role's permissions, its runtime endpoints, its compose.yaml container and `belayer status` are made
-from them.
+role's permissions, its runtime endpoints, its process in `belayer up`, its compose.yaml container
+and `belayer status` are made from them.
 
 Read from the generated permissions, as nats-server would apply them: every subject a service
 subscribes to or publishes is allowed to its role, and a subject it answers requests on is
@@ -18,10 +18,21 @@ from pathlib import Path
 import pytest
 import yaml
 
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor
 from belayer_rl.cli.compose_file import render
 from belayer_rl.services import SERVICES
 from belayer_rl.shared import protocol
-from belayer_rl.shared.declaration import Compose, Listen, Scope, Service, Variable, event, stats_keys
+from belayer_rl.shared.config import PolicyConfig
+from belayer_rl.shared.declaration import (
+    Compose,
+    Listen,
+    Planned,
+    Scope,
+    Service,
+    Variable,
+    event,
+    stats_keys,
+)
 from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import Subjects
 
@@ -147,6 +158,7 @@ PROBE = Service(
     publishes=(event("record_skipped"),),
     owns=(lambda s: f"PROBE_{s.cluster_id}",),
     setup="tests.probe.service:setup",  # never started here: compose.yaml names its module
+    up=lambda cluster: [Planned("probe", PolicyConfig(**cluster.settings(PolicyConfig, "probe")))],
     compose=Compose(
         uid=2999, args=("--depth", "$PROBE_DEPTH"), variables={"PROBE_DEPTH": Variable("3", "how deep")}
     ),
@@ -175,6 +187,14 @@ def test_a_new_declaration_gets_its_role_endpoints_status_row_and_container_with
     assert compose["secrets"]["probe"] == {"file": "${BELAYER_CREDS_DIR:-./creds}/probe.creds"}
     (tmp_path / "probe.creds").write_text("")
     assert compose_owners(services, tmp_path, ("e0",)) == {tmp_path / "probe.creds": 2999}
+
+    # `belayer up`'s plan: its process, started from its module with its own credential
+    config = ClusterConfig(state_dir=tmp_path / "cluster", sandboxes=False)
+    supervisor = Supervisor(config, "nats://127.0.0.1:4222", None, tmp_path)  # type: ignore[arg-type]  # plan() uses no bus
+    planned = {child.name: child.argv for child in supervisor.plan(services)}
+    assert "probe" not in {child.name for child in supervisor.plan()}
+    assert planned["probe"][1:3] == ["-m", "tests.probe"]
+    assert planned["probe"][planned["probe"].index("--nats-creds") + 1] == str(tmp_path / "probe.creds")
 
     async def answer(_: protocol.StatsRequest) -> protocol.Ack:
         return protocol.Ack()
