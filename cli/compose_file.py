@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from belayer_rl.shared.config import ConfigError
 from belayer_rl.shared.declaration import Service, Variable
 from belayer_rl.shared.roles import NATS_UID, secret_files
 
@@ -88,8 +87,9 @@ def containers(services: Sequence[Service], engines: Sequence[str]) -> list[Cont
 def variables(services: Sequence[Service]) -> dict[str, Variable]:
     found = dict(COMMON)
     for service in services:
-        if service.compose is not None:
-            found |= service.compose.variables
+        for name, variable in (service.compose.variables if service.compose else {}).items():
+            if found.setdefault(name, variable) != variable:
+                raise ValueError(f"{service.name} declares ${name} again, otherwise")
     return found
 
 
@@ -261,23 +261,23 @@ def render(services: Sequence[Service], engines: Sequence[str] = ENGINES) -> str
     return out + "\n" + dump(expand(tail, known, ""), indent="")
 
 
-class _Dumper(yaml.SafeDumper):
-    """Mappings as blocks; lists of plain values on one line, as a person writes compose.yaml."""
-
-
-_Dumper.add_representer(
-    dict, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=False)
-)
-_Dumper.add_representer(
-    list,
-    lambda dumper, data: dumper.represent_sequence(
-        "tag:yaml.org,2002:seq", data, flow_style=all(not isinstance(v, dict | list) for v in data)
-    ),
-)
-
-
 def dump(value: Mapping[str, Any], indent: str = "  ") -> str:
-    text = yaml.dump(dict(value), Dumper=_Dumper, sort_keys=False, width=110)
+    """YAML as a person writes compose.yaml: mappings as blocks, lists of plain values on one line."""
+    import yaml  # only this command needs it
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(
+        dict, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=False)
+    )
+    Dumper.add_representer(
+        list,
+        lambda dumper, data: dumper.represent_sequence(
+            "tag:yaml.org,2002:seq", data, flow_style=all(not isinstance(v, dict | list) for v in data)
+        ),
+    )
+    text = yaml.dump(dict(value), Dumper=Dumper, sort_keys=False, width=110)
     text = text.replace(": null\n", ":\n")  # a named volume with Compose's defaults
     return "".join(f"{indent}{line}\n" for line in text.splitlines())
 
@@ -292,7 +292,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_compose_file(args: argparse.Namespace) -> int:
     from belayer_rl.services import SERVICES
 
-    text = render(SERVICES, tuple(e for e in args.engines.split(",") if e))
+    engines = tuple(e for e in args.engines.split(",") if e)
+    if not engines:
+        raise ConfigError("--engines names no engine")
+    text = render(SERVICES, engines)
     if args.check is not None:
         if args.check.read_text() != text:
             print(f"{args.check} differs from what `belayer compose-file` writes", file=sys.stderr)

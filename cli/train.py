@@ -101,8 +101,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         return uvloop.run(train(config, faults, resolve_target(args, role="trainer")))
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
-        logs = config.out / "actor" / "logs"
-        raise SystemExit(f"belayer train: {exc} (the ranks' logs: {logs})") from None
+        where = f" (the ranks' logs: {config.out / 'actor' / 'logs'})" if config.backend == "local" else ""
+        raise SystemExit(f"belayer train: {exc}{where}") from None
 
 
 async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target) -> int:

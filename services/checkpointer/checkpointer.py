@@ -76,7 +76,7 @@ log = logging.getLogger("belayer.checkpointer")
 WATCH_BACKOFF_S = 0.5
 MAX_WATCH_BACKOFF_S = 10.0
 ORPHAN_DUMP_WAIT_S = 600.0  # at start, how long a dump left running by a crash is waited for
-UNRECORDED_REMOVE_TRIES, UNRECORDED_REMOVE_RETRY_S = 6, 2.0  # a busy overlay: 42 s of retries in all
+UNRECORDED_REMOVE_TRIES, UNRECORDED_REMOVE_RETRY_S = 7, 2.0  # a busy overlay: 42 s of waits in all
 
 
 @dataclass
@@ -216,12 +216,13 @@ class Checkpointer:
         waits on it, so it must not stop the checkpointer from serving the others."""
         log.info("removing unrecorded sandbox container %s", container_id[:12])
         for attempt in range(UNRECORDED_REMOVE_TRIES):
+            if attempt:
+                await asyncio.sleep(UNRECORDED_REMOVE_RETRY_S * attempt)
             try:
                 await self.engine.remove(container_id)
                 return
             except aiodocker.DockerError as exc:
                 log.warning("container %s not removed yet (%s)", container_id[:12], exc.message)
-                await asyncio.sleep(UNRECORDED_REMOVE_RETRY_S * (attempt + 1))
         log.error("container %s not removed: it is left for the next start", container_id[:12])
 
     async def judge_at_start(self, sb: Sandbox) -> None:

@@ -263,7 +263,8 @@ class LocalGroup:
             self._listener = await bus.listen(self.nc, subject, GroupHeartbeat, self.on_heartbeat)
         self.builds += 1
         self.beats.clear()
-        rendezvous = self.folder / f"{self.name}-rendezvous-{self.builds}"
+        # absolute: a rank (a Ray actor's among them) need not run in this process's folder
+        rendezvous = self.folder.absolute() / f"{self.name}-rendezvous-{self.builds}"
         rendezvous.unlink(missing_ok=True)
         (self.folder / "logs").mkdir(parents=True, exist_ok=True)
         for rank in range(self.worker.world):

@@ -154,7 +154,7 @@ class ActorRank:
             assert config.rendezvous is not None
             dist.init_process_group(
                 "gloo",
-                init_method=config.rendezvous.absolute().as_uri(),  # file://relative/x would name a host
+                init_method=config.rendezvous.as_uri(),  # absolute (groups.py): file://relative/x names a host
                 rank=config.rank,
                 world_size=config.world,
                 timeout=datetime.timedelta(seconds=config.init_timeout_s),

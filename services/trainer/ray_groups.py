@@ -121,7 +121,8 @@ class RayGroup:
 
         self.builds += 1
         self.folder.mkdir(parents=True, exist_ok=True)
-        rendezvous = self.folder / f"{self.name}-rendezvous-{self.builds}"
+        # absolute: a rank (a Ray actor's among them) need not run in this process's folder
+        rendezvous = self.folder.absolute() / f"{self.name}-rendezvous-{self.builds}"
         rendezvous.unlink(missing_ok=True)
         bundles = [{"CPU": CPU_PER_RANK} for _ in range(self.worker.world)]
         self.placement = placement_group(bundles, strategy="PACK")

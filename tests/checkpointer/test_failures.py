@@ -191,7 +191,14 @@ async def test_a_container_docker_cannot_remove_does_not_stop_the_checkpointer(
     docker = aiodocker.Docker()
     try:
         labels = {LABEL_HOST: service.host_id, LABEL_SANDBOX: "never-recorded"}
-        container = await docker.containers.run({"Image": image, "Cmd": ["sleep", "1000"], "Labels": labels})
+        container = await docker.containers.run(
+            {
+                "Image": image,
+                "Cmd": ["sleep", "1000"],
+                "Labels": labels,
+                "HostConfig": {"NetworkMode": "none"},
+            }
+        )
         upper = Path((await container.show())["GraphDriver"]["Data"]["UpperDir"])
         pinned = upper / "pinned"
         pinned.write_text("kept by chattr +i\n")
