@@ -35,7 +35,7 @@ import msgspec
 import uvloop
 
 from belayer_rl.cli.bench_report import Report, emit
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster
 from belayer_rl.services.policy.decision import Guards, Interval, Slowdown, TimedResponse, fit_slowdown
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, TimelineEntry, TrajectoryResult
 from belayer_rl.services.rollout.driver import Batch, BatchSummary, mean_step_wall_s, run_batch
@@ -123,8 +123,9 @@ async def real_runs(
     baselines: list[float] = []
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
         config = ClusterConfig(
-            state_dir=Path(state), engines=1, shadows=False, sandboxes=True, preset="tiny-4k", num_blocks=2048
-        )
+            state_dir=Path(state), engines=1, shadows=False, sandboxes=True,
+            services=UpSettings(preset="tiny-4k", num_blocks=2048),
+        )  # fmt: skip
         async with local_cluster(config) as supervisor:
             if "checkpointer" not in supervisor.children:
                 raise SystemExit("belayer bench env-recovery: no checkpointer (is Docker with CRIU up?)")

@@ -27,7 +27,7 @@ import uvloop
 
 from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster, service_child
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster, service_child
 from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
@@ -72,8 +72,9 @@ async def bench(args: argparse.Namespace) -> Report:
     for preset in args.presets.split(","):
         with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
             config = ClusterConfig(
-                state_dir=Path(state), engines=1, preset=preset, failure_window_s=0.001, sandboxes=False
-            )
+                state_dir=Path(state), engines=1, sandboxes=False,
+                services=UpSettings(preset=preset, failure_window_s=0.001),
+            )  # fmt: skip
             async with local_cluster(config) as supervisor:
                 async with await Client.connect(supervisor.target(), "bench") as client:
                     await client.wait_for_engines(1, 600)

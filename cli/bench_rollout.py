@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
 from belayer_rl.cli.bench_report import Report, emit
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster
 from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import bus, protocol, registry, tokenizer
@@ -130,12 +130,10 @@ async def bench_cluster(
         config = ClusterConfig(
             state_dir=Path(state),
             engines=2,
-            preset=preset,
-            chunk_tokens=args.chunk_tokens,
             shadows=False,
             sandboxes=False,
             standby_routers=standby_routers,
-            lease_ttl_s=args.lease_ttl,
+            services=UpSettings(preset=preset, chunk_tokens=args.chunk_tokens, lease_ttl_s=args.lease_ttl),
         )
         async with local_cluster(config) as supervisor:
             client = await Client.connect(supervisor.target(), "bench")

@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
 
 from belayer_rl.cli.bench_report import Report, emit
-from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, UpSettings, local_cluster
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
 
@@ -133,7 +133,7 @@ async def bench(args: argparse.Namespace) -> Report:
             clients: dict[str, Client] = {}
             for name, always in SETTINGS.items():
                 config = ClusterConfig(
-                    state_dir=Path(folder) / f"cluster-{name}", engines=1, preset=args.preset,
+                    state_dir=Path(folder) / f"cluster-{name}", engines=1, services=UpSettings(preset=args.preset),
                     shadows=False, sandboxes=False, nats_sync_always=always,
                 )  # fmt: skip
                 supervisor = await stack.enter_async_context(local_cluster(config))

@@ -42,7 +42,7 @@ import msgspec
 import uvloop
 
 from belayer_rl.cli.bench_report import Report, emit
-from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, UpSettings, local_cluster
 from belayer_rl.services.trainer import group_faults as chaos_faults
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.services.trainer.grpo import GrpoConfig
@@ -223,8 +223,8 @@ class BenchRuns:
         fault until the first step that ends `until_s` seconds or more after the training started."""
         folder = self.root / run
         config = ClusterConfig(
-            state_dir=folder / "cluster", engines=1, shadows=True, sandboxes=False, preset="tiny",
-            log_max_mb=LOG_MAX_MB,
+            state_dir=folder / "cluster", engines=1, shadows=True, sandboxes=False,
+            services=UpSettings(preset="tiny", log_max_mb=LOG_MAX_MB),
         )  # fmt: skip
         async with local_cluster(config) as supervisor:
             async with await Client.connect(supervisor.target("admin"), "bench") as client:

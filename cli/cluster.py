@@ -36,18 +36,15 @@ from belayer_rl.shared.access import Access
 from belayer_rl.shared.bus import Target
 from belayer_rl.shared.config import (
     INSTANCE_ENV,
-    CheckpointerConfig,
     ConfigError,
-    RouterConfig,
     ServiceConfig,
-    ShadowSupervisorConfig,
-    WorkerConfig,
+    nested,
     passed_on,
     positive,
     same_as,
     setting,
 )
-from belayer_rl.shared.declaration import Planned, Service
+from belayer_rl.shared.declaration import Planned, Service, up_settings
 from belayer_rl.shared.processes import (
     STOP_GRACE_S,
     Backoff,
@@ -83,19 +80,24 @@ class ClusterFile(msgspec.Struct, kw_only=True):
     creds_dir: str = ""  # where each role's credentials are; "" when the bus is open
 
 
+# The services' settings `belayer up` takes as flags: each declaration names its own (up_settings).
+UpSettings = up_settings(SERVICES)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """`belayer up`'s settings. What it passes on to a service repeats that service's field
-    (`same_as`), so each default is written once, in the service's config."""
+    """`belayer up`'s settings: the cluster's own, and under `services` those its services'
+    declarations hand it (UpSettings), each default written once, in the service's config."""
 
     state_dir: Path = setting(help="the cluster's state: JetStream store, logs, cluster.json")
     engines: int = setting(2, "rollout workers (engines) to start")
-    preset: str = same_as(WorkerConfig, "preset", flag="--model")
-    weights_seed: int = same_as(WorkerConfig, "weights_seed")
-    num_blocks: int = same_as(WorkerConfig, "num_blocks")
     nats_url: str | None = setting(None, "an external NATS to use instead of starting one", flag="--nats")
     nats_port: int = setting(0, "port of the embedded nats-server (0: a free one)")
+    # The cluster's own bus, which every service it starts shares (Supervisor.bus).
     cluster_id: str = same_as(ServiceConfig, "cluster_id")
+    nats_ca: Path | None = same_as(ServiceConfig, "nats_ca")
+    nats_cert: Path | None = same_as(ServiceConfig, "nats_cert")
+    nats_key: Path | None = same_as(ServiceConfig, "nats_key")
     auth: bool = setting(True, "the embedded nats-server checks credentials and per-role permissions")
     nats_sync_always: bool = setting(
         True,
@@ -106,31 +108,14 @@ class ClusterConfig:
     creds_dir: Path | None = setting(
         None, "each role's credentials (`belayer creds` writes them), for an external NATS with auth"
     )
-    nats_ca: Path | None = same_as(ServiceConfig, "nats_ca")
-    nats_cert: Path | None = same_as(ServiceConfig, "nats_cert")
-    nats_key: Path | None = same_as(ServiceConfig, "nats_key")
-    chunk_tokens: int = same_as(RouterConfig, "chunk_tokens")
-    replicas: int = same_as(RouterConfig, "replicas")
-    log_max_mb: int = same_as(RouterConfig, "log_max_mb")
-    log_client_share: float = same_as(RouterConfig, "log_client_share")
-    ended_keep_s: float = same_as(RouterConfig, "ended_keep_s")
-    lease_ttl_s: float = same_as(RouterConfig, "lease_ttl_s")
-    progress_deadline_s: float = same_as(RouterConfig, "progress_deadline_s")
-    debug_accept_stale: bool = same_as(RouterConfig, "debug_accept_stale")
     standby_routers: int = setting(
         0, "routers started beside the active one, each waiting to take its lease when it expires"
     )
-    heartbeat_timeout_s: float = same_as(RouterConfig, "heartbeat_timeout_s")
-    no_worker_deadline_s: float = same_as(RouterConfig, "no_worker_deadline_s")
-    client_timeout_s: float = same_as(RouterConfig, "client_timeout_s")
     restart_backoff_s: float = setting(0.2, "first wait before a process that exited is restarted")
     max_restart_backoff_s: float = setting(5.0, "longest wait between restarts of a process")
     shadows: bool = setting(True, "workers under the shadow supervisor, with weight and KV servers")
-    hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
-    failure_window_s: float = same_as(ShadowSupervisorConfig, "failure_window_s")
-    quarantine_after: int = same_as(ShadowSupervisorConfig, "quarantine_after")
     sandboxes: bool = setting(True, "start the checkpointer when a Docker engine answers")
-    docker_url: str | None = same_as(CheckpointerConfig, "docker_url")
+    services: Any = nested(UpSettings)  # an UpSettings (a class made from the declarations)
 
     def __post_init__(self) -> None:
         if self.engines < 0:
@@ -186,7 +171,7 @@ class UpDeployment:
         self.shm_prefix, self.creds_dir = supervisor.shm_prefix, supervisor.creds_dir
 
     def settings(self, cls: type[ServiceConfig], role: str) -> dict[str, Any]:
-        return passed_on(self.supervisor.config, cls) | self.supervisor.bus(role)
+        return passed_on(self.supervisor.config.services, cls) | self.supervisor.bus(role)
 
 
 class Supervisor:
@@ -247,7 +232,7 @@ class Supervisor:
             return False
         from belayer_rl.services.checkpointer.probe import docker_unreachable
 
-        unreachable = docker_unreachable(self.config.docker_url)
+        unreachable = docker_unreachable(self.config.services.docker_url)
         if unreachable is not None:
             log.warning("no checkpointer, so no sandboxes: %s", unreachable)
         return unreachable is None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvloop
 
-from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, UpSettings, local_cluster
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import TokenChunk
 
@@ -38,8 +38,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="belayer-demo-") as state:
         config = ClusterConfig(
-            state_dir=Path(state), engines=2, preset=args.model, chunk_tokens=32, sandboxes=False
-        )
+            state_dir=Path(state), engines=2, sandboxes=False,
+            services=UpSettings(preset=args.model, chunk_tokens=32),
+        )  # fmt: skip
         return uvloop.run(demo(config, args))
 
 

@@ -17,63 +17,75 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import uvloop
 
 from belayer_rl.cli.target import resolve_target
-from belayer_rl.shared.config import hostname_id
+from belayer_rl.services.rollout.agent import RolloutSettings
+from belayer_rl.services.rollout.driver import Batch, BatchSummary
+from belayer_rl.shared import config as flags
+from belayer_rl.shared.config import hostname_id, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCommand:
+    """`belayer rollout`'s own settings; each trajectory's (RolloutSettings) and the batch's
+    (Batch) are their classes' flags."""
+
+    workload: Literal["shell", "math"] = setting("shell", "the workload")
+    tasks: int = setting(4, "tasks of the workload")
+    turns: int = setting(8, "LLM turns per shell trajectory")
+    action_s: float = setting(0.3, "seconds each scripted shell action takes", flag="--action-s")
+    model_agent: bool = setting(False, "act on the model's text (default: scripted agent)")
+    host_id: str | None = setting(None, "the checkpointer's host (default: this host's name)")
+    chaos_p: float = setting(0.0, "chaos: kill probability per step")
+    chaos_step_s: float = setting(2.0, "chaos: the step wall time kills spread over", flag="--chaos-step-s")
+    chaos_seed: int = setting(0, "chaos: seeds the kills")
+    out: Path = setting(Path("rollout"), "folder for results and timelines")
+    plot: Path | None = setting(None, "draw DIR's timelines as a PNG instead of running")
+    png: Path | None = setting(None, "where --plot writes (default: DIR/timeline.png)")
+    json: bool = setting(False, "print the batch summary as JSON")
+    no_progress: bool = setting(False, "no progress bar", flag="--no-progress")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     rollout = commands.add_parser(
         "rollout", help="run agentic trajectories (LLM turns, sandbox actions, rewards)"
     )
-    rollout.add_argument("--workload", default="shell", choices=("shell", "math"))
-    rollout.add_argument("--tasks", type=int, default=4, help="tasks of the workload")
-    rollout.add_argument("--samples", type=int, default=1, help="trajectories per task")
-    rollout.add_argument("--turns", type=int, default=8, help="LLM turns per shell trajectory")
-    rollout.add_argument(
-        "--action-s", type=float, default=0.3, help="seconds each scripted shell action takes"
+    flags.add_flags(rollout, RolloutCommand)
+    flags.add_flags(
+        rollout.add_argument_group("each trajectory"), RolloutSettings, skip=("host_id", "scripted")
     )
-    rollout.add_argument("--policy", default="adaptive", help="adaptive, never, always or every-N")
-    rollout.add_argument(
-        "--fallback-policy", default="every-3", help="used when the policy service does not answer"
-    )
-    rollout.add_argument(
-        "--model-agent", action="store_true", help="act on the model's text (default: scripted agent)"
-    )
-    rollout.add_argument("--concurrency", type=int, default=4)
-    rollout.add_argument("--seed", type=int, default=0, help="trajectory seeds derive from it")
-    rollout.add_argument(
-        "--host-id", default=None, help="the checkpointer's host (default: this host's name)"
-    )
-    rollout.add_argument("--chaos-p", type=float, default=0.0, help="chaos: kill probability per step")
-    rollout.add_argument(
-        "--chaos-step-s", type=float, default=2.0, help="chaos: the step wall time kills spread over"
-    )
-    rollout.add_argument("--chaos-seed", type=int, default=0)
-    rollout.add_argument("--out", type=Path, default=Path("rollout"), help="folder for results and timelines")
-    rollout.add_argument(
-        "--plot", type=Path, metavar="DIR", help="draw DIR's timelines as a PNG instead of running"
-    )
-    rollout.add_argument("--png", type=Path, help="where --plot writes (default: DIR/timeline.png)")
-    rollout.add_argument("--json", action="store_true", help="print the batch summary as JSON")
-    rollout.add_argument("--no-progress", action="store_true", help="no progress bar")
+    flags.add_flags(rollout.add_argument_group("the batch"), Batch)
     rollout.set_defaults(run=cmd_rollout)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    if args.plot is not None:
+    command = flags.from_args(RolloutCommand, args)
+    if command.plot is not None:
         from belayer_rl.services.rollout.plot import plot_timelines
 
-        png = args.png or args.plot / "timeline.png"
-        count = plot_timelines(args.plot / "timelines", png)
+        png = command.png or command.plot / "timeline.png"
+        count = plot_timelines(command.plot / "timelines", png)
         print(f"{count} trajectories drawn into {png}")
         return 0
-    summary = uvloop.run(rollout(args))
-    if args.json:
+    host_id = command.host_id or hostname_id()
+    try:
+        settings = flags.from_args(
+            RolloutSettings,
+            args,
+            skip=("host_id", "scripted"),
+            host_id=host_id,
+            scripted=not command.model_agent,
+        )
+    except ValueError as exc:  # a policy that is no policy
+        raise SystemExit(f"belayer rollout: {exc}") from None
+    summary = uvloop.run(rollout(command, settings, args))
+    if command.json:
         print(msgspec.json.encode(summary).decode())
     else:
         print(
@@ -81,51 +93,39 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             f" policy {summary.policy}) in {summary.wall_s:.1f} s: mean reward {summary.mean_reward:.2f},"
             f" {summary.failures} failures, {summary.recoveries} recoveries ({summary.restores_from_base} from"
             f" the base image), {summary.checkpoints} checkpoints, {summary.hidden_fraction:.1%} of their"
-            f" {summary.checkpoint_s:.1f} s hidden, {summary.infra_errors} infrastructure errors; see {args.out}"
+            f" {summary.checkpoint_s:.1f} s hidden, {summary.infra_errors} infrastructure errors; see {command.out}"
         )
     return 1 if summary.infra_errors else 0
 
 
-async def rollout(args: argparse.Namespace):
-    from belayer_rl.services.policy.decision import Policy
-    from belayer_rl.services.rollout.agent import RolloutSettings, Services
-    from belayer_rl.services.rollout.driver import Batch, run_batch
+async def rollout(
+    command: RolloutCommand, settings: RolloutSettings, args: argparse.Namespace
+) -> BatchSummary:
+    from belayer_rl.services.rollout.agent import Services
+    from belayer_rl.services.rollout.driver import run_batch
     from belayer_rl.services.rollout.sandbox_faults import KillSchedule, SandboxChaos
     from belayer_rl.services.rollout.workloads import workload
     from belayer_rl.shared.client import Client
 
-    for name in (args.policy, args.fallback_policy):
-        try:
-            Policy.parse(name)
-        except ValueError as exc:
-            raise SystemExit(f"belayer rollout: {exc}") from None
-    options = {"turns": args.turns, "action_s": args.action_s} if args.workload == "shell" else {}
-    tasks = workload(args.workload, args.tasks, **options)
-    host_id = args.host_id or hostname_id()
-    settings = RolloutSettings(
-        host_id=host_id,
-        policy=args.policy,
-        fallback_policy=args.fallback_policy,
-        scripted=not args.model_agent,
-    )
-    batch = Batch(tasks, samples=args.samples, seed=args.seed, concurrency=args.concurrency)
+    options = {"turns": command.turns, "action_s": command.action_s} if command.workload == "shell" else {}
+    batch = flags.from_args(Batch, args, tasks=workload(command.workload, command.tasks, **options))
     async with await Client.connect(resolve_target(args), "rollout") as client:
-        services = Services.on(client, host_id)
+        services = Services.on(client, settings.host_id)
         chaos = None
-        if args.chaos_p > 0:
-            schedule = KillSchedule(args.chaos_seed, args.chaos_p, args.chaos_step_s)
-            chaos = SandboxChaos(schedule, host_id=host_id, nc=client.nc, subjects=client.subjects)
+        if command.chaos_p > 0:
+            schedule = KillSchedule(command.chaos_seed, command.chaos_p, command.chaos_step_s)
+            chaos = SandboxChaos(schedule, host_id=settings.host_id, nc=client.nc, subjects=client.subjects)
         try:
             summary, _ = await run_batch(
                 services,
                 batch,
                 settings,
                 chaos=chaos,
-                out_dir=args.out,
-                progress=not args.no_progress and sys.stderr.isatty(),
+                out_dir=command.out,
+                progress=not command.no_progress and sys.stderr.isatty(),
             )
         finally:
             if chaos is not None:
                 await chaos.close()
-    (args.out / "summary.json").write_text(json.dumps(msgspec.to_builtins(summary), indent=1))
+    (command.out / "summary.json").write_text(json.dumps(msgspec.to_builtins(summary), indent=1))
     return summary

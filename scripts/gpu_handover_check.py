@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from belayer_rl.cli.bench_handover import engine_pids
-from belayer_rl.cli.cluster import ClusterConfig, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, UpSettings, local_cluster
 from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec
 from belayer_rl.services.worker.kv_cache import allocate_arena
 from belayer_rl.shared import bus
@@ -55,7 +55,7 @@ GENERATION: dict[str, Any] = {"max_tokens": 400, "min_tokens": 400, "seed": 11, 
 
 async def check(preset: str, state: Path) -> list[tuple[str, bool, str]]:
     results: list[tuple[str, bool, str]] = []
-    config = ClusterConfig(state_dir=state, engines=1, preset=preset, sandboxes=False)
+    config = ClusterConfig(state_dir=state, engines=1, sandboxes=False, services=UpSettings(preset=preset))
     async with local_cluster(config) as supervisor:
         client = await Client.connect(supervisor.target(), "gpu-check")
         async with client:

@@ -96,6 +96,16 @@ def same_as(owner: type, name: str, *, flag: str = "") -> Any:
     return dataclasses.field(default=source.default, metadata=metadata)
 
 
+def nested(cls: type) -> Any:
+    """A field holding another config, whose flags are this config's flags too (each under its own
+    name): add_flags, from_args and to_argv go into it."""
+    return dataclasses.field(default_factory=cls, metadata={"nested": cls})
+
+
+def _nested_fields(cls: type) -> list[tuple[str, type]]:
+    return [(f.name, f.metadata["nested"]) for f in dataclasses.fields(cls) if "nested" in f.metadata]
+
+
 def passed_on(config: Any, cls: type) -> dict[str, Any]:
     """The fields of `config` made by same_as() that `cls` has too, by their name there: what a
     cluster's config hands to one of its services' configs."""
@@ -136,7 +146,9 @@ def _base_type(annotation: Any) -> Any:
 
 
 def add_flags(parser: argparse._ActionsContainer, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of the config class `cls` (fields in `skip` left out)."""
+    """One flag per field of the config class `cls` (fields in `skip` left out), its nested configs' included."""
+    for _, inner in _nested_fields(cls):
+        add_flags(parser, inner, skip=skip)
     for field, annotation in _cli_fields(cls, skip):
         kind = _base_type(annotation)
         required = field.default is dataclasses.MISSING
@@ -196,6 +208,8 @@ def from_args(cls: type[C], args: argparse.Namespace, *, skip: tuple[str, ...] =
             else:
                 value = kind(from_env) if kind in (int, float, Path) else from_env
         values.setdefault(field.name, value)
+    for name, inner in _nested_fields(cls):
+        values.setdefault(name, from_args(inner, args, skip=skip))
     if values.get("nats_url") == "":  # a service config: the bus is found as every command finds it
         values["nats_url"] = resolve_nats_url(None)
     return cls(**values)
@@ -230,6 +244,8 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
             argv.append(flag_name(field) if value else "--no-" + flag_name(field).removeprefix("--"))
         elif value is not None:
             argv += [flag_name(field), _render(value)]
+    for name, _ in _nested_fields(type(config)):
+        argv += to_argv(getattr(config, name), skip=skip)
     return argv
 
 

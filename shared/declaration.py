@@ -8,7 +8,8 @@ used to repeat those facts is derived from it:
 - the runtime's subscriptions and decoders (`Service.endpoints`: setup binds handlers by name);
 - the NATS permissions of the service's role (shared/roles.py);
 - the process's entry point (`main`: `python -m belayer_rl.services.<name>`);
-- the services `belayer status` asks for their stats.
+- the services `belayer status` asks for their stats;
+- `belayer up`'s plan and flags (`Service.up`, `up_settings`), and compose.yaml (`Compose`).
 
 Subjects are written as functions of the cluster's names (shared/subjects.py, the contract) and
 of a `Scope`: the engine, host, client or group a process serves. The runtime fills the scope
@@ -17,14 +18,16 @@ from the config; the permissions fill it with placeholders (`{engine}`, `{client
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from belayer_rl.shared import runtime
-from belayer_rl.shared.config import ServiceConfig, parse_flags
+from belayer_rl.shared.config import ServiceConfig, parse_flags, same_as
 from belayer_rl.shared.protocol import EVENT_TYPES, Message
 from belayer_rl.shared.runtime import Endpoint
 from belayer_rl.shared.subjects import Subjects
@@ -184,6 +187,10 @@ class Service:
     signals_during_setup: bool = True
     compose: Compose | None = None  # None: not a container of compose.yaml (another service runs it)
     up: Callable[[Deployment], Sequence[Planned]] | None = None  # its processes under `belayer up`
+    # Fields of its config that `belayer up` takes as flags of its own and passes on (to this
+    # service, and to any config that repeats the field with same_as); `up_flags` renames a flag.
+    up_settings: tuple[str, ...] = ()
+    up_flags: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def role_name(self) -> str:
@@ -247,6 +254,28 @@ def stats_keys(
             scopes = []
         keys += [service.stats_key(scope) for scope in scopes]
     return list(dict.fromkeys(keys))  # one per key: the servers of every host answer as one
+
+
+def up_settings(services: Sequence[Service]) -> type:
+    """The config class of what `belayer up` takes as flags and passes on to its services: a field
+    for each name in a declaration's `up_settings`, the service's own field repeated (same_as:
+    its type, default and help), under `up_flags`' name where one is given. A field that two
+    declarations both name is refused: one flag cannot set two things."""
+    fields: list[tuple[str, Any, Any]] = []
+    named_by: dict[str, str] = {}
+    for service in services:
+        if not service.up_settings:
+            continue
+        if service.config is None or not set(service.up_flags) <= set(service.up_settings):
+            raise TypeError(f"{service.name}: up_settings need a config, and up_flags rename only those")
+        hints = typing.get_type_hints(service.config)
+        for name in service.up_settings:
+            if name in named_by:
+                raise TypeError(f"{service.name} and {named_by[name]} both pass on {name!r}")
+            named_by[name] = service.name
+            flag = service.up_flags[name] if name in service.up_flags else ""
+            fields.append((name, hints[name], same_as(service.config, name, flag=flag)))
+    return dataclasses.make_dataclass("UpSettings", fields, frozen=True, kw_only=True)
 
 
 def main(service: Service, argv: list[str] | None = None) -> None:

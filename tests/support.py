@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from belayer_rl.cli.chaos.workload import Job, reference_tokens  # noqa: F401 - the tests take them from here
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.processes import start_nats_server
@@ -54,12 +55,19 @@ class Cluster:
         return next(e.pid for e in status.engines if e.engine_id == engine_id)
 
 
+def cluster_config(state_dir: Path, **options: object) -> ClusterConfig:
+    """A ClusterConfig from keywords as `belayer up`'s flags are written: those it passes on to its
+    services go under `services`, the rest are the cluster's own."""
+    passed = {f.name: options.pop(f.name) for f in dataclasses.fields(UpSettings) if f.name in options}
+    return ClusterConfig(state_dir=state_dir, services=UpSettings(**passed), **options)  # type: ignore[arg-type]
+
+
 @contextlib.asynccontextmanager
 async def running_cluster(nats: NatsServer, state_dir: Path, **options: object) -> AsyncIterator[Cluster]:
     options.setdefault("engines", 2)
     options.setdefault("shadows", False)  # workers started directly: the router's recovery alone
     options.setdefault("sandboxes", False)
-    config = ClusterConfig(state_dir=state_dir, nats_url=nats.url, **options)  # type: ignore[arg-type]
+    config = cluster_config(state_dir, nats_url=nats.url, **options)
     async with local_cluster(config) as supervisor:
         client = Client(await bus.connect(nats.url, "test-client"))
         try:

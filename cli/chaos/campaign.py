@@ -39,6 +39,7 @@ from belayer_rl.cli.chaos.workload import (
 from belayer_rl.cli.cluster import (
     ClusterConfig,
     Supervisor,
+    UpSettings,
     local_cluster,
     role_access,
     write_credentials,
@@ -142,9 +143,11 @@ async def run_campaign(config: ChaosConfig, report=print) -> Summary:
         await ensure_image(docker, DEFAULT_IMAGE)
         # The oracle reads every finished request's log at the end: none may leave it before.
         base = ClusterConfig(
-            state_dir=state_dir, engines=config.engines, standby_routers=1, chunk_tokens=32,
-            debug_accept_stale=config.debug_accept_stale, docker_url=dockerd.url if dockerd else None,
-            ended_keep_s=bus.TOKEN_LOG_MAX_AGE_S,
+            state_dir=state_dir, engines=config.engines, standby_routers=1,
+            services=UpSettings(
+                chunk_tokens=32, debug_accept_stale=config.debug_accept_stale,
+                docker_url=dockerd.url if dockerd else None, ended_keep_s=bus.TOKEN_LOG_MAX_AGE_S,
+            ),
         )  # fmt: skip
         nats, creds_dir = await start_nats(state_dir, base)
         stack.push_async_callback(nats.stop)

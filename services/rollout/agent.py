@@ -49,6 +49,7 @@ from belayer_rl.services.rollout.workloads import (
 from belayer_rl.shared import bus, tokenizer
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.client import Client, GenerationError
+from belayer_rl.shared.config import setting
 from belayer_rl.shared.protocol import (
     CheckpointResult,
     CheckpointTimeout,
@@ -70,21 +71,28 @@ POLICY_RETRY_S = 5.0
 Status = Literal["done", "infra-error"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
-    host_id: str  # the checkpointer's host
-    image: str = "belayer-sandbox:test"
-    policy: str = "adaptive"  # asked of the policy service
-    fallback_policy: str = "every-3"  # when the service does not answer
-    consult_every_s: float = 1.0  # the policy is asked again this often while a response runs
-    scripted: bool = True  # the scripted agent (workloads.py): labelled wherever results appear
-    temperature: float = 0.8
-    max_recoveries: int = 50  # environment failures survived by one trajectory
-    max_retries: int = 3  # a request to the router or a checkpointer that fails on infrastructure
-    action_timeout_s: float = 60.0
-    checkpoint_timeout_s: float = 60.0
-    restore_timeout_s: float = 120.0
-    memory_mb: int = 256
+    """How each trajectory runs; `belayer rollout` takes these as flags (scripted and host_id excepted)."""
+
+    host_id: str = setting(help="the checkpointer's host")
+    image: str = setting("belayer-sandbox:test", "the sandbox image")
+    policy: str = setting(
+        "adaptive", "the checkpoint policy asked of the policy service: adaptive, never, always or every-N"
+    )
+    fallback_policy: str = setting("every-3", "the policy used when the policy service does not answer")
+    consult_every_s: float = setting(1.0, "seconds between consults of the policy while a response runs")
+    # The scripted agent (workloads.py) or the model's text: labelled wherever results appear.
+    scripted: bool = setting(True, "the scripted agent acts (off: the model's text does)")
+    temperature: float = setting(0.8, "the LLM's sampling temperature")
+    max_recoveries: int = setting(50, "environment failures one trajectory survives")
+    max_retries: int = setting(
+        3, "retries of a request to the router or a checkpointer that fails on infrastructure"
+    )
+    action_timeout_s: float = setting(60.0, "seconds one sandbox action may take")
+    checkpoint_timeout_s: float = setting(60.0, "seconds one checkpoint may take")
+    restore_timeout_s: float = setting(120.0, "seconds one restore may take")
+    memory_mb: int = setting(256, "each sandbox's memory")
 
     def __post_init__(self) -> None:
         Policy.parse(self.policy)

@@ -19,6 +19,7 @@ import msgspec
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, Trajectory, TrajectoryResult
 from belayer_rl.services.rollout.sandbox_faults import SandboxChaos
 from belayer_rl.services.rollout.workloads import Task, seeded
+from belayer_rl.shared.config import setting
 
 
 class BatchSummary(msgspec.Struct, kw_only=True):
@@ -44,9 +45,10 @@ class BatchSummary(msgspec.Struct, kw_only=True):
 @dataclass(frozen=True)
 class Batch:
     tasks: list[Task]
-    samples: int = 1
-    seed: int = 0  # trajectory seeds derive from it: the same for every policy compared
-    concurrency: int = 4
+    samples: int = setting(1, "trajectories per task")
+    # The same for every policy compared.
+    seed: int = setting(0, "trajectory seeds derive from it")
+    concurrency: int = setting(4, "trajectories at once")
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes trajectory ids
 
     def trajectories(self) -> list[tuple[str, Task, int]]:

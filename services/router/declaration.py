@@ -79,6 +79,19 @@ ROUTER = Service(
     stats=lambda x: "router",
     to_clients=True,  # chunks stream to the clients' inboxes (the router checks reply_to is one)
     up=up,
+    up_settings=(
+        "chunk_tokens",
+        "replicas",
+        "log_max_mb",
+        "log_client_share",
+        "ended_keep_s",
+        "lease_ttl_s",
+        "progress_deadline_s",
+        "debug_accept_stale",
+        "heartbeat_timeout_s",
+        "no_worker_deadline_s",
+        "client_timeout_s",
+    ),
     compose=Compose(
         uid=2001,
         args=("--handover-grace", "1"),  # a failed engine's requests wait this long for its shadow

@@ -71,6 +71,7 @@ SHADOW_SUPERVISOR = Service(
     scopes=lambda config: tuple(Scope(engine=engine) for engine in config.engines),
     all_engines=True,
     up=up,
+    up_settings=("failure_window_s", "quarantine_after"),
     compose=Compose(
         uid=2100,
         per_engine="engine",

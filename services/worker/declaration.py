@@ -69,4 +69,6 @@ WORKER = Service(
     # worker stuck waiting for a server must still go when its supervisor goes.
     signals_during_setup=False,
     up=up,
+    up_settings=("preset", "weights_seed", "num_blocks", "hang_timeout_s"),
+    up_flags={"preset": "--model"},
 )

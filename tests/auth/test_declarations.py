@@ -12,17 +12,18 @@ nats-server.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings
 from belayer_rl.cli.compose_file import render
 from belayer_rl.services import SERVICES
 from belayer_rl.shared import protocol
-from belayer_rl.shared.config import PolicyConfig
+from belayer_rl.shared.config import PolicyConfig, RouterConfig, add_flags, from_args
 from belayer_rl.shared.declaration import (
     Compose,
     Listen,
@@ -32,6 +33,7 @@ from belayer_rl.shared.declaration import (
     Variable,
     event,
     stats_keys,
+    up_settings,
 )
 from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import Subjects
@@ -157,8 +159,11 @@ PROBE = Service(
     listens={"ask": Listen(lambda s, x: f"{s.root}.probe.ask", protocol.StatsRequest, protocol.Ack)},
     publishes=(event("record_skipped"),),
     owns=(lambda s: f"PROBE_{s.cluster_id}",),
+    config=PolicyConfig,
     setup="tests.probe.service:setup",  # never started here: compose.yaml names its module
     up=lambda cluster: [Planned("probe", PolicyConfig(**cluster.settings(PolicyConfig, "probe")))],
+    up_settings=("cooldown_s",),
+    up_flags={"cooldown_s": "--probe-cooldown"},
     compose=Compose(
         uid=2999, args=("--depth", "$PROBE_DEPTH"), variables={"PROBE_DEPTH": Variable("3", "how deep")}
     ),
@@ -188,13 +193,28 @@ def test_a_new_declaration_gets_its_role_endpoints_status_row_and_container_with
     (tmp_path / "probe.creds").write_text("")
     assert compose_owners(services, tmp_path, ("e0",)) == {tmp_path / "probe.creds": 2999}
 
+    # `belayer up`'s flags: its up_settings, under its own flag, handed on to its process
+    settings = up_settings(services)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, settings)
+    passed = from_args(settings, parser.parse_args(["--probe-cooldown", "7"]))
+    assert passed.cooldown_s == 7.0 and not hasattr(UpSettings(), "cooldown_s")
+    with pytest.raises(TypeError, match="both pass on 'chunk_tokens'"):
+        up_settings(
+            (
+                *SERVICES,
+                dataclasses.replace(PROBE, config=RouterConfig, up_settings=("chunk_tokens",), up_flags={}),
+            )
+        )
+
     # `belayer up`'s plan: its process, started from its module with its own credential
-    config = ClusterConfig(state_dir=tmp_path / "cluster", sandboxes=False)
+    config = ClusterConfig(state_dir=tmp_path / "cluster", sandboxes=False, services=passed)
     supervisor = Supervisor(config, "nats://127.0.0.1:4222", None, tmp_path)  # type: ignore[arg-type]  # plan() uses no bus
     planned = {child.name: child.argv for child in supervisor.plan(services)}
     assert "probe" not in {child.name for child in supervisor.plan()}
     assert planned["probe"][1:3] == ["-m", "tests.probe"]
     assert planned["probe"][planned["probe"].index("--nats-creds") + 1] == str(tmp_path / "probe.creds")
+    assert planned["probe"][planned["probe"].index("--cooldown") + 1] == "7.0"
 
     async def answer(_: protocol.StatsRequest) -> protocol.Ack:
         return protocol.Ack()

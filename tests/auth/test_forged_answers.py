@@ -37,7 +37,7 @@ from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.protocol import AdoptReply, AdoptRequest, ErrorReply, HeldAttempt, TokenChunk
-from tests.support import Job, poll, reference_tokens
+from tests.support import Job, cluster_config, poll, reference_tokens
 
 
 @contextlib.contextmanager
@@ -64,7 +64,7 @@ async def as_engine(cluster: Supervisor, engine_id: str) -> AsyncIterator[NATS]:
 
 def config(tmp_path: Path, **options: object) -> ClusterConfig:
     options = {"engines": 2, "shadows": False, "sandboxes": False, "heartbeat_timeout_s": 60.0, **options}
-    return ClusterConfig(state_dir=tmp_path / "state", **options)  # type: ignore[arg-type]
+    return cluster_config(tmp_path / "state", **options)
 
 
 async def test_a_false_fenced_answer_does_not_unseat_the_router(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from belayer_rl.cli.cluster import ClusterConfig, Supervisor, local_cluster
+from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus, protocol, registry
 from belayer_rl.shared.access import Access
@@ -310,8 +310,9 @@ async def test_a_chunk_claiming_another_engine_is_fenced_off(tmp_path: Path) -> 
     position) and publishes on its own stream, which the bus allows. The router reads the sender
     from the subject, so the chunk is dropped and the generation stays token-exact."""
     config = ClusterConfig(
-        state_dir=tmp_path / "state", engines=2, shadows=False, sandboxes=False, heartbeat_timeout_s=60.0
-    )
+        state_dir=tmp_path / "state", engines=2, shadows=False, sandboxes=False,
+        services=UpSettings(heartbeat_timeout_s=60.0),
+    )  # fmt: skip
     job = Job("forged-chunk", "whose tokens are these", max_tokens=480, seed=9)
     async with local_cluster(config) as cluster:
         async with await Client.connect(cluster.target("cli"), "test-cli") as client:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer_rl.cli.cluster import ClusterConfig
+from belayer_rl.cli.cluster import ClusterConfig, UpSettings
 from belayer_rl.shared import protocol
 from belayer_rl.shared.config import (
     CheckpointerConfig,
@@ -45,7 +45,13 @@ CONFIGS = [
     WeightServerConfig(nats_url=NATS, preset="small", shm_prefix="blx", device="cpu", free_grace_s=0.0),
     KvServerConfig(nats_url=NATS, shm_prefix="blx", device="cpu", max_arena_mb=64),
     CheckpointerConfig(nats_url=NATS, host_id="h1", state_dir=Path("/tmp/ck"), object_store=True),
-    ClusterConfig(state_dir=Path("/tmp/c"), engines=3, preset="small", shadows=False, sandboxes=False),
+    ClusterConfig(
+        state_dir=Path("/tmp/c"),
+        engines=3,
+        shadows=False,
+        sandboxes=False,
+        services=UpSettings(preset="small"),
+    ),
 ]
 
 
@@ -68,7 +74,7 @@ def test_a_config_rendered_as_argv_parses_back_to_itself(config) -> None:
 
 def test_a_default_is_written_once() -> None:
     """What the cluster passes on repeats the service's default, not a copy of its own."""
-    assert ClusterConfig(state_dir=Path("/x")).chunk_tokens == RouterConfig().chunk_tokens
+    assert ClusterConfig(state_dir=Path("/x")).services.chunk_tokens == RouterConfig().chunk_tokens
     assert (
         ShadowSupervisorConfig(engines=("e0",), state_dir=Path("/x")).hang_timeout_s
         == WorkerConfig(engine_id="e0").hang_timeout_s
