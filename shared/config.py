@@ -86,13 +86,15 @@ def setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def same_as(owner: type, name: str, *, flag: str = "") -> Any:
+def same_as(owner: type, name: str, *, flag: str = "", choices: tuple[str, ...] = ()) -> Any:
     """A field that repeats another config's field (a cluster passes it on to a service): the
     default and help come from there, so they are written once."""
     source = {f.name: f for f in dataclasses.fields(owner)}[name]
     metadata = dict(source.metadata) | {"same_as": name}
     if flag:
         metadata["flag"] = flag
+    if choices:
+        metadata["choices"] = choices
     return dataclasses.field(default=source.default, metadata=metadata)
 
 
@@ -394,6 +396,8 @@ class RouterConfig(ServiceConfig):
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(ServiceConfig):
     engine_id: str = setting(help="engine this worker serves")
+    # Which program serves the engine: one of the worker declaration's kinds (main() checks).
+    kind: str = setting("builtin", "the engine behind this worker: builtin (Belayer's own torch engine)")
     preset: str = setting("tiny", "model size preset")
     weights_seed: int = setting(0, "seed of the random weights")
     weights_path: Path | None = setting(None, "weights file (overrides --weights-seed)", flag="--weights")
@@ -427,6 +431,7 @@ class WorkerConfig(ServiceConfig):
 class ShadowSupervisorConfig(ServiceConfig):
     engines: tuple[str, ...] = setting(help="engine ids")
     state_dir: Path = setting(help="heartbeat files and worker logs")
+    kind: str = same_as(WorkerConfig, "kind")
     preset: str = same_as(WorkerConfig, "preset")
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
     num_blocks: int = same_as(WorkerConfig, "num_blocks")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from belayer_rl.shared import runtime
-from belayer_rl.shared.config import ServiceConfig, parse_flags, same_as
+from belayer_rl.shared.config import ConfigError, ServiceConfig, parse_flags, same_as
 from belayer_rl.shared.protocol import EVENT_TYPES, Message
 from belayer_rl.shared.runtime import Endpoint
 from belayer_rl.shared.subjects import Subjects
@@ -158,6 +158,16 @@ class Compose:
 
 
 @dataclass(frozen=True)
+class Kind:
+    """One program that can serve a declaration: the same subjects, role, permissions and
+    contract, another implementation behind them (an engine: the built-in one, or another)."""
+
+    name: str
+    setup: str  # "module:function", imported only when a process of this kind starts
+    summary: str
+
+
+@dataclass(frozen=True)
 class Service:
     """One kind of process (or, `runs="driver"`, a library that runs inside a CLI command and
     shares a role with a kind of process)."""
@@ -191,6 +201,28 @@ class Service:
     # service, and to any config that repeats the field with same_as); `up_flags` renames a flag.
     up_settings: tuple[str, ...] = ()
     up_flags: Mapping[str, str] = field(default_factory=dict)
+    # The programs that can serve it, picked by its config's `kind`; the first is `setup` itself.
+    # Empty: `setup` alone. A new engine is a kind here, not a new service.
+    kinds: tuple[Kind, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kinds:
+            fields = dataclasses.fields(self.config) if self.config is not None else ()
+            default = next((f.default for f in fields if f.name == "kind"), None)
+            if self.kinds[0].setup != self.setup or default != self.kinds[0].name:
+                raise TypeError(
+                    f"{self.name}: its first kind is its setup, and its config's `kind` defaults to it"
+                )
+
+    def setup_of(self, settings: Any) -> str:
+        """The setup of the program that serves `settings` (its `kind`, for a service with kinds)."""
+        if not self.kinds:
+            return self.setup
+        for kind in self.kinds:
+            if kind.name == settings.kind:
+                return kind.setup
+        known = ", ".join(kind.name for kind in self.kinds)
+        raise ConfigError(f"--kind {settings.kind!r}: {self.name} comes in {known}")
 
     @property
     def role_name(self) -> str:
@@ -274,7 +306,8 @@ def up_settings(services: Sequence[Service]) -> type:
                 raise TypeError(f"{service.name} and {named_by[name]} both pass on {name!r}")
             named_by[name] = service.name
             flag = service.up_flags[name] if name in service.up_flags else ""
-            fields.append((name, hints[name], same_as(service.config, name, flag=flag)))
+            choices = tuple(kind.name for kind in service.kinds) if name == "kind" else ()
+            fields.append((name, hints[name], same_as(service.config, name, flag=flag, choices=choices)))
     return dataclasses.make_dataclass("UpSettings", fields, frozen=True, kw_only=True)
 
 
@@ -283,7 +316,10 @@ def main(service: Service, argv: list[str] | None = None) -> None:
     if service.config is None or not service.setup:
         raise TypeError(f"{service.name} is no process of its own")
     settings = parse_flags(service.config, argv, prog=f"belayer-{service.name}", description=service.summary)
-    module, function = service.setup.split(":")
+    try:
+        module, function = service.setup_of(settings).split(":")
+    except ConfigError as exc:
+        raise SystemExit(f"belayer-{service.name}: {exc}") from None
     setup = getattr(importlib.import_module(module), function)
     scope = (*service.scopes(settings), Scope())[0]  # a process of several scopes: its first names it
     runtime.run(

@@ -86,6 +86,8 @@ SIGKILLed main worker is replaced by its shadow inside this container.""",
             "/var/lib/belayer/workers",
             "--engine-creds",
             "/run/secrets",
+            "--kind",
+            "$BELAYER_ENGINE",
             "--preset",
             "$BELAYER_MODEL",
             "--weights-seed",
@@ -94,9 +96,12 @@ SIGKILLed main worker is replaced by its shadow inside this container.""",
             "$BELAYER_HANG_TIMEOUT",
         ),
         variables={
+            "BELAYER_ENGINE": Variable(
+                "builtin", "the program behind each engine: a kind of the worker's declaration"
+            ),
             "BELAYER_HANG_TIMEOUT": Variable(
                 "2", "seconds of a main worker's silence before its shadow takes over"
-            )
+            ),
         },
         groups=("weight-server",),  # it maps the weights read-only
         shares_namespaces="""the supervisor's pidfds and its workers' pids must mean the same processes

@@ -232,6 +232,7 @@ class ShadowSupervisor:
         worker = WorkerConfig(
             **c.bus_settings(),
             engine_id=slot.engine_id,
+            kind=c.kind,
             preset=c.preset,
             weights_seed=c.weights_seed,
             num_blocks=c.num_blocks,

@@ -10,6 +10,7 @@ from belayer_rl.shared import protocol as p
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.declaration import (
     Deployment,
+    Kind,
     Listen,
     Planned,
     Scope,
@@ -69,6 +70,13 @@ WORKER = Service(
     # worker stuck waiting for a server must still go when its supervisor goes.
     signals_during_setup=False,
     up=up,
-    up_settings=("preset", "weights_seed", "num_blocks", "hang_timeout_s"),
-    up_flags={"preset": "--model"},
+    up_settings=("kind", "preset", "weights_seed", "num_blocks", "hang_timeout_s"),
+    up_flags={"kind": "--engine", "preset": "--model"},
+    kinds=(
+        Kind(
+            "builtin",
+            "belayer_rl.services.worker.service:setup",
+            "Belayer's own torch engine (paged KV cache)",
+        ),
+    ),
 )

@@ -22,10 +22,21 @@ import yaml
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings
 from belayer_rl.cli.compose_file import render
 from belayer_rl.services import SERVICES
+from belayer_rl.services.shadow_supervisor.supervisor import EngineSlot, ShadowSupervisor
+from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.shared import protocol
-from belayer_rl.shared.config import PolicyConfig, RouterConfig, add_flags, from_args
+from belayer_rl.shared.config import (
+    ConfigError,
+    PolicyConfig,
+    RouterConfig,
+    ShadowSupervisorConfig,
+    WorkerConfig,
+    add_flags,
+    from_args,
+)
 from belayer_rl.shared.declaration import (
     Compose,
+    Kind,
     Listen,
     Planned,
     Scope,
@@ -261,3 +272,42 @@ def test_every_declared_process_starts_from_its_module_with_its_name_and_flags()
         assert done.stdout.startswith(f"usage: belayer-{service.name} "), done.stdout[:200]
         assert service.summary in " ".join(done.stdout.split()), service.name
         assert "--nats-url" in done.stdout or "--nats" in done.stdout
+
+
+def test_a_new_engine_is_a_kind_of_the_worker_with_no_other_edit(tmp_path: Path) -> None:
+    """A second program behind the worker's declaration: `belayer up --engine <kind>` reaches the
+    bare workers and the shadow supervisor (which passes it to the workers it starts), through the
+    same entry point; the real declarations do not know the kind, and a worker of an unknown kind
+    does not start."""
+    probe = Kind("probe", "tests.probe.engine:setup", "a throwaway engine")
+    worker = dataclasses.replace(WORKER, kinds=(*WORKER.kinds, probe))
+    services = tuple(worker if s is WORKER else s for s in SERVICES)
+    settings = up_settings(services)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, settings)
+    passed = from_args(settings, parser.parse_args(["--engine", "probe"]))
+    assert passed.kind == "probe" and UpSettings().kind == "builtin"
+    real = argparse.ArgumentParser()
+    add_flags(real, UpSettings)
+    with pytest.raises(SystemExit):  # argparse: invalid choice 'probe'
+        real.parse_args(["--engine", "probe"])
+
+    for shadows, process in ((False, "worker-e0"), (True, "shadow-supervisor")):
+        config = ClusterConfig(
+            state_dir=tmp_path / "cluster", sandboxes=False, shadows=shadows, services=passed
+        )
+        supervisor = Supervisor(config, "nats://127.0.0.1:4222", None, None)  # type: ignore[arg-type]  # plan() uses no bus
+        argv = {child.name: child.argv for child in supervisor.plan(services)}[process]
+        assert argv[argv.index("--kind") + 1] == "probe", argv
+
+    shadow_config = ShadowSupervisorConfig(engines=("e0",), state_dir=tmp_path, kind="probe")
+    shadows = ShadowSupervisor(shadow_config, None, None, lambda *_: None)  # type: ignore[arg-type]  # worker_argv uses no bus
+    argv = shadows.worker_argv(EngineSlot("e0"), "main", tmp_path / "heartbeat", None)
+    assert argv[1:3] == ["-m", "belayer_rl.services.worker"] and argv[argv.index("--kind") + 1] == "probe"
+
+    assert worker.setup_of(WorkerConfig(engine_id="e0", kind="probe")) == probe.setup
+    assert WORKER.setup_of(WorkerConfig(engine_id="e0")) == WORKER.setup
+    with pytest.raises(ConfigError, match=r"worker comes in builtin$"):
+        WORKER.setup_of(WorkerConfig(engine_id="e0", kind="probe"))
+    with pytest.raises(TypeError, match="first kind is its setup"):
+        dataclasses.replace(WORKER, kinds=(probe, *WORKER.kinds))
