@@ -82,6 +82,7 @@ class ClusterFile(msgspec.Struct, kw_only=True):
 
 # The services' settings `belayer up` takes as flags: each declaration names its own (up_settings).
 UpSettings = up_settings(SERVICES)
+UpSettings.__module__ = __name__  # made by make_dataclass: named here, so a ClusterConfig pickles
 
 
 @dataclass(frozen=True, kw_only=True)

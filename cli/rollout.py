@@ -73,7 +73,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         count = plot_timelines(command.plot / "timelines", png)
         print(f"{count} trajectories drawn into {png}")
         return 0
+    from belayer_rl.services.rollout.workloads import workload
+
     host_id = command.host_id or hostname_id()
+    options = {"turns": command.turns, "action_s": command.action_s} if command.workload == "shell" else {}
     try:
         settings = flags.from_args(
             RolloutSettings,
@@ -82,9 +85,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             host_id=host_id,
             scripted=not command.model_agent,
         )
-    except ValueError as exc:  # a policy that is no policy
+        batch = flags.from_args(Batch, args, tasks=workload(command.workload, command.tasks, **options))
+    except ValueError as exc:  # a policy that is no policy, a count below 1 (ConfigError among them)
         raise SystemExit(f"belayer rollout: {exc}") from None
-    summary = uvloop.run(rollout(command, settings, args))
+    summary = uvloop.run(rollout(command, settings, batch, args))
     if command.json:
         print(msgspec.json.encode(summary).decode())
     else:
@@ -99,16 +103,13 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 async def rollout(
-    command: RolloutCommand, settings: RolloutSettings, args: argparse.Namespace
+    command: RolloutCommand, settings: RolloutSettings, batch: Batch, args: argparse.Namespace
 ) -> BatchSummary:
     from belayer_rl.services.rollout.agent import Services
     from belayer_rl.services.rollout.driver import run_batch
     from belayer_rl.services.rollout.sandbox_faults import KillSchedule, SandboxChaos
-    from belayer_rl.services.rollout.workloads import workload
     from belayer_rl.shared.client import Client
 
-    options = {"turns": command.turns, "action_s": command.action_s} if command.workload == "shell" else {}
-    batch = flags.from_args(Batch, args, tasks=workload(command.workload, command.tasks, **options))
     async with await Client.connect(resolve_target(args), "rollout") as client:
         services = Services.on(client, settings.host_id)
         chaos = None

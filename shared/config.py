@@ -211,7 +211,8 @@ def from_args(cls: type[C], args: argparse.Namespace, *, skip: tuple[str, ...] =
                 value = kind(from_env) if kind in (int, float, Path) else from_env
         values.setdefault(field.name, value)
     for name, inner in _nested_fields(cls):
-        values.setdefault(name, from_args(inner, args, skip=skip))
+        if name not in values:
+            values[name] = from_args(inner, args, skip=skip)
     if values.get("nats_url") == "":  # a service config: the bus is found as every command finds it
         values["nats_url"] = resolve_nats_url(None)
     return cls(**values)

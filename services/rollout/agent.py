@@ -49,7 +49,7 @@ from belayer_rl.services.rollout.workloads import (
 from belayer_rl.shared import bus, tokenizer
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.client import Client, GenerationError
-from belayer_rl.shared.config import setting
+from belayer_rl.shared.config import ConfigError, positive, setting
 from belayer_rl.shared.protocol import (
     CheckpointResult,
     CheckpointTimeout,
@@ -98,6 +98,16 @@ class RolloutSettings:
         Policy.parse(self.policy)
         if Policy.parse(self.fallback_policy).kind == "adaptive":  # it needs the service's estimates
             raise ValueError("the fallback policy must be never, always or every-N, not adaptive")
+        for flag, value in (
+            ("--consult-every", self.consult_every_s),
+            ("--action-timeout", self.action_timeout_s),
+            ("--checkpoint-timeout", self.checkpoint_timeout_s),
+            ("--restore-timeout", self.restore_timeout_s),
+            ("--memory-mb", self.memory_mb),
+        ):
+            positive(flag, value)
+        if self.temperature < 0 or self.max_recoveries < 0 or self.max_retries < 0:
+            raise ConfigError("--temperature, --max-recoveries and --max-retries must be >= 0")
 
 
 TimelineKind = Literal["turn", "action", "checkpoint", "checkpoint-failed", "failure", "recovery", "kill"]

@@ -19,7 +19,7 @@ import msgspec
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, Trajectory, TrajectoryResult
 from belayer_rl.services.rollout.sandbox_faults import SandboxChaos
 from belayer_rl.services.rollout.workloads import Task, seeded
-from belayer_rl.shared.config import setting
+from belayer_rl.shared.config import positive, setting
 
 
 class BatchSummary(msgspec.Struct, kw_only=True):
@@ -49,6 +49,11 @@ class Batch:
     # The same for every policy compared.
     seed: int = setting(0, "trajectory seeds derive from it")
     concurrency: int = setting(4, "trajectories at once")
+
+    def __post_init__(self) -> None:
+        positive("--samples", self.samples)
+        positive("--concurrency", self.concurrency)
+
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes trajectory ids
 
     def trajectories(self) -> list[tuple[str, Task, int]]:

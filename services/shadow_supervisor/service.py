@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from belayer_rl.services.shadow_supervisor.declaration import SHADOW_SUPERVISOR
 from belayer_rl.services.shadow_supervisor.supervisor import ShadowSupervisor
+from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.shared import bus
 from belayer_rl.shared.config import ShadowSupervisorConfig
 from belayer_rl.shared.metrics import SupervisorMetrics
@@ -17,6 +18,8 @@ from belayer_rl.shared.runtime import Runtime
 
 
 async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
+    # A kind no worker comes in would fail every start of every worker, each blamed on the arena.
+    WORKER.setup_of(config)
     nc = await rt.connect()
     kv = await rt.unless_stopped(bus.engine_registry(nc.jetstream(), rt.subjects))
     supervisor = ShadowSupervisor(config, nc, kv, rt.record_skipped, SupervisorMetrics(rt.metrics))
