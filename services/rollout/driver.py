@@ -49,12 +49,11 @@ class Batch:
     # The same for every policy compared.
     seed: int = setting(0, "trajectory seeds derive from it")
     concurrency: int = setting(4, "trajectories at once")
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes trajectory ids
 
     def __post_init__(self) -> None:
         positive("--samples", self.samples)
         positive("--concurrency", self.concurrency)
-
-    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes trajectory ids
 
     def trajectories(self) -> list[tuple[str, Task, int]]:
         return [
