@@ -243,7 +243,7 @@ class BenchRuns:
         worker = TrainerGroupConfig(
             nats_url=supervisor.nats_url, nats_creds=supervisor.access("trainer").creds, metrics_port=-1,
             run=run, world=2, rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=KL_BETA,
-            allowed=",".join(map(str, self.task.allowed_tokens)),
+            allowed=TrainerGroupConfig.allowed_of(self.task.allowed_sets),
         )  # fmt: skip
         # Every rung may recover every fault of the run: each fault is then recovered alike.
         bounds = dict.fromkeys(

@@ -2,12 +2,15 @@
 
     belayer train --workload reverse --steps 100 [--prompts 16 --group-size 8 --lr 3e-3]
                   [--off-policy] [--kl-beta B] [--seed S] [--checkpoint-every N] [--out DIR]
+    belayer train --workload lookup --steps 40 [--sandbox docker|local] [--policy adaptive]
 
 Samples are generated through the cluster's router (the `belayer up` cluster by default) and every
 step's weights are published to its weight server over the bus, under the trainer's credential.
 Writes DIR/steps.jsonl (one TrainerStep per line; a step replayed after a reschedule is written
 again), DIR/reward.png and DIR/summary.json; with --checkpoint-every, DIR/checkpoints, from which
-a rerun with the same flags resumes. The actor runs as --world ranks under the fault manager
+a rerun with the same flags resumes. An agentic workload (`lookup`) samples whole trajectories:
+turns through the router, actions in sandboxes of the checkpointer of --host-id with the policy
+service deciding checkpoints (--sandbox local: scratch folders, no checkpoints). The actor runs as --world ranks under the fault manager
 (--backend local: processes; ray: Ray actors), the reward as a group of its own, and so does the
 reference with --kl-beta; --chaos injects a seeded schedule of faults (services/trainer/group_faults.py).
 """
@@ -27,10 +30,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import uvloop
 
 from belayer_rl.cli.target import resolve_target
+from belayer_rl.services.rollout.agent import RolloutSettings
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.shared import config as flags
 from belayer_rl.shared.bus import Target
-from belayer_rl.shared.config import TrainerGroupConfig, same_as, setting
+from belayer_rl.shared.config import TrainerGroupConfig, hostname_id, same_as, setting
 
 if TYPE_CHECKING:
     from belayer_rl.shared.metrics import TrainerMetrics
@@ -42,8 +46,10 @@ class TrainConfig:
     """`belayer train`'s settings. What the groups share with the trainer repeats their config's
     field (`same_as`), so each default is written once; the fault manager's come from its own."""
 
-    workload: Literal["reverse"] = setting("reverse", "the task")
-    length: int = setting(2, "digits in each reverse prompt")
+    workload: Literal["reverse", "lookup", "lookup-control"] = setting(
+        "reverse", "the task (lookup: agentic, in sandboxes; lookup-control: lookup with every observation a constant)"
+    )
+    length: int | None = setting(None, "digits per item (default: reverse 2, lookup 3)")
     steps: int = setting(100, "training steps")
     prompts: int = setting(16, "prompts per step")
     group_size: int = setting(16, "samples per prompt (G)")
@@ -52,6 +58,12 @@ class TrainConfig:
     kl_beta: float = same_as(TrainerGroupConfig, "kl_beta")
     off_policy: bool = setting(False, "generate step n+1 while training step n")
     seed: int = setting(0, "seeds the initial weights, the data order and the sampling")
+    concurrency: int = setting(64, "samples generated at once (whole trajectories, in an agentic workload)")
+    sandbox: Literal["docker", "local"] = setting(
+        "docker",
+        "agentic workloads: docker: the checkpointer's sandboxes; local: scratch folders (no Docker, no checkpoints)",
+    )
+    host_id: str | None = setting(None, "agentic workloads: the checkpointer's host (default: this host's name)")
     run_id: str | None = setting(None, "run id (default train-<seed>)")
     checkpoint_every: int = setting(0, "steps between checkpoints (0: none)")
     backend: Literal["local", "ray", "inline"] = setting(
@@ -76,10 +88,17 @@ class TrainConfig:
     progress: bool = setting(True, "the progress bar", flag="--progress")
 
 
+# The trajectories' settings that are not flags here: the host is --host-id, a lookup task's agent is
+# the model, and the trainer samples at its own temperature.
+ROLLOUT_SET_HERE = ("host_id", "scripted", "temperature")
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="GRPO training on the cluster's rollouts")
     flags.add_flags(train, TrainConfig)
     flags.add_flags(train.add_argument_group("fault manager (local and ray backends)"), FaultManagerConfig)
+    trajectories = train.add_argument_group("each trajectory (agentic workloads)")
+    flags.add_flags(trajectories, RolloutSettings, skip=ROLLOUT_SET_HERE)
     train.set_defaults(run=cmd_train)
 
 
@@ -89,7 +108,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = flags.from_args(TrainConfig, args)
     try:
         faults = flags.from_args(FaultManagerConfig, args, warm_start=not config.cold_start)
+        rollout = flags.from_args(
+            RolloutSettings, args, skip=ROLLOUT_SET_HERE, host_id=config.host_id or hostname_id(), scripted=False
+        )
+        if config.sandbox == "local":  # a folder has nothing to checkpoint
+            rollout = replace(rollout, policy="never", fallback_policy="never")
         chaos.schedule(config.chaos, config.chaos_seed)
+        if config.concurrency < 1:
+            raise ValueError("--concurrency must be >= 1")
     except ValueError as exc:
         raise SystemExit(f"belayer train: {exc}") from None
     if config.chaos and config.backend == "inline":
@@ -99,20 +125,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
     config = replace(config, out=config.out.absolute())
     try:
-        return uvloop.run(train(config, faults, resolve_target(args, role="trainer")))
+        return uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer")))
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
         where = f" (the ranks' logs: {config.out / 'actor' / 'logs'})" if config.backend == "local" else ""
         raise SystemExit(f"belayer train: {exc}{where}") from None
 
 
-async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target) -> int:
+async def train(config: TrainConfig, faults: FaultManagerConfig, rollout: RolloutSettings, target: Target) -> int:
     import torch
 
+    from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
     from belayer_rl.services.trainer import group_faults as chaos
     from belayer_rl.services.trainer.actor import ActorSettings
     from belayer_rl.services.trainer.grpo import GrpoConfig
     from belayer_rl.services.trainer.plot import plot_rewards
-    from belayer_rl.services.trainer.tasks import workload
+    from belayer_rl.services.trainer.tasks import Lookup, workload
     from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
     from belayer_rl.shared.client import Client
     from belayer_rl.shared.protocol import encode
@@ -120,6 +147,7 @@ async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target)
     torch.set_num_threads(1)  # repeatable updates; the engine has the other cores
     planned = chaos.schedule(config.chaos, config.chaos_seed)
     task = workload(config.workload, length=config.length)
+    agentic = isinstance(task, Lookup)
     config.out.mkdir(parents=True, exist_ok=True)
     settings = TrainSettings(
         run=config.run_id or f"train-{config.seed}",
@@ -128,6 +156,8 @@ async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target)
         group_size=config.group_size,
         seed=config.seed,
         off_policy=config.off_policy,
+        concurrency=config.concurrency,
+        rollout=rollout if agentic else None,
         checkpoint_every=config.checkpoint_every,
         checkpoint_dir=config.out / "checkpoints" if config.checkpoint_every else None,
         actor=ActorSettings(lr=config.lr, ppo_epochs=config.ppo_epochs),
@@ -157,8 +187,8 @@ async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target)
                 ppo_epochs=config.ppo_epochs,
                 kl_beta=config.kl_beta,
                 workload=config.workload,
-                length=config.length,
-                allowed=",".join(map(str, task.allowed_tokens)),
+                length=task.length,
+                allowed=TrainerGroupConfig.allowed_of(task.allowed_sets),
                 fault_points=chaos.armed(planned, config.world),
             )
             if config.backend == "ray":
@@ -179,7 +209,11 @@ async def train(config: TrainConfig, faults: FaultManagerConfig, target: Target)
                     }
                 ray.init(**options)
             group = GroupBackend.create(config.backend, client, worker, config.out / "actor", faults, metrics)
-        trainer = Trainer(client, task, settings, group, metrics)
+        sandboxes = None
+        if agentic and config.sandbox == "local":
+            sandboxes = LocalSandboxes(config.out / "sandboxes")
+            print(f"actions run in local folders under {sandboxes.root}: no Docker, no checkpoints", flush=True)
+        trainer = Trainer(client, task, settings, group, metrics, sandboxes)
         for skipped in await trainer.resume():
             print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)
         if not trainer.version:

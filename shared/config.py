@@ -687,7 +687,10 @@ class TrainerGroupConfig(ServiceConfig):
     kl_beta: float = setting(0.0, "weight of the k3 KL to the reference policy (the initial one)")
     workload: str = setting("reverse", "the reward group's workload")
     length: int = setting(2, "the reward group's workload option: digits per prompt")
-    allowed: str = setting("", "comma-separated token ids the policy is defined over (empty: all)")
+    allowed: str = setting(
+        "",
+        "the token sets the policy's turns draw from: ids split by commas, sets by semicolons (empty: any)",
+    )
     threads: int = setting(1, "torch threads (pinned, so that updates repeat bit for bit)")
     heartbeat_s: float = setting(0.5, "seconds between group_heartbeat events")
     init_timeout_s: float = setting(60.0, "seconds to wait for the other ranks to join")
@@ -716,5 +719,10 @@ class TrainerGroupConfig(ServiceConfig):
                 raise ConfigError(f"--fault-points: {entry!r} is not GROUP:RANK:STEP:POINT:kill|stop")
 
     @property
-    def allowed_tokens(self) -> tuple[int, ...]:
-        return tuple(int(t) for t in self.allowed.split(",") if t)
+    def allowed_sets(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(int(t) for t in part.split(",")) for part in self.allowed.split(";") if part)
+
+    @staticmethod
+    def allowed_of(sets: tuple[tuple[int, ...], ...]) -> str:
+        """`allowed` for these sets."""
+        return ";".join(",".join(map(str, allowed)) for allowed in sets)

@@ -1052,6 +1052,11 @@ class ActorUpdate(Message, tag="actor_update", frozen=True, kw_only=True):
     step: Annotated[int, Meta(ge=0)]  # updates applied before this one
     tokens: Annotated[list[Tokens], Meta(max_length=4096)]  # prompt + response per sample
     prompt_lens: list[Annotated[int, Meta(ge=1)]]
+    # Over each sample's tokens after its prompt: 1 where the model chose the token (trained on),
+    # 0 on an observation's; and the 1-based allowed set of the group's `allowed` it was drawn from
+    # (0: any token).
+    loss_masks: list[list[Annotated[int, Meta(ge=0, le=1)]]]
+    token_sets: list[list[Annotated[int, Meta(ge=0, le=64)]]]
     advantages: list[float]
     versions: list[WeightVersion]  # the version that generated each sample: old log-probs
     publish: bool = True  # rank 0 publishes the new weights to the weight server
@@ -1083,11 +1088,13 @@ class Rewards(Message, tag="rewards", frozen=True, kw_only=True):
 
 
 class RefLogprobsRequest(Message, tag="ref_logprobs_request", frozen=True, kw_only=True):
-    """The reference group's log-probs of every response token (prompt + response per sample)."""
+    """The reference group's log-probs of every trained token (prompt + response per sample)."""
 
     step: Annotated[int, Meta(ge=0)]
     tokens: Annotated[list[Tokens], Meta(max_length=4096)]
     prompt_lens: list[Annotated[int, Meta(ge=1)]]
+    loss_masks: list[list[Annotated[int, Meta(ge=0, le=1)]]]  # as ActorUpdate's
+    token_sets: list[list[Annotated[int, Meta(ge=0, le=64)]]]
 
 
 class RefLogprobs(Message, tag="ref_logprobs", frozen=True, kw_only=True):

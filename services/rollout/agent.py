@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +39,9 @@ from belayer_rl.services.checkpointer.client import SandboxClient
 from belayer_rl.services.policy.client import PolicyClient
 from belayer_rl.services.policy.decision import Policy, ResponseTimes, decide
 from belayer_rl.services.policy.wire import decision_message, situation_of
+from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
 from belayer_rl.services.rollout.workloads import (
+    Choice,
     Task,
     choose_action,
     math_reward,
@@ -54,6 +57,7 @@ from belayer_rl.shared.protocol import (
     CheckpointResult,
     CheckpointTimeout,
     EnvStep,
+    ExecResult,
     LlmResponse,
     PolicyDecide,
     PolicyDecision,
@@ -136,6 +140,11 @@ class TrajectoryResult(msgspec.Struct, kw_only=True):
     context_tokens: list[int]  # the prompt, then each step's response and observation
     prompt_len: int  # context_tokens[:prompt_len] is the prompt
     loss_mask: list[int]  # over context_tokens[prompt_len:]: 1 on the model's tokens, 0 on observations
+    # The token sets the turns drew from (Choice.allowed), each once, in order of first use; and
+    # over context_tokens[prompt_len:], the 1-based set each token was drawn from (0: any token,
+    # and every observation token).
+    turn_sets: list[list[int]] = []
+    token_sets: list[int] = []
     turns: int  # LLM responses generated, those redone after a failure included
     failures: int
     recoveries: int
@@ -161,7 +170,8 @@ class StepRecord:
     llm_s: float
     env_s: float
     response_len: int = 0  # tokens of the response before the action (none before the setup action)
-    observation_len: int = 0  # tokens of the observation after it
+    observation_len: int = 0  # tokens of the observation after it (none when it is not seen)
+    allowed: tuple[int, ...] = ()  # the token set the response was drawn from (): any
 
 
 @dataclass(frozen=True)
@@ -178,17 +188,20 @@ class Services:
     """What a trajectory talks to: the router, the host's checkpointer, the policy service."""
 
     llm: Client
-    sandboxes: SandboxClient
+    sandboxes: SandboxClient | LocalSandboxes  # the host's checkpointer, or folders without Docker
     policy: PolicyClient
     nc: NATS
     subjects: Subjects
 
     @classmethod
-    def on(cls, llm: Client, host_id: str, policy_timeout_s: float = 0.5) -> Services:
+    def on(
+        cls, llm: Client, host_id: str, policy_timeout_s: float = 0.5, local: LocalSandboxes | None = None
+    ) -> Services:
+        """The cluster's services; with `local`, its folders stand in for the checkpointer."""
         nc, names = llm.nc, llm.subjects
         return cls(
             llm,
-            SandboxClient(nc, host_id, subjects=names, client=llm.client),
+            local or SandboxClient(nc, host_id, subjects=names, client=llm.client),
             PolicyClient(nc, subjects=names, timeout_s=policy_timeout_s),
             nc,
             names,
@@ -222,6 +235,7 @@ class Trajectory:
     policy_down_until: float = float("-inf")  # on this trajectory's clock: see POLICY_RETRY_S
     timeline: list[TimelineEntry] = field(default_factory=list)
     on_action: Callable[[Trajectory, int], None] | None = None  # the chaos hook: step about to run
+    weight_version: str = ""  # the weights every turn is generated on ("": the engines' newest)
 
     @property
     def k(self) -> int:
@@ -230,6 +244,11 @@ class Trajectory:
     @property
     def sandbox(self) -> str:
         return self.trajectory_id
+
+    @property
+    def scripted(self) -> bool:
+        """Whether the scripted agent acts: a task whose turns are choices is always the model's."""
+        return self.settings.scripted and self.task.choose_turn is None
 
     def keeps_response(self) -> bool:
         """Whether the kept response answers the context the trajectory stands at: restored to its
@@ -275,12 +294,14 @@ class Trajectory:
             status=status,
             reward=reward,
             error=error,
-            scripted=self.settings.scripted,
+            scripted=self.scripted,
             actions=[s.action for s in self.steps],
             observations=[s.observation for s in self.steps],
             context_tokens=self.context,
             prompt_len=self.prompt_len,
             loss_mask=self.loss_mask(),
+            turn_sets=[list(allowed) for allowed in self.turn_sets()],
+            token_sets=self.token_sets(),
             turns=self.turns,
             failures=self.failures,
             recoveries=self.recoveries,
@@ -324,6 +345,20 @@ class Trajectory:
             return [1] * (len(self.context) - self.prompt_len)
         return [bit for s in self.steps for bit in [1] * s.response_len + [0] * s.observation_len]
 
+    def turn_sets(self) -> list[tuple[int, ...]]:
+        return list(dict.fromkeys(s.allowed for s in self.steps if s.allowed))
+
+    def token_sets(self) -> list[int]:
+        """Parallel to the loss mask: which of `turn_sets` each token was drawn from (0: any)."""
+        index = {allowed: i for i, allowed in enumerate(self.turn_sets(), start=1)}
+        if not self.task.needs_sandbox:
+            return [0] * (len(self.context) - self.prompt_len)
+        return [
+            bit
+            for s in self.steps
+            for bit in [index.get(s.allowed, 0)] * s.response_len + [0] * s.observation_len
+        ]
+
     async def run_math(self) -> float:
         self.context = tokenizer.encode(self.task.prompt)
         response, _ = await self.generate(overlap_checkpoints=False)
@@ -340,37 +375,61 @@ class Trajectory:
         while True:
             try:
                 if self.k == 0:
-                    await self.act(self.task.setup, llm_s=0.0)
+                    setup = await self.act(self.task.setup, llm_s=0.0, seen=self.task.setup_seen)
+                    if setup.exit_code or setup.timed_out:  # the task is broken: nothing to learn from
+                        why = "timed out" if setup.timed_out else f"exit {setup.exit_code}"
+                        raise InfraError(f"the task's setup failed ({why}): {setup.stderr[-200:]!r}")
                     continue
                 turn = self.k - 1  # the setup is action 1; turn t follows action t + 1
                 if turn >= self.task.max_turns:
+                    if self.steps[-1].observation.endswith("[timed out]\n"):  # no verdict: no reward
+                        raise InfraError(f"the check did not end in {self.settings.action_timeout_s:g} s")
                     return 1.0 if self.steps[-1].observation.endswith("[exit 0]\n") else 0.0
-                response, llm_s = await self.generate(overlap_checkpoints=True)
                 last = turn == self.task.max_turns - 1
-                action = (
-                    self.task.check if last else choose_action(self.task, response, self.settings.scripted)
-                )
-                await self.act(action, llm_s, response)
+                choice = self.task.answer_turn if last else self.task.choose_turn
+                # Folders have no checkpoints: no policy to consult while the response runs.
+                overlap = not isinstance(self.services.sandboxes, LocalSandboxes)
+                response, llm_s = await self.generate(overlap_checkpoints=overlap, choice=choice)
+                await self.act(self.action_for(response, last), llm_s, response, choice)
             except ServiceError as exc:
                 if exc.code not in ENV_FAILURES:
                     raise InfraError(f"{exc.code}: {exc}") from None
                 await self.recover(str(exc))
 
+    def action_for(self, response: list[int], last: bool) -> str:
+        """The action a response picks: on the last turn the check (given the response as its
+        argument when the task asks for an answer), before it an action of the menu."""
+        if last:
+            if self.task.answer_turn is None:
+                return self.task.check
+            return f"{self.task.check} {shlex.quote(tokenizer.decode(response))}"
+        if self.task.choose_turn is not None:
+            return self.task.menu[self.task.choose_turn.allowed.index(response[0])]
+        return choose_action(self.task, response, self.settings.scripted)
+
     # ------------------------------------------------------------ LLM turns
 
-    async def generate(self, overlap_checkpoints: bool) -> tuple[list[int], float]:
+    async def generate(
+        self, overlap_checkpoints: bool, choice: Choice | None = None
+    ) -> tuple[list[int], float]:
         """The response to the context; with `overlap_checkpoints`, the policy is consulted while it
-        is generated and a checkpoint of this boundary may start."""
+        is generated and a checkpoint of this boundary may start. A `choice` fixes the response's
+        length and the tokens it draws from."""
         if overlap_checkpoints and self.kept is not None and self.keeps_response():
             return list(self.kept.tokens), 0.0  # just restored to checkpoint k: its response stands
-        scripted = self.settings.scripted
-        length = response_tokens(self.seed, self.k) if scripted else self.task.max_tokens
-        kwargs = {
-            "max_tokens": length,
-            "min_tokens": length if scripted else 0,
+        kwargs: dict[str, Any] = {
             "seed": turn_seed(self.seed, self.k),
             "temperature": self.settings.temperature,
+            "weight_version": self.weight_version or None,
         }
+        if choice is not None:
+            kwargs |= {"max_tokens": choice.length, "min_tokens": choice.length}
+            kwargs["allowed_tokens"] = list(choice.allowed)
+        elif self.scripted:
+            length = response_tokens(self.seed, self.k)
+            kwargs |= {"max_tokens": length, "min_tokens": length}
+        else:
+            kwargs |= {"max_tokens": self.task.max_tokens, "min_tokens": 0}
         for attempt in range(1, self.settings.max_retries + 1):
             started = self.clock()
             request = asyncio.ensure_future(self.services.llm.generate_all(list(self.context), **kwargs))
@@ -387,6 +446,12 @@ class Trajectory:
                 if not request.done():
                     request.cancel()
                     await asyncio.wait([request])  # its end, without re-raising it (or our own cancel)
+            if choice is not None and len(generation.tokens) != choice.length:  # never a partial choice
+                why = f"{len(generation.tokens)} of {choice.length} tokens ({generation.finish_reason})"
+                self.mark("turn", started, f"cut short (attempt {attempt}): {why}")
+                if attempt == self.settings.max_retries:
+                    raise InfraError(f"LLM request cut short {attempt} times, last: {why}")
+                continue
             seconds = self.clock() - started
             self.turns += 1
             self.mark(
@@ -518,9 +583,16 @@ class Trajectory:
         self.steps = []
         self.context = tokenizer.encode(self.task.prompt)
 
-    async def act(self, command: str, llm_s: float, response: list[int] | None = None) -> None:
-        """Run action k+1; on success its observation joins the context. A failure raises before
-        anything is appended."""
+    async def act(
+        self,
+        command: str,
+        llm_s: float,
+        response: list[int] | None = None,
+        choice: Choice | None = None,
+        seen: bool = True,
+    ) -> ExecResult:
+        """Run action k+1; on success its observation joins the context (unless not `seen`). A
+        failure raises before anything is appended."""
         await self.settle_checkpoint()
         if response is not None and self.ready_k == self.k:  # `response` answered this checkpoint's L_k
             self.kept = KeptResponse(self.k, list(self.context), list(response))
@@ -546,9 +618,12 @@ class Trajectory:
                 await self.tell(self.services.policy.report_step(failed))
             raise
         env_s = self.clock() - started
-        seen = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
-        seen_tokens = tokenizer.encode(seen)
-        self.steps.append(StepRecord(command, seen, llm_s, env_s, len(response or []), len(seen_tokens)))
+        text = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
+        text = text if seen else ""
+        seen_tokens = tokenizer.encode(text)
+        allowed = choice.allowed if choice is not None else ()
+        record = StepRecord(command, text, llm_s, env_s, len(response or []), len(seen_tokens), allowed)
+        self.steps.append(record)
         self.context = self.context + (response or []) + seen_tokens
         self.mark("action", started, command, step=step)
         done = EnvStep(
@@ -558,6 +633,7 @@ class Trajectory:
             duration_s=env_s,
         )
         await self.tell(self.services.policy.report_step(done))
+        return result
 
     async def recover(self, why: str) -> None:
         self.failures += 1

@@ -6,8 +6,14 @@
   check script; each turn the agent's action runs in the sandbox and its output is the next
   observation; the reward is the exit status of the check (0: reward 1). Needs the tiny-4k preset
   (or a model with at least 4,096 positions): a trajectory's context grows past 512 tokens.
+- "lookup": the agentic task the trainer learns (services/trainer/tasks.py). The setup writes a
+  random code into the file `code`, out of the agent's sight; the agent's first turn is one
+  token that picks an action from a menu of four, one of which shows the code; its second turn is
+  the code's digits, passed to the check as its argument. Each turn draws only from its own token
+  set (`Choice`), so the model acts directly, with no script between its tokens and the sandbox.
 
-The built-in model does not solve either; the trajectories, failures and recoveries are real.
+The built-in model does not solve "math" or "shell"; the trajectories, failures and recoveries are
+real. It learns "lookup" in a few minutes of GRPO.
 
 The scripted agent (`scripted=True`, what the experiments use, and labelled so wherever their
 results appear): the engine still generates every response, but its length is drawn from one
@@ -34,6 +40,19 @@ OBSERVATION_LIMIT = 400  # bytes of an action's output that reach the context
 
 
 @dataclass(frozen=True)
+class Choice:
+    """A turn whose response is `length` tokens drawn from `allowed` alone (the engine's
+    allowed_tokens): the trainer computes its log-probs over the same set."""
+
+    allowed: tuple[int, ...]
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.allowed or self.length < 1:
+            raise ValueError(f"a choice needs allowed tokens and a length >= 1, got {self}")
+
+
+@dataclass(frozen=True)
 class Task:
     task_id: str
     prompt: str
@@ -43,6 +62,15 @@ class Task:
     menu: tuple[str, ...] = ()  # shell: the scripted agent's actions
     answer: str = ""  # math: the exact answer
     max_tokens: int = 256  # per response, unscripted
+    # shell: each action turn is this choice, the action menu[its token's index in the set]
+    choose_turn: Choice | None = None
+    # shell: the last turn is this choice, its decoded tokens the check's argument
+    answer_turn: Choice | None = None
+    setup_seen: bool = True  # whether the setup's observation joins the context
+
+    def __post_init__(self) -> None:
+        if self.choose_turn is not None and len(self.choose_turn.allowed) != len(self.menu):
+            raise ValueError(f"{self.task_id}: one allowed token per menu action")
 
     @property
     def needs_sandbox(self) -> bool:
@@ -146,7 +174,42 @@ def shell_tasks(count: int, turns: int = 8, action_s: float = 0.3) -> list[Task]
     return tasks
 
 
-WORKLOADS = ("math", "shell")
+DIGITS = "0123456789"
+DIGIT_TOKENS = tuple(tokenizer.encode(DIGITS))
+LOOKUP_PROMPT = "find the code\n"
+# The action menu: one token each, and only the first shows the code. Paths are relative: the
+# sandbox's working folder (a container's /tmp, a scratch folder without Docker) holds the files.
+LOOKUP_MENU = ("cat code", "wc -c code", "echo hello", "cat check.sh")
+MENU_TOKENS = tuple(tokenizer.encode("abcd"))
+
+
+CONTROL_ACTION = "echo -"  # the control's every action: the same observation whatever the code
+
+
+def lookup_task(code: str, control: bool = False) -> Task:
+    """The lookup task for one code (digits). The setup's command names the code, so its
+    observation stays out of the context: the code reaches the agent only through an action.
+    The `control` task's actions all print one constant."""
+    if not code.isdigit() or not 1 <= len(code) <= 6:
+        raise ValueError(f"a lookup code is 1 to 6 digits, got {code!r}")
+    return Task(
+        task_id=f"lookup-{code}",
+        prompt=LOOKUP_PROMPT,
+        max_turns=2,
+        setup=f"printf '{code}\\n' > code && printf '[ \"$1\" = \"$(cat code)\" ]\\n' > check.sh",
+        check="sh check.sh",
+        menu=(CONTROL_ACTION,) * len(LOOKUP_MENU) if control else LOOKUP_MENU,
+        choose_turn=Choice(MENU_TOKENS, 1),
+        answer_turn=Choice(DIGIT_TOKENS, len(code)),
+        setup_seen=False,
+    )
+
+
+def lookup_tasks(count: int, digits: int = 3) -> list[Task]:
+    return [lookup_task(f"{seeded('lookup', i).randrange(10**digits):0{digits}d}") for i in range(count)]
+
+
+WORKLOADS = ("math", "shell", "lookup")
 
 
 def workload(name: str, count: int, **options: float) -> list[Task]:
@@ -154,4 +217,6 @@ def workload(name: str, count: int, **options: float) -> list[Task]:
         return math_tasks(count)
     if name == "shell":
         return shell_tasks(count, **options)  # type: ignore[arg-type]  # turns (whole) and action_s, as the shell workload's flags give them
+    if name == "lookup":
+        return lookup_tasks(count)
     raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")

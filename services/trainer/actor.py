@@ -1,9 +1,10 @@
 """The actor: the policy's trainable weights, its optimizer and the GRPO update.
 
 Blocking torch code; the trainer runs it in a thread. Log-probabilities are those of the policy
-the engine samples from: softmax over the task's allowed tokens of the network's logits (the
-whole vocabulary when the task allows any). Old log-probabilities are recomputed here with the
-weights of the version that generated each sample, never read back from the engine.
+the engine samples from: at each response token, the softmax of the network's logits over the
+token set its turn allowed (the engine's `allowed_tokens`; the whole vocabulary where a turn
+allowed any). Old log-probabilities are recomputed here with the weights of the version that
+generated each sample, never read back from the engine.
 """
 
 from __future__ import annotations
@@ -67,8 +68,43 @@ class Rollouts:
     """One step's samples, group after group (G consecutive samples share a prompt)."""
 
     tokens: torch.Tensor  # [B, S] int64: prompt then response, right-padded
-    response_mask: torch.Tensor  # [B, S-1] bool: True where the next token is a response token
+    # [B, S-1] bool: True where the next token is one the model chose and is trained on (not a
+    # prompt, observation or padding token).
+    response_mask: torch.Tensor
     advantages: torch.Tensor  # [B]
+    # [B, S-1] int64: the allowed set the next token was drawn from, 1-based into the task's
+    # `allowed_sets`; 0 where any token was allowed (and at every position outside the mask).
+    token_sets: torch.Tensor
+
+
+def padded(
+    sequences: list[list[int]],
+    prompt_lens: list[int],
+    loss_masks: list[list[int]],
+    token_sets: list[list[int]],
+    advantages: torch.Tensor,
+) -> Rollouts:
+    """Samples as right-padded tensors. Each sample is its prompt, then the rest (responses, and
+    observations in a multi-turn sample); `loss_masks` and `token_sets` run over the rest."""
+    length = max((len(x) for x in sequences), default=2)
+    tokens = torch.zeros(len(sequences), length, dtype=torch.long)  # [B, S]
+    mask = torch.zeros(len(sequences), length - 1, dtype=torch.bool)  # [B, S-1]
+    sets = torch.zeros(len(sequences), length - 1, dtype=torch.long)  # [B, S-1]
+    for row, (sequence, prompt_len, loss_mask, token_set) in enumerate(
+        zip(sequences, prompt_lens, loss_masks, token_sets, strict=True)
+    ):
+        rest = len(sequence) - prompt_len
+        if not (prompt_len >= 1 and rest >= 0 and len(loss_mask) == rest == len(token_set)):
+            raise ValueError(
+                f"sample {row}: {len(sequence)} tokens, a prompt of {prompt_len}, a loss mask of"
+                f" {len(loss_mask)} and {len(token_set)} token sets"
+            )
+        tokens[row, : len(sequence)] = torch.tensor(sequence)
+        trained = torch.tensor(loss_mask, dtype=torch.bool)
+        mask[row, prompt_len - 1 : len(sequence) - 1] = trained
+        # 0 off the mask: an observation token is in no set, and its log-prob must stay finite.
+        sets[row, prompt_len - 1 : len(sequence) - 1] = torch.tensor(token_set) * trained
+    return Rollouts(tokens, mask, advantages, sets)
 
 
 @dataclass(frozen=True)
@@ -81,21 +117,26 @@ class UpdateStats:
     tokens: int
 
 
+AllowedSets = tuple[tuple[int, ...], ...]
+
+
 def token_logprobs(
-    params: Params, config: ModelConfig, tokens: torch.Tensor, allowed: tuple[int, ...]
+    params: Params, config: ModelConfig, tokens: torch.Tensor, sets: AllowedSets, token_sets: torch.Tensor
 ) -> torch.Tensor:
     """log pi(token_{t+1} | tokens_{<=t}) for every position: tokens [B, S] -> [B, S-1].
 
-    With `allowed`, pi is the softmax over those ids only (a token outside them gets the log-prob
-    of allowed[0]; such positions are prompt positions, masked out by the caller)."""
+    At a position whose `token_sets` entry is i > 0, pi is the softmax over `sets[i - 1]` only;
+    at 0, over the whole vocabulary. Only positions whose target lies in its set are finite:
+    the caller gives 0 at every position it does not train on."""
     logits = sequence_logits(params, config, tokens[:, :-1])  # [B, S-1, vocab]
-    targets = tokens[:, 1:]  # [B, S-1]
-    if allowed:
-        index = torch.zeros(config.vocab_size, dtype=torch.long)
-        index[list(allowed)] = torch.arange(len(allowed))
-        logits = logits[..., list(allowed)]  # [B, S-1, |allowed|]
-        targets = index[targets]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if sets:
+        table = torch.ones(len(sets) + 1, config.vocab_size, dtype=torch.bool)  # [n + 1, vocab]
+        for i, allowed in enumerate(sets, start=1):
+            table[i] = False
+            table[i, list(allowed)] = True
+        logits = logits.masked_fill(~table[token_sets], float("-inf"))  # [B, S-1, vocab]
+    targets = tokens[:, 1:].unsqueeze(-1)  # [B, S-1, 1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
 
 
 class Actor:
@@ -105,12 +146,12 @@ class Actor:
         params: Params,
         settings: ActorSettings,
         grpo: GrpoConfig,
-        allowed: tuple[int, ...] = (),
+        sets: AllowedSets = (),
     ) -> None:
         self.config = config
         self.settings = settings
         self.grpo = grpo
-        self.allowed = allowed
+        self.sets = sets  # the task's allowed token sets, as Rollouts.token_sets index them
         self.params = {name: t.detach().clone().requires_grad_(True) for name, t in params.items()}
         self.optimizer = torch.optim.AdamW(
             list(self.params.values()),
@@ -123,9 +164,9 @@ class Actor:
         """A detached copy: what is published and what old log-probs are later computed with."""
         return {name: t.detach().clone() for name, t in self.params.items()}
 
-    def logprobs(self, params: Params, tokens: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, params: Params, tokens: torch.Tensor, token_sets: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return token_logprobs(params, self.config, tokens, self.allowed)
+            return token_logprobs(params, self.config, tokens, self.sets, token_sets)
 
     def update(
         self,
@@ -157,7 +198,7 @@ class Actor:
                 at("forward")
                 hook = next(iter(self.params.values())).register_hook(lambda grad: at("backward"))
             try:
-                logp = token_logprobs(self.params, self.config, batch.tokens, self.allowed)
+                logp = token_logprobs(self.params, self.config, batch.tokens, self.sets, batch.token_sets)
                 parts = grpo_loss(
                     logp, old_logp, batch.advantages, batch.response_mask, total_tokens, self.grpo, ref_logp
                 )

@@ -1,7 +1,8 @@
 """The trainer, declared (shared/declaration.py): no process of its own but the library `belayer
 train` runs, under the same credential as its group workers (services/trainer_group). It calls
 the groups, generates its samples through the router as a client, restarts the engines on a
-rollout rebuild and reports its steps and its fault manager's decisions."""
+rollout rebuild and reports its steps and its fault manager's decisions. An agentic workload's
+samples are trajectories: it calls the checkpointer and the policy service as the rollout side does."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ TRAINER = Service(
         lambda s, x: s.router_cancel(x.client),
         lambda s, x: s.router_status,
         lambda s, x: s.router_keepalive(x.client),
+        # An agentic workload's trajectories: the rollout side's calls and reports, in its own name.
+        lambda s, x: s.sandbox_rpc(ANY, ANY, x.client),
+        lambda s, x: s.policy_decide,
+        event("env_step"),
+        event("llm_response"),
+        event("checkpoint_timeout"),
+        event("policy_fallback"),
     ),
     compose=Compose(
         uid=2005,

@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from belayer_rl.services.trainer import checkpoint
-from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, initial_weights, token_logprobs
+from belayer_rl.services.trainer.actor import (
+    Actor,
+    ActorSettings,
+    Rollouts,
+    initial_weights,
+    padded,
+    token_logprobs,
+)
 from belayer_rl.services.trainer.group_faults import FaultPoints
 from belayer_rl.services.trainer.grpo import GrpoConfig
 from belayer_rl.shared.config import TrainerGroupConfig
@@ -104,14 +111,18 @@ class ReferenceRank:
         self.work.enter()
         rows = list(range(len(call.tokens)))
         fake = ActorUpdate(
-            step=call.step, tokens=call.tokens, prompt_lens=call.prompt_lens,
-            advantages=[0.0] * len(rows), versions=["ref"] * len(rows),
+            step=call.step, tokens=call.tokens, prompt_lens=call.prompt_lens, loss_masks=call.loss_masks,
+            token_sets=call.token_sets, advantages=[0.0] * len(rows), versions=["ref"] * len(rows),
         )  # fmt: skip
         batch, _ = shard(fake, rows)
         self.points.reached(call.step, "forward")
         with torch.no_grad():
             logp = token_logprobs(
-                self.params, PRESETS[self.config.preset], batch.tokens, self.config.allowed_tokens
+                self.params,
+                PRESETS[self.config.preset],
+                batch.tokens,
+                self.config.allowed_sets,
+                batch.token_sets,
             )
         self.progress += 1
         self.step = call.step
@@ -166,7 +177,7 @@ class ActorRank:
             initial_weights(config.preset, config.seed),
             settings,
             grpo,
-            config.allowed_tokens,
+            config.allowed_sets,
         )
         if config.rank == 0 and config.state_file is not None:  # the writer before us is dead
             checkpoint.remove_leftovers(config.state_file)
@@ -233,7 +244,9 @@ class ActorRank:
             if version not in self.kept:
                 raise StateBehind(f"no weights of version {version} (have {sorted(self.kept)})")
             picked = torch.tensor([i for i, v in enumerate(versions) if v == version])
-            old_logp[picked] = self.actor.logprobs(self.kept[version], batch.tokens[picked])
+            old_logp[picked] = self.actor.logprobs(
+                self.kept[version], batch.tokens[picked], batch.token_sets[picked]
+            )
         at = lambda point: self.points.reached(call.step, point)  # noqa: E731
         stats = self.actor.update(batch, old_logp, ref_logp, dp=self.dp, at=at)
         if self.dp is None:
@@ -268,12 +281,10 @@ def fault_points(config: TrainerGroupConfig) -> FaultPoints:
 
 def shard(call: ActorUpdate, rows: list[int]) -> tuple[Rollouts, list[str]]:
     """This rank's rows of the call as padded tensors, and their generating versions."""
-    length = max(len(call.tokens[i]) for i in rows) if rows else 2
-    tokens = torch.zeros(len(rows), length, dtype=torch.long)  # [b, S]
-    mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)  # [b, S-1]
-    for r, i in enumerate(rows):
-        sequence = call.tokens[i]
-        tokens[r, : len(sequence)] = torch.tensor(sequence)
-        mask[r, call.prompt_lens[i] - 1 : len(sequence) - 1] = True
-    advantages = torch.tensor([call.advantages[i] for i in rows])
-    return Rollouts(tokens, mask, advantages), [call.versions[i] for i in rows]
+    return padded(
+        [call.tokens[i] for i in rows],
+        [call.prompt_lens[i] for i in rows],
+        [call.loss_masks[i] for i in rows],
+        [call.token_sets[i] for i in rows],
+        torch.tensor([call.advantages[i] for i in rows]),
+    ), [call.versions[i] for i in rows]

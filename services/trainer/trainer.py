@@ -2,7 +2,10 @@
 
 Each step takes the next prompts from the data position, generates G samples of each through the
 router on a named weight version, rewards them, updates the actor on the group-normalised
-advantages and publishes the new weights to the weight server over the bus. Every sample keeps the
+advantages and publishes the new weights to the weight server over the bus. A sample of an agentic
+workload is a whole trajectory (services/rollout/agent.py): its turns through the router, its
+actions in a sandbox of the checkpointer (or a scratch folder without Docker), its reward from the
+sandbox's check; its observation tokens are in the sample but out of the loss. Every sample keeps the
 version that generated it and its recovery record (the router's resumes), and its old log-probs
 are recomputed with that version's weights, which the trainer keeps while a sample may need them.
 
@@ -29,8 +32,17 @@ import msgspec
 import torch
 from nats.aio.subscription import Subscription
 
+from belayer_rl.services.rollout.agent import RolloutSettings, Services, Trajectory, TrajectoryResult
+from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
 from belayer_rl.services.trainer import checkpoint
-from belayer_rl.services.trainer.actor import Actor, ActorSettings, Rollouts, UpdateStats, initial_weights
+from belayer_rl.services.trainer.actor import (
+    Actor,
+    ActorSettings,
+    Rollouts,
+    UpdateStats,
+    initial_weights,
+    padded,
+)
 from belayer_rl.services.trainer.data import DataPosition, take
 from belayer_rl.services.trainer.fault_manager import (
     FaultBoundExceeded,
@@ -43,7 +55,7 @@ from belayer_rl.services.trainer.groups import ForkServer, LocalGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
 from belayer_rl.services.trainer.ray_groups import RayGroup
 from belayer_rl.services.trainer.rollout_side import RolloutSide
-from belayer_rl.services.trainer.tasks import ReverseDigits
+from belayer_rl.services.trainer.tasks import Lookup, TrainTask
 from belayer_rl.services.weight_server.client import WeightClient
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client, Generation, GenerationError
@@ -87,9 +99,11 @@ class TrainSettings:
     off_policy: bool = False
     checkpoint_every: int = 0  # 0: no checkpoints
     checkpoint_dir: Path | None = None
-    concurrency: int = 64  # generations in flight at once
+    concurrency: int = 64  # generations in flight at once (trajectories, in an agentic workload)
     actor: ActorSettings = field(default_factory=ActorSettings)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    # An agentic workload's trajectories: the checkpointer's host, the policy, the timeouts.
+    rollout: RolloutSettings | None = None
 
     def __post_init__(self) -> None:
         if not RUN_ID.fullmatch(self.run):
@@ -106,10 +120,17 @@ class TrainSettings:
 class Sample:
     item: str
     prompt: list[int]
-    answer: list[int]
+    answer: list[int]  # every token after the prompt: the response, or a trajectory's turns and observations
+    loss_mask: list[int]  # over `answer`: 1 on the model's tokens, 0 on observations
+    token_sets: list[int]  # over `answer`: the task's allowed set each token was drawn from (1-based)
     reward: float
     weight_version: str  # the version that generated it
     resumes: int  # its recovery record: times the router resumed it after a fault
+    trajectory: TrajectoryResult | None = None  # an agentic sample's whole record
+
+
+class TrajectoryFailed(Exception):
+    """A trajectory of the step ended as an infrastructure error: the step is not trained on."""
 
 
 @dataclass(frozen=True)
@@ -226,11 +247,13 @@ class Trainer:
     def __init__(
         self,
         client: Client,
-        task: ReverseDigits,
+        task: TrainTask,
         settings: TrainSettings,
         group: GroupBackend | None = None,
         metrics: TrainerMetrics = NO_METRICS,
+        sandboxes: LocalSandboxes | None = None,
     ) -> None:
+        """`sandboxes`: an agentic workload's actions run in these folders, not the checkpointer's."""
         self.client = client
         self.metrics = metrics
         self.group = group  # None: the actor runs here, in a thread
@@ -239,7 +262,7 @@ class Trainer:
         self.settings = settings
         self.config = PRESETS[settings.preset]
         initial = initial_weights(settings.preset, settings.seed)
-        self.actor = Actor(self.config, initial, settings.actor, settings.grpo, task.allowed_tokens)
+        self.actor = Actor(self.config, initial, settings.actor, settings.grpo, task.allowed_sets)
         # The reference policy of the KL term: the initial weights, held here until the reference
         # worker group exists.
         self.reference = self.actor.weights() if settings.grpo.kl_beta > 0 else None
@@ -252,6 +275,15 @@ class Trainer:
         self.kept: dict[str, Params] = {}  # version -> weights, while a pending sample may need them
         # The engines, as the fault manager rebuilds them (group mode).
         self.rollout_side = RolloutSide(client, self.resync_weights)
+        self.services: Services | None = None  # what an agentic workload's trajectories talk to
+        if isinstance(task, Lookup):
+            if settings.rollout is None:
+                raise ValueError(f"{task.name} is agentic: its trajectories need rollout settings")
+            self.services = Services.on(client, settings.rollout.host_id, local=sandboxes)
+        # The step's trajectories that ended well, by id: a step run again after a fault keeps
+        # them (the same seeds give the same trajectory) and runs only the others.
+        self.finished: dict[str, TrajectoryResult] = {}
+        self.clock_zero = time.monotonic()
 
     def groups_by_name(self) -> dict[str, WorkerGroup]:
         """The running worker groups (none with the inline actor): what chaos aims at."""
@@ -366,7 +398,7 @@ class Trainer:
             why = f"no generation of step {step} finished in {timeout_s:g} s"
             raise GroupFault("hang", -1, why) from exc
         except ExceptionGroup as errors:  # from the generations' task group
-            refused, other = errors.split((bus.ServiceError, GenerationError))
+            refused, other = errors.split((bus.ServiceError, GenerationError, TrajectoryFailed))
             if refused is None or other is not None:  # a bug among them is no rollout fault
                 raise
             raise GroupFault("exception", -1, f"the router: {refused.exceptions[0]}") from errors
@@ -381,12 +413,15 @@ class Trainer:
         """G samples of each of the step's prompts, generated on `version` through the router and
         scored by the task (the reward group rescores them in group mode). `finished` is called
         as each generation ends."""
+        if isinstance(self.task, Lookup):
+            return await self.run_trajectories(self.task, step, position, version, finished)
+        task = self.task
         s = self.settings
-        items, _ = take(self.task.train, s.seed, position, s.prompts_per_step)
+        items, _ = take(task.train, s.seed, position, s.prompts_per_step)
         gate = asyncio.Semaphore(s.concurrency)
 
         async def one(index: int, item: str) -> Sample:
-            prompt = self.task.prompt_tokens(item)
+            prompt = task.prompt_tokens(item)
             seed = sample_seed(s.seed, step, index)
             # The same id for the same request: a step run again after a fault attaches to the
             # generation the router logged (same tokens). The digest keeps another run, or other
@@ -401,10 +436,10 @@ class Trainer:
                     try:
                         generation = await self.client.generate_all(
                             prompt,
-                            max_tokens=self.task.answer_tokens,
+                            max_tokens=task.answer_tokens,
                             seed=seed,
                             temperature=s.temperature,
-                            allowed_tokens=list(self.task.allowed_tokens),
+                            allowed_tokens=list(task.allowed_tokens),
                             weight_version=version,
                             request_id=base + (f"-r{attempt}" if attempt else ""),
                         )
@@ -418,7 +453,7 @@ class Trainer:
                 # Anything short of a whole answer (a generation cancelled by an earlier, abandoned
                 # try) is never trained on; a fresh request regenerates it, token for token.
                 finished()
-                if generation.finish_reason == "length" and len(generation.tokens) == self.task.answer_tokens:
+                if generation.finish_reason == "length" and len(generation.tokens) == task.answer_tokens:
                     break
                 log.warning("sample %d of step %d ended %s after %d tokens; generating it again",
                             index, step, generation.finish_reason, len(generation.tokens))  # fmt: skip
@@ -435,7 +470,9 @@ class Trainer:
                 item=item,
                 prompt=prompt,
                 answer=generation.tokens,
-                reward=self.task.reward(item, generation.tokens),
+                loss_mask=[1] * len(generation.tokens),
+                token_sets=[1] * len(generation.tokens),
+                reward=task.reward(item, generation.tokens),
                 weight_version=version,
                 resumes=generation.resumes,
             )
@@ -447,6 +484,71 @@ class Trainer:
                 for g in range(s.group_size)
             ]
         return [t.result() for t in tasks]
+
+    def trajectory(
+        self, trajectory_id: str, task: Lookup, item: str, seed: int, version: str, greedy: bool
+    ) -> Trajectory:
+        assert self.services is not None and self.settings.rollout is not None  # an agentic task has them
+        settings = self.settings.rollout
+        return Trajectory(
+            trajectory_id=trajectory_id,
+            task=task.rollout_task(item),
+            seed=seed,
+            settings=replace(settings, temperature=0.0 if greedy else self.settings.temperature),
+            services=self.services,
+            clock=lambda: time.monotonic() - self.clock_zero,
+            weight_version=version,
+        )
+
+    async def run_trajectories(
+        self, task: Lookup, step: int, position: DataPosition, version: str, finished: Callable[[], None]
+    ) -> list[Sample]:
+        """G trajectories of each of the step's items, run on `version`; one that ends as an
+        infrastructure error fails the step (TrajectoryFailed), never becomes a reward."""
+        s = self.settings
+        items, _ = take(task.train, s.seed, position, s.prompts_per_step)
+        gate = asyncio.Semaphore(s.concurrency)
+        this_step = f"{s.run}-s{step}-"
+        self.finished = {k: v for k, v in self.finished.items() if k.startswith(this_step)}
+
+        async def one(index: int, item: str) -> Sample:
+            seed = sample_seed(s.seed, step, index)
+            digest = hashlib.sha256(f"{version}|{seed}|{item}".encode()).hexdigest()[:10]
+            trajectory_id = f"{s.run}-s{step}-{index}-{digest}"
+            result = self.finished.get(trajectory_id)
+            if result is None:
+                async with gate:
+                    result = await self.trajectory(
+                        trajectory_id, task, item, seed, version, greedy=False
+                    ).run()
+                finished()
+                if result.status != "done":
+                    raise TrajectoryFailed(f"trajectory {trajectory_id}: {result.error}")
+                self.finished[trajectory_id] = result
+            return self.sample_of(task, item, result, version)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(one(p * s.group_size + g, item))
+                for p, item in enumerate(items)
+                for g in range(s.group_size)
+            ]
+        return [t.result() for t in tasks]
+
+    def sample_of(self, task: Lookup, item: str, result: TrajectoryResult, version: str) -> Sample:
+        """A trajectory as a sample: its turn sets renumbered as the task's (`token_sets`)."""
+        renumber = [0] + [task.allowed_sets.index(tuple(allowed)) + 1 for allowed in result.turn_sets]
+        return Sample(
+            item=item,
+            prompt=result.context_tokens[: result.prompt_len],
+            answer=result.context_tokens[result.prompt_len :],
+            loss_mask=result.loss_mask,
+            token_sets=[renumber[i] for i in result.token_sets],
+            reward=result.reward,
+            weight_version=version,
+            resumes=0,
+            trajectory=result,
+        )
 
     async def rewarded(self, step: int, samples: list[Sample], reward: WorkerGroup) -> list[Sample]:
         """The samples with the reward group's rewards (through the fault manager)."""
@@ -467,20 +569,25 @@ class Trainer:
     def batch_of(self, samples: list[Sample]) -> tuple[Rollouts, torch.Tensor, torch.Tensor | None]:
         """Padded tokens, the response mask, advantages, the old log-probs of every sample under
         the version that generated it, and the reference log-probs when there is a KL term. Blocking."""
-        length = max(len(x.prompt) + len(x.answer) for x in samples)
-        tokens = torch.zeros(len(samples), length, dtype=torch.long)  # [B, S]
-        mask = torch.zeros(len(samples), length - 1, dtype=torch.bool)  # [B, S-1]
-        for row, x in enumerate(samples):
-            sequence = x.prompt + x.answer
-            tokens[row, : len(sequence)] = torch.tensor(sequence)
-            mask[row, len(x.prompt) - 1 : len(sequence) - 1] = True
         rewards = torch.tensor([x.reward for x in samples])
-        batch = Rollouts(tokens, mask, group_advantages(rewards, self.settings.group_size))
-        old_logp = torch.empty(mask.shape)
+        batch = padded(
+            [x.prompt + x.answer for x in samples],
+            [len(x.prompt) for x in samples],
+            [x.loss_mask for x in samples],
+            [x.token_sets for x in samples],
+            group_advantages(rewards, self.settings.group_size),
+        )
+        old_logp = torch.empty(batch.response_mask.shape)
         for version in {x.weight_version for x in samples}:
             rows = torch.tensor([i for i, x in enumerate(samples) if x.weight_version == version])
-            old_logp[rows] = self.actor.logprobs(self.kept[version], tokens[rows])
-        ref_logp = None if self.reference is None else self.actor.logprobs(self.reference, tokens)
+            old_logp[rows] = self.actor.logprobs(
+                self.kept[version], batch.tokens[rows], batch.token_sets[rows]
+            )
+        ref_logp = (
+            None
+            if self.reference is None
+            else self.actor.logprobs(self.reference, batch.tokens, batch.token_sets)
+        )
         return batch, old_logp, ref_logp
 
     def update(self, samples: list[Sample]) -> UpdateStats:
@@ -499,12 +606,17 @@ class Trainer:
             step=self.step,
             tokens=[x.prompt + x.answer for x in samples],
             prompt_lens=[len(x.prompt) for x in samples],
+            loss_masks=[x.loss_mask for x in samples],
+            token_sets=[x.token_sets for x in samples],
             advantages=group_advantages(rewards, self.settings.group_size).tolist(),
             versions=[x.weight_version for x in samples],
         )
         actor, reference, faults = self.group.actor, self.group.reference, self.group.faults
         if reference is not None:
-            ask = RefLogprobsRequest(step=self.step, tokens=call.tokens, prompt_lens=call.prompt_lens)
+            ask = RefLogprobsRequest(
+                step=self.step, tokens=call.tokens, prompt_lens=call.prompt_lens,
+                loss_masks=call.loss_masks, token_sets=call.token_sets,
+            )  # fmt: skip
             answers = await faults.call(
                 reference,
                 self.step,
@@ -676,7 +788,7 @@ class Trainer:
         update_s: float,
         publish_s: float,
     ) -> TrainerStep:
-        response_tokens = sum(len(x.answer) for x in samples)
+        response_tokens = sum(sum(x.loss_mask) for x in samples)
         return TrainerStep(
             run=self.settings.run,
             step=self.step,
@@ -704,17 +816,23 @@ class Trainer:
         if not version:
             raise ValueError("nothing published yet: call publish() first")
         gate = asyncio.Semaphore(self.settings.concurrency)
+        task = self.task
 
         async def one(item: str) -> float:
+            if isinstance(task, Lookup):  # a greedy trajectory; an infrastructure error scores 0
+                trajectory_id = f"{self.settings.run}-eval-{version.rpartition(':')[2][:12]}-{item}"
+                async with gate:
+                    result = await self.trajectory(trajectory_id, task, item, 0, version, greedy=True).run()
+                return result.reward
             async with gate:
                 generation = await self.client.generate_all(
-                    self.task.prompt_tokens(item),
-                    max_tokens=self.task.answer_tokens,
+                    task.prompt_tokens(item),
+                    max_tokens=task.answer_tokens,
                     temperature=0.0,
-                    allowed_tokens=list(self.task.allowed_tokens),
+                    allowed_tokens=list(task.allowed_tokens),
                     weight_version=version,
                 )
-            return self.task.reward(item, generation.tokens)
+            return task.reward(item, generation.tokens)
 
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one(item)) for item in items]

@@ -1,0 +1,118 @@
+"""Sandboxes without Docker: each one a scratch folder, each action `sh -c` in it.
+
+What a trajectory runs its actions in where no Docker daemon (or no CRIU) is at hand, the demo's
+fallback: the same calls as the checkpointer's client (`SandboxClient`), answered in this
+process. There are no checkpoints (a checkpoint fails with "checkpoint-failed", a restore finds
+"no-checkpoint", so a failure restarts the trajectory from its setup) and no isolation beyond the
+folder: the actions run as this user, on this host. Only tasks whose actions the project wrote
+belong here (a menu, a setup, a check given a shell-quoted answer); the model's free text never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from belayer_rl.shared.bus import ServiceError
+from belayer_rl.shared.protocol import (
+    Ack,
+    CheckpointResult,
+    ExecResult,
+    RestoreResult,
+    SandboxInfo,
+    SandboxSpec,
+)
+
+SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as the checkpointer's (protocol.SandboxId)
+OUTPUT_CAP = 64 << 10  # bytes kept of each stream: the agent sees only the tail of it anyway
+TIMED_OUT_EXIT = 137  # what a killed action exits with, as in a container
+
+
+class LocalSandboxes:
+    """The sandboxes of one process, under `root` (a fresh temporary folder by default)."""
+
+    def __init__(self, root: Path | None = None, host_id: str = "local") -> None:
+        self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="belayer-sandboxes-"))
+        self.host_id = host_id
+        self.steps: dict[str, int] = {}  # sandbox -> actions it has completed
+
+    def folder(self, sandbox: str) -> Path:
+        if not SANDBOX_ID.fullmatch(sandbox):
+            raise ServiceError("bad-request", f"bad sandbox id {sandbox!r}")
+        return self.root / sandbox
+
+    async def create(self, spec: SandboxSpec, sandbox: str = "", timeout_s: float = 60.0) -> SandboxInfo:
+        folder = self.folder(sandbox)
+        if sandbox in self.steps:
+            raise ServiceError("exists", f"sandbox {sandbox} exists")
+        await asyncio.to_thread(shutil.rmtree, folder, ignore_errors=True)  # an earlier process's
+        await asyncio.to_thread(folder.mkdir, parents=True)
+        self.steps[sandbox] = 0
+        return SandboxInfo(
+            sandbox=sandbox, host_id=self.host_id, container_id="", image=spec.image, state="running", step=0
+        )
+
+    async def exec(
+        self, sandbox: str, command: str, timeout_s: float = 60.0, expect_step: int | None = None
+    ) -> ExecResult:
+        folder = self.folder(sandbox)
+        if sandbox not in self.steps:
+            raise ServiceError("no-sandbox", f"no sandbox {sandbox}")
+        step = self.steps[sandbox]
+        if expect_step is not None and expect_step != step:
+            raise ServiceError("wrong-step", f"sandbox {sandbox} is at step {step}, not {expect_step}")
+        process = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", command,
+            cwd=folder, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True,  # its own group: killed whole
+        )  # fmt: skip
+        timed_out = False
+        try:
+            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = await process.communicate()
+        self.steps[sandbox] = step + 1
+        return ExecResult(
+            sandbox=sandbox,
+            step=step + 1,
+            exit_code=TIMED_OUT_EXIT if timed_out else int(process.returncode or 0),
+            stdout=stdout[-OUTPUT_CAP:].decode(errors="replace"),
+            stderr=stderr[-OUTPUT_CAP:].decode(errors="replace"),
+            timed_out=timed_out,
+            truncated=max(len(stdout), len(stderr)) > OUTPUT_CAP,
+        )
+
+    async def checkpoint(
+        self,
+        sandbox: str,
+        trajectory: str,
+        k: int,
+        context_tokens: list[int] | None = None,
+        context_ref: str = "",
+        timeout_s: float = 120.0,
+    ) -> CheckpointResult:
+        raise ServiceError("checkpoint-failed", "no checkpoints without Docker and CRIU")
+
+    async def restore(self, trajectory: str, timeout_s: float = 300.0) -> RestoreResult:
+        raise ServiceError("no-checkpoint", "no checkpoints without Docker and CRIU")
+
+    async def destroy(self, sandbox: str, timeout_s: float = 60.0) -> Ack:
+        folder = self.folder(sandbox)
+        self.steps.pop(sandbox, None)
+        await asyncio.to_thread(shutil.rmtree, folder, ignore_errors=True)
+        return Ack()
+
+    async def end(self, trajectory: str, timeout_s: float = 60.0) -> Ack:
+        return Ack()  # no checkpoint pointers to drop
+
+    async def close(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
