@@ -124,7 +124,7 @@ def forbidden_publishes(supervisor: Supervisor) -> dict[str, list[str]]:
         ],
         "trainer": [
             s.worker_dispatch("e0"),
-            s.sandbox_rpc("somehost", "create", "trainer"),
+            s.sandbox_rpc("somehost", "create", "cli"),  # its trajectories' sandboxes are its own
             f"$JS.API.STREAM.DELETE.OBJ_{s.weights_object_bucket}",  # it puts weights, never deletes
             f"$JS.API.STREAM.PURGE.OBJ_{s.weights_object_bucket}",
             stream_api % "PURGE",
@@ -145,6 +145,30 @@ async def test_an_unauthenticated_connection_is_refused(cluster: Supervisor) -> 
         await nats.connect(
             cluster.nats_url, allow_reconnect=False, **Access(creds=stranger).connect_options()
         )
+
+
+async def test_the_trainer_may_call_the_rollout_side_in_its_own_name(cluster: Supervisor) -> None:
+    """An agentic workload's samples are trajectories: the trainer's credential reaches the
+    checkpointer and the policy service and reports their events, as the rollout side does."""
+    s = cluster.subjects
+    allowed = [
+        *(
+            s.sandbox_rpc("somehost", verb, "trainer")
+            for verb in ("create", "exec", "checkpoint", "restore", "end")
+        ),
+        s.policy_decide,
+        *(
+            s.event(kind, "t1")
+            for kind in ("env_step", "llm_response", "checkpoint_timeout", "policy_fallback")
+        ),
+    ]
+    async with connected(cluster.nats_url, cluster.access("trainer")) as (nc, refusals):
+        for subject in allowed:
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        with pytest.raises(TimeoutError):  # no violation names any of them
+            await refusals.wait_for("|".join(allowed))
+        assert not [e for e in refusals.errors if "permissions violation" in e.lower()], refusals.errors
 
 
 @pytest.mark.parametrize("role", ["engine-e0", "shadow-supervisor-e0", "cli", "trainer"])
