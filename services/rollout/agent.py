@@ -41,12 +41,15 @@ from belayer_rl.services.policy.decision import Policy, ResponseTimes, decide
 from belayer_rl.services.policy.wire import decision_message, situation_of
 from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
 from belayer_rl.services.rollout.workloads import (
+    OBSERVATION_LIMIT,
     Choice,
     Task,
+    check_score,
     choose_action,
     math_reward,
     observation,
     response_tokens,
+    seen_output,
     turn_seed,
 )
 from belayer_rl.shared import bus, tokenizer
@@ -172,6 +175,9 @@ class StepRecord:
     response_len: int = 0  # tokens of the response before the action (none before the setup action)
     observation_len: int = 0  # tokens of the observation after it (none when it is not seen)
     allowed: tuple[int, ...] = ()  # the token set the response was drawn from (): any
+    exit_code: int = 0  # the action's, and what a check's verdict is read from
+    timed_out: bool = False
+    output: str = ""  # its stdout's tail (OBSERVATION_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -382,9 +388,7 @@ class Trajectory:
                     continue
                 turn = self.k - 1  # the setup is action 1; turn t follows action t + 1
                 if turn >= self.task.max_turns:
-                    if self.steps[-1].observation.endswith("[timed out]\n"):  # no verdict: no reward
-                        raise InfraError(f"the check did not end in {self.settings.action_timeout_s:g} s")
-                    return 1.0 if self.steps[-1].observation.endswith("[exit 0]\n") else 0.0
+                    return self.verdict(self.steps[-1])
                 last = turn == self.task.max_turns - 1
                 choice = self.task.answer_turn if last else self.task.choose_turn
                 # Folders have no checkpoints: no policy to consult while the response runs.
@@ -395,6 +399,18 @@ class Trajectory:
                 if exc.code not in ENV_FAILURES:
                     raise InfraError(f"{exc.code}: {exc}") from None
                 await self.recover(str(exc))
+
+    def verdict(self, check: StepRecord) -> float:
+        """The reward the check gave; a check with no verdict is an infrastructure error, never a
+        reward."""
+        if check.timed_out:
+            raise InfraError(f"the check did not end in {self.settings.action_timeout_s:g} s")
+        if not self.task.scored:
+            return 1.0 if check.exit_code == 0 else 0.0
+        try:
+            return check_score(check.output)
+        except ValueError as exc:
+            raise InfraError(str(exc)) from None
 
     def action_for(self, response: list[int], last: bool) -> str:
         """The action a response picks: on the last turn the check (given the response as its
@@ -618,11 +634,19 @@ class Trajectory:
                 await self.tell(self.services.policy.report_step(failed))
             raise
         env_s = self.clock() - started
-        text = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
-        text = text if seen else ""
+        if not seen:
+            text = ""
+        elif self.task.observe == "output":
+            text = seen_output(result.stdout, result.stderr)
+        else:
+            text = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
         seen_tokens = tokenizer.encode(text)
-        allowed = choice.allowed if choice is not None else ()
-        record = StepRecord(command, text, llm_s, env_s, len(response or []), len(seen_tokens), allowed)
+        record = StepRecord(
+            command, text, llm_s, env_s, len(response or []), len(seen_tokens),
+            allowed=choice.allowed if choice is not None else (),
+            exit_code=result.exit_code, timed_out=result.timed_out,
+            output=result.stdout[-OBSERVATION_LIMIT:],
+        )  # fmt: skip
         self.steps.append(record)
         self.context = self.context + (response or []) + seen_tokens
         self.mark("action", started, command, step=step)

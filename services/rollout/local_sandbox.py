@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,26 @@ from belayer_rl.shared.protocol import (
 SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as the checkpointer's (protocol.SandboxId)
 OUTPUT_CAP = 64 << 10  # bytes kept of each stream: the agent sees only the tail of it anyway
 TIMED_OUT_EXIT = 137  # what a killed action exits with, as in a container
+
+
+def run_action(folder: Path, command: str, timeout_s: float) -> tuple[bytes, bytes, int, bool]:
+    """`sh -c command` in `folder`: (stdout, stderr, exit code, timed out). Blocking. Spawned with
+    subprocess from a thread, not the event loop's spawn: that one forks the whole trainer (its
+    weights, hundreds of MiB), tens of milliseconds a fork, where subprocess takes vfork's
+    couple."""
+    process = subprocess.Popen(
+        ["/bin/sh", "-c", command],
+        cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: killed whole on a timeout
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        return stdout, stderr, process.returncode, False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        return stdout, stderr, TIMED_OUT_EXIT, True
 
 
 class LocalSandboxes:
@@ -67,24 +88,12 @@ class LocalSandboxes:
         step = self.steps[sandbox]
         if expect_step is not None and expect_step != step:
             raise ServiceError("wrong-step", f"sandbox {sandbox} is at step {step}, not {expect_step}")
-        process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", command,
-            cwd=folder, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,  # its own group: killed whole
-        )  # fmt: skip
-        timed_out = False
-        try:
-            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout_s)
-        except TimeoutError:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = await process.communicate()
+        stdout, stderr, exit_code, timed_out = await asyncio.to_thread(run_action, folder, command, timeout_s)
         self.steps[sandbox] = step + 1
         return ExecResult(
             sandbox=sandbox,
             step=step + 1,
-            exit_code=TIMED_OUT_EXIT if timed_out else int(process.returncode or 0),
+            exit_code=exit_code,
             stdout=stdout[-OUTPUT_CAP:].decode(errors="replace"),
             stderr=stderr[-OUTPUT_CAP:].decode(errors="replace"),
             timed_out=timed_out,

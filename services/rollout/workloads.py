@@ -8,9 +8,11 @@
   (or a model with at least 4,096 positions): a trajectory's context grows past 512 tokens.
 - "lookup": the agentic task the trainer learns (services/trainer/tasks.py). The setup writes a
   random code into the file `code`, out of the agent's sight; the agent's first turn is one
-  token that picks an action from a menu of four, one of which shows the code; its second turn is
-  the code's digits, passed to the check as its argument. Each turn draws only from its own token
-  set (`Choice`), so the model acts directly, with no script between its tokens and the sandbox.
+  token that picks an action from a menu of four, three of which print the code and one its size;
+  it sees the action's output; its second turn is the code's digits, passed to the check as its
+  argument. The check prints the fraction of digits right in place (the reward: 1 only for the
+  exact code) and exits 0 on the exact code. Each turn draws only from its own token set
+  (`Choice`), so the model acts directly, with no script between its tokens and the sandbox.
 
 The built-in model does not solve "math" or "shell"; the trajectories, failures and recoveries are
 real. It learns "lookup" in a few minutes of GRPO.
@@ -30,6 +32,7 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from belayer_rl.shared import tokenizer
 
@@ -67,6 +70,12 @@ class Task:
     # shell: the last turn is this choice, its decoded tokens the check's argument
     answer_turn: Choice | None = None
     setup_seen: bool = True  # whether the setup's observation joins the context
+    # What the agent sees of an action: "command", its command line, output and exit status
+    # (`observation`); "output", its output alone.
+    observe: Literal["command", "output"] = "command"
+    # Whether the check prints a score, "<right>/<of>", as its last line: the reward is that
+    # fraction. Otherwise the reward is 1 when the check exits 0 and 0 when it does not.
+    scored: bool = False
 
     def __post_init__(self) -> None:
         if self.choose_turn is not None and len(self.choose_turn.allowed) != len(self.menu):
@@ -108,6 +117,23 @@ def observation(command: str, exit_code: int, stdout: str, stderr: str, timed_ou
     output = (stdout + stderr)[-OBSERVATION_LIMIT:]
     status = "timed out" if timed_out else f"exit {exit_code}"
     return f"\n$ {command}\n{output}[{status}]\n"
+
+
+def seen_output(stdout: str, stderr: str) -> str:
+    """What the agent sees of an action in a task that observes outputs alone (bounded)."""
+    return (stdout + stderr)[-OBSERVATION_LIMIT:]
+
+
+SCORE = re.compile(r"(\d+)/(\d+)")
+
+
+def check_score(output: str) -> float:
+    """The score a scored check printed as its last line; ValueError when there is none."""
+    lines = output.strip().splitlines()
+    found = SCORE.fullmatch(lines[-1].strip()) if lines else None
+    if found is None or not 0 <= int(found[1]) <= int(found[2]) or int(found[2]) == 0:
+        raise ValueError(f"the check printed no score <right>/<of>: {output[-80:]!r}")
+    return int(found[1]) / int(found[2])
 
 
 def math_reward(task: Task, response: list[int]) -> float:
@@ -177,10 +203,20 @@ def shell_tasks(count: int, turns: int = 8, action_s: float = 0.3) -> list[Task]
 DIGITS = "0123456789"
 DIGIT_TOKENS = tuple(tokenizer.encode(DIGITS))
 LOOKUP_PROMPT = "find the code\n"
-# The action menu: one token each, and only the first shows the code. Paths are relative: the
-# sandbox's working folder (a container's /tmp, a scratch folder without Docker) holds the files.
-LOOKUP_MENU = ("cat code", "wc -c code", "echo hello", "cat check.sh")
+# The action menu, one token each: three actions print the code, the last only its size. Paths are
+# relative: the sandbox's working folder (a container's /tmp, a scratch folder without Docker)
+# holds the files.
+LOOKUP_MENU = ("cat code", "head -n 1 code", "tail -n 1 code", "wc -c code")
 MENU_TOKENS = tuple(tokenizer.encode("abcd"))
+# The check: the characters of its argument right in place, of the longer of it and the code (so
+# only the exact code scores 1) on a line of its own, then exit 0 on the exact code.
+LOOKUP_CHECK = """c=$(cat code); a=$1; n=0; i=1; m=${#c}; [ "${#a}" -gt "$m" ] && m=${#a}
+while [ "$i" -le "$m" ]; do
+  [ "$(printf %s "$a" | cut -c "$i")" = "$(printf %s "$c" | cut -c "$i")" ] && n=$((n + 1))
+  i=$((i + 1))
+done
+printf '\n%s/%s\n' "$n" "$m"
+[ "$a" = "$c" ]"""
 
 
 CONTROL_ACTION = "echo -"  # the control's every action: the same observation whatever the code
@@ -196,12 +232,14 @@ def lookup_task(code: str, control: bool = False) -> Task:
         task_id=f"lookup-{code}",
         prompt=LOOKUP_PROMPT,
         max_turns=2,
-        setup=f"printf '{code}\\n' > code && printf '[ \"$1\" = \"$(cat code)\" ]\\n' > check.sh",
+        setup=f"echo {code} > code && cat > check.sh <<'END'\n{LOOKUP_CHECK}\nEND",
         check="sh check.sh",
         menu=(CONTROL_ACTION,) * len(LOOKUP_MENU) if control else LOOKUP_MENU,
         choose_turn=Choice(MENU_TOKENS, 1),
         answer_turn=Choice(DIGIT_TOKENS, len(code)),
         setup_seen=False,
+        observe="output",
+        scored=True,
     )
 
 

@@ -112,10 +112,14 @@ class Lookup:
         return lookup_task(item, control=self.control)
 
     def reward(self, item: str, answer: list[int]) -> float:
-        """Scored again from a trajectory's tokens after its prompt (the reward group's work): 1
-        when it ends with the check of exactly `item` and the check's success."""
-        check = self.rollout_task(item).check
-        return 1.0 if tokenizer.decode(answer).endswith(f"\n$ {check} {item}\n[exit 0]\n") else 0.0
+        """Scored again from a trajectory's tokens after its prompt (the reward group's work),
+        without the sandbox: the answer is the `length` digits that end the line before the check's
+        score; the reward, the fraction of them right in place, as the check computes it."""
+        lines = tokenizer.decode(answer).split("\n")  # ..., "<action output><answer>", "<score>", ""
+        given = lines[-3][-self.length :] if len(lines) >= 3 else ""
+        if len(given) != self.length or not given.isdigit():
+            return 0.0
+        return sum(a == b for a, b in zip(given, item, strict=True)) / self.length
 
 
 TrainTask = ReverseDigits | Lookup

@@ -15,7 +15,13 @@ import torch
 
 from belayer_rl.services.rollout.agent import RolloutSettings, Services, Trajectory, TrajectoryResult
 from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
-from belayer_rl.services.rollout.workloads import DIGIT_TOKENS, LOOKUP_MENU, MENU_TOKENS, lookup_task
+from belayer_rl.services.rollout.workloads import (
+    DIGIT_TOKENS,
+    LOOKUP_MENU,
+    MENU_TOKENS,
+    check_score,
+    lookup_task,
+)
 from belayer_rl.services.trainer.actor import initial_weights, padded, token_logprobs
 from belayer_rl.services.trainer.tasks import Lookup
 from belayer_rl.shared import tokenizer
@@ -88,7 +94,7 @@ async def test_a_lookup_trajectory_records_its_turns_and_is_rewarded_by_the_chec
         assert result.actions[:2] == [lookup_task(code).setup, action]
         assert result.observations[0] == ""  # the setup names the code: the agent never sees it
         seen = result.observations[1]
-        assert (code in seen) == (action == "cat code"), (action, seen)
+        assert seen == (f"{code}\n" if action != "wc -c code" else "4 code\n"), (action, seen)
         observed = tokenizer.encode(seen)
         answer = rest[len(observed) : len(observed) + 3]
         assert all(t in DIGIT_TOKENS for t in answer)
@@ -99,15 +105,21 @@ async def test_a_lookup_trajectory_records_its_turns_and_is_rewarded_by_the_chec
         assert result.token_sets == [1] + [0] * len(observed) + [2, 2, 2] + [0] * (
             len(rest) - len(observed) - 3
         )
-        assert result.reward == float(tokenizer.decode(answer) == code)
+        given = tokenizer.decode(answer)
+        assert result.reward == sum(a == b for a, b in zip(given, code, strict=True)) / 3
         assert result.reward == Lookup().reward(code, result.context_tokens[len(prompt) :])
     assert len(actions) >= 2, actions  # the model's token picks the action
-    # The check is the judge: the right answer passes it and a wrong one does not.
+    # The check is the judge: only the exact answer scores 1 and passes.
     await sandboxes.create(SandboxSpec(image="local"), sandbox="judge")
     await sandboxes.exec("judge", lookup_task(code).setup)
-    assert (await sandboxes.exec("judge", "sh check.sh 042")).exit_code == 0
-    assert (await sandboxes.exec("judge", "sh check.sh 043")).exit_code != 0
-    assert (await sandboxes.exec("judge", "sh check.sh '042 '")).exit_code != 0
+    for answer, score, exit_code in (
+        ("042", 1.0, 0),
+        ("043", 2 / 3, 1),
+        ("'042 '", 3 / 4, 1),
+        ("''", 0.0, 1),
+    ):
+        verdict = await sandboxes.exec("judge", f"sh check.sh {answer}")
+        assert (check_score(verdict.stdout), verdict.exit_code) == (score, exit_code), answer
 
 
 async def test_a_broken_task_ends_as_an_infrastructure_error_never_a_reward(
