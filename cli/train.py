@@ -269,7 +269,7 @@ async def train(config: TrainConfig, faults: FaultManagerConfig, rollout: Rollou
     }
     (config.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(
-        f"{task.name}: held-out exact match {before:.0%} -> {after:.0%} (chance {task.chance:.0%}) after"
+        f"{task.name}: held-out exact match {before:.1%} -> {after:.1%} (chance {task.chance:.1%}) after"
         f" {trainer.step} steps; weights {trainer.version}; see {config.out}"
     )
     return 0

@@ -47,6 +47,8 @@ TRAINER = Service(
         uid=2005,
         note="""A GRPO training run (README, "Training"): a job, not a daemon, started on demand:
   docker compose --profile train run --rm trainer [--steps N --chaos actor@3:kill ...]
+  docker compose --profile train run --rm trainer --workload lookup   (agentic: the Compose
+    checkpointer's sandboxes, the policy service's checkpoints)
 Its worker groups (actor ranks, reward) are processes inside its container, under its fault
 manager. The step log, reward curve and checkpoints go to the volume `train`, so a rerun with
 the same flags resumes from its last checkpoint. Metrics and /healthz on :9100 while it runs.""",
@@ -67,6 +69,8 @@ the same flags resumes from its last checkpoint. Metrics and /healthz on :9100 w
                 "/var/lib/belayer/run",
                 "--checkpoint-every",
                 "5",
+                "--host-id",  # an agentic workload's sandboxes: the Compose checkpointer's
+                "$BELAYER_HOST_ID",
             ],
             "command": ["--steps", "$BELAYER_TRAIN_STEPS"],
             "volumes": [
