@@ -810,8 +810,9 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     async def accuracy(self, items: tuple[str, ...] | list[str], version: str | None = None) -> float:
-        """Exact-match accuracy of greedy answers on `items`, generated on `version` (the newest
-        this trainer published by default) through the router."""
+        """Exact-match accuracy of greedy answers on `items` (of greedy trajectories, in an agentic
+        workload), generated on `version` (the newest this trainer published by default) through
+        the router."""
         version = version or self.version
         if not version:
             raise ValueError("nothing published yet: call publish() first")
@@ -823,7 +824,7 @@ class Trainer:
                 trajectory_id = f"{self.settings.run}-eval-{version.rpartition(':')[2][:12]}-{item}"
                 async with gate:
                     result = await self.trajectory(trajectory_id, task, item, 0, version, greedy=True).run()
-                return result.reward
+                return 1.0 if result.reward == 1.0 else 0.0  # exact: the reward is partial below it
             async with gate:
                 generation = await self.client.generate_all(
                     task.prompt_tokens(item),

@@ -24,6 +24,7 @@ from belayer_rl.services.rollout.workloads import (
 )
 from belayer_rl.services.trainer.actor import initial_weights, padded, token_logprobs
 from belayer_rl.services.trainer.tasks import Lookup
+from belayer_rl.services.trainer.trainer import Trainer, TrainSettings
 from belayer_rl.shared import tokenizer
 from belayer_rl.shared.model import sequence_logits
 from belayer_rl.shared.presets import PRESETS
@@ -140,3 +141,23 @@ async def test_a_broken_task_ends_as_an_infrastructure_error_never_a_reward(
         ).run()
         assert (result.status, result.reward) == ("infra-error", 0.0), result
         assert why in result.error, result.error
+
+
+async def test_held_out_accuracy_counts_exact_codes_only(train_cluster: Cluster, tmp_path: Path) -> None:
+    """The trainer's accuracy on lookup is the exact-match rate of greedy trajectories, not their
+    mean partial reward: on codes where the untrained policy gets some digits right but none whole,
+    it is 0 while the mean reward is not."""
+    task = Lookup()
+    rollout = RolloutSettings(host_id="local", policy="never", fallback_policy="never", scripted=False)
+    settings = TrainSettings(run="acc", steps=0, rollout=rollout)
+    trainer = Trainer(train_cluster.client, task, settings, sandboxes=LocalSandboxes(tmp_path / "sandboxes"))
+    await trainer.publish()
+    items = task.held_out[:16]
+    greedy = [
+        await trainer.trajectory(f"check-{item}", task, item, 0, trainer.version, greedy=True).run()
+        for item in items
+    ]
+    exact = sum(r.reward == 1.0 for r in greedy) / len(items)
+    mean_reward = sum(r.reward for r in greedy) / len(items)
+    assert exact != mean_reward, (exact, mean_reward)  # partial credit among them: the two differ
+    assert await trainer.accuracy(items) == exact
