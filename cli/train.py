@@ -133,6 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.chaos and config.backend == "inline":
         raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
     from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, GroupFault, RescheduleNeeded
+    from belayer_rl.services.trainer.trainer import TrajectoryFailed
 
     # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
     config = replace(config, out=config.out.absolute())
@@ -141,6 +142,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
         where = f" (the ranks' logs: {config.out / 'actor' / 'logs'})" if config.backend == "local" else ""
         raise SystemExit(f"belayer train: {exc}{where}") from None
+    except ExceptionGroup as errors:  # from a step's or an evaluation's trajectories
+        failed, other = errors.split(TrajectoryFailed)
+        if failed is None or other is not None:
+            raise
+        count = len(failed.exceptions)
+        raise SystemExit(
+            f"belayer train: {count} trajectories failed; the first: {failed.exceptions[0]}"
+        ) from None
 
 
 async def train(
@@ -272,6 +281,8 @@ async def train(
             done = chaos.fired(fault, config.out / "actor", config.world)
             print(f"chaos: {fault}: {'fired' if done else 'not reached'}", flush=True)
         after = await trainer.accuracy(task.held_out) if config.held_out else None
+        if sandboxes is not None:  # the folders of the trajectories that ended (a failed run keeps them)
+            await sandboxes.close()
     if steps:
         plot_rewards(steps, config.out / "reward.png", f"{task.name}, seed {config.seed}")
     summary = {

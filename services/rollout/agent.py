@@ -462,6 +462,10 @@ class Trajectory:
                 if not request.done():
                     request.cancel()
                     await asyncio.wait([request])  # its end, without re-raising it (or our own cancel)
+            if self.weight_version and generation.weight_version != self.weight_version:
+                raise InfraError(
+                    f"a turn came back from {generation.weight_version}, not {self.weight_version}"
+                )
             if choice is not None and len(generation.tokens) != choice.length:  # never a partial choice
                 why = f"{len(generation.tokens)} of {choice.length} tokens ({generation.finish_reason})"
                 self.mark("turn", started, f"cut short (attempt {attempt}): {why}")

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from belayer_rl.shared.bus import ServiceError
@@ -58,10 +59,13 @@ def run_action(folder: Path, command: str, timeout_s: float) -> tuple[bytes, byt
 class LocalSandboxes:
     """The sandboxes of one process, under `root` (a fresh temporary folder by default)."""
 
-    def __init__(self, root: Path | None = None, host_id: str = "local") -> None:
+    def __init__(self, root: Path | None = None, host_id: str = "local", actions_at_once: int = 64) -> None:
         self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="belayer-sandboxes-"))
         self.host_id = host_id
         self.steps: dict[str, int] = {}  # sandbox -> actions it has completed
+        # Actions wait in threads of their own: the loop's default pool (a few threads) would run
+        # a handful at once, and share them with the trainer's file and torch work.
+        self.threads = ThreadPoolExecutor(actions_at_once, thread_name_prefix="local-sandbox")
 
     def folder(self, sandbox: str) -> Path:
         if not SANDBOX_ID.fullmatch(sandbox):
@@ -88,7 +92,10 @@ class LocalSandboxes:
         step = self.steps[sandbox]
         if expect_step is not None and expect_step != step:
             raise ServiceError("wrong-step", f"sandbox {sandbox} is at step {step}, not {expect_step}")
-        stdout, stderr, exit_code, timed_out = await asyncio.to_thread(run_action, folder, command, timeout_s)
+        loop = asyncio.get_running_loop()
+        stdout, stderr, exit_code, timed_out = await loop.run_in_executor(
+            self.threads, run_action, folder, command, timeout_s
+        )
         self.steps[sandbox] = step + 1
         return ExecResult(
             sandbox=sandbox,
@@ -124,4 +131,6 @@ class LocalSandboxes:
         return Ack()  # no checkpoint pointers to drop
 
     async def close(self) -> None:
+        """Every folder removed; the actions still running are waited for."""
+        await asyncio.to_thread(self.threads.shutdown)
         await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)

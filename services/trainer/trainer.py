@@ -401,7 +401,7 @@ class Trainer:
             refused, other = errors.split((bus.ServiceError, GenerationError, TrajectoryFailed))
             if refused is None or other is not None:  # a bug among them is no rollout fault
                 raise
-            raise GroupFault("exception", -1, f"the router: {refused.exceptions[0]}") from errors
+            raise GroupFault("exception", -1, f"the rollout side: {refused.exceptions[0]}") from errors
 
     async def generate(
         self,
@@ -486,8 +486,16 @@ class Trainer:
         return [t.result() for t in tasks]
 
     def trajectory(
-        self, trajectory_id: str, task: Lookup, item: str, seed: int, version: str, greedy: bool
+        self,
+        trajectory_id: str,
+        task: Lookup,
+        item: str,
+        seed: int,
+        version: str,
+        greedy: bool,
+        progress: Callable[[], None] = lambda: None,
     ) -> Trajectory:
+        """`progress` is called before each of its actions: what the hang detector sees move."""
         assert self.services is not None and self.settings.rollout is not None  # an agentic task has them
         settings = self.settings.rollout
         return Trajectory(
@@ -498,6 +506,7 @@ class Trainer:
             services=self.services,
             clock=lambda: time.monotonic() - self.clock_zero,
             weight_version=version,
+            on_action=lambda trajectory, step: progress(),
         )
 
     async def run_trajectories(
@@ -513,14 +522,14 @@ class Trainer:
 
         async def one(index: int, item: str) -> Sample:
             seed = sample_seed(s.seed, step, index)
-            digest = hashlib.sha256(f"{version}|{seed}|{item}".encode()).hexdigest()[:10]
+            # The task's name too: a control run beside it, same seed, must not share its sandboxes.
+            digest = hashlib.sha256(f"{task.name}|{version}|{seed}|{item}".encode()).hexdigest()[:10]
             trajectory_id = f"{s.run}-s{step}-{index}-{digest}"
             result = self.finished.get(trajectory_id)
             if result is None:
                 async with gate:
-                    result = await self.trajectory(
-                        trajectory_id, task, item, seed, version, greedy=False
-                    ).run()
+                    trajectory = self.trajectory(trajectory_id, task, item, seed, version, False, finished)
+                    result = await trajectory.run()
                 finished()
                 if result.status != "done":
                     raise TrajectoryFailed(f"trajectory {trajectory_id}: {result.error}")
@@ -820,10 +829,13 @@ class Trainer:
         task = self.task
 
         async def one(item: str) -> float:
-            if isinstance(task, Lookup):  # a greedy trajectory; an infrastructure error scores 0
-                trajectory_id = f"{self.settings.run}-eval-{version.rpartition(':')[2][:12]}-{item}"
+            if isinstance(task, Lookup):  # a greedy trajectory
+                digest = hashlib.sha256(f"{task.name}|{version}".encode()).hexdigest()[:10]
+                trajectory_id = f"{self.settings.run}-eval-{digest}-{item}"
                 async with gate:
                     result = await self.trajectory(trajectory_id, task, item, 0, version, greedy=True).run()
+                if result.status != "done":  # no score: an accuracy with it in would be wrong
+                    raise TrajectoryFailed(f"held-out trajectory {trajectory_id}: {result.error}")
                 return 1.0 if result.reward == 1.0 else 0.0  # exact: the reward is partial below it
             async with gate:
                 generation = await self.client.generate_all(

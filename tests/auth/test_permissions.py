@@ -154,7 +154,7 @@ async def test_the_trainer_may_call_the_rollout_side_in_its_own_name(cluster: Su
     allowed = [
         *(
             s.sandbox_rpc("somehost", verb, "trainer")
-            for verb in ("create", "exec", "checkpoint", "restore", "end")
+            for verb in ("create", "exec", "checkpoint", "restore", "end", "destroy", "list")
         ),
         s.policy_decide,
         *(
@@ -166,8 +166,7 @@ async def test_the_trainer_may_call_the_rollout_side_in_its_own_name(cluster: Su
         for subject in allowed:
             await nc.publish(subject, b"{}")
         await nc.flush()
-        with pytest.raises(TimeoutError):  # no violation names any of them
-            await refusals.wait_for("|".join(allowed))
+        await asyncio.sleep(VIOLATION_WAIT_S)  # what a refusal would take to arrive
         assert not [e for e in refusals.errors if "permissions violation" in e.lower()], refusals.errors
 
 

@@ -24,7 +24,7 @@ from belayer_rl.services.rollout.workloads import (
 )
 from belayer_rl.services.trainer.actor import initial_weights, padded, token_logprobs
 from belayer_rl.services.trainer.tasks import Lookup
-from belayer_rl.services.trainer.trainer import Trainer, TrainSettings
+from belayer_rl.services.trainer.trainer import StepResult, Trainer, TrainSettings
 from belayer_rl.shared import tokenizer
 from belayer_rl.shared.model import sequence_logits
 from belayer_rl.shared.presets import PRESETS
@@ -161,3 +161,20 @@ async def test_held_out_accuracy_counts_exact_codes_only(train_cluster: Cluster,
     mean_reward = sum(r.reward for r in greedy) / len(items)
     assert exact != mean_reward, (exact, mean_reward)  # partial credit among them: the two differ
     assert await trainer.accuracy(items) == exact
+
+
+async def test_the_update_counts_only_the_models_tokens(train_cluster: Cluster, tmp_path: Path) -> None:
+    """Two inline steps on lookup trajectories: the actor trains on exactly the tokens the model
+    chose (one menu token and three digits a trajectory), none of the observations'."""
+    task = Lookup()
+    rollout = RolloutSettings(host_id="local", policy="never", fallback_policy="never", scripted=False)
+    settings = TrainSettings(run="inline", steps=2, prompts_per_step=4, group_size=4, seed=2, rollout=rollout)
+    trainer = Trainer(train_cluster.client, task, settings, sandboxes=LocalSandboxes(tmp_path / "sandboxes"))
+    results: list[StepResult] = []
+    await trainer.run(results.append)
+    assert [r.event.step for r in results] == [1, 2]
+    for result in results:
+        observed = sum(len(x.answer) - sum(x.loss_mask) for x in result.samples)
+        assert observed > 0  # observation tokens were in the samples...
+        assert result.stats.tokens == 4 * len(result.samples)  # ...and out of the loss
+        assert all(x.trajectory is not None and x.trajectory.status == "done" for x in result.samples)
