@@ -29,8 +29,14 @@ from belayer_rl.shared import tokenizer
 SEPARATOR = ">"
 
 
-def split(items: list[str], held_out_fraction: float, seed: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(train, held out), each sorted: a seeded permutation cut once."""
+def digit_strings(
+    workload: str, length: int, held_out_fraction: float, seed: int
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Every string of `length` digits, as (train, held out), each sorted: a seeded permutation cut
+    once."""
+    if not 1 <= length <= 6:
+        raise ValueError(f"{workload}: length must be 1..6, got {length}")
+    items = ["".join(p) for p in itertools.product(DIGITS, repeat=length)]
     random.Random(seed).shuffle(items)
     cut = max(1, int(len(items) * held_out_fraction))
     return tuple(sorted(items[cut:])), tuple(sorted(items[:cut]))
@@ -45,10 +51,7 @@ class ReverseDigits:
     held_out: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.length <= 6:
-            raise ValueError(f"reverse: length must be 1..6, got {self.length}")
-        strings = ["".join(p) for p in itertools.product(DIGITS, repeat=self.length)]
-        train, held_out = split(strings, self.held_out_fraction, self.split_seed)
+        train, held_out = digit_strings("reverse", self.length, self.held_out_fraction, self.split_seed)
         object.__setattr__(self, "train", train)
         object.__setattr__(self, "held_out", held_out)
 
@@ -89,10 +92,7 @@ class Lookup:
     held_out: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.length <= 6:
-            raise ValueError(f"lookup: length must be 1..6, got {self.length}")
-        codes = ["".join(p) for p in itertools.product(DIGITS, repeat=self.length)]
-        train, held_out = split(codes, self.held_out_fraction, self.split_seed)
+        train, held_out = digit_strings("lookup", self.length, self.held_out_fraction, self.split_seed)
         object.__setattr__(self, "train", train)
         object.__setattr__(self, "held_out", held_out)
 

@@ -23,10 +23,10 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -477,11 +477,16 @@ class Trainer:
                 resumes=generation.resumes,
             )
 
+        return await self.each_sample(items, one)
+
+    async def each_sample(
+        self, items: list[str], one: Callable[[int, str], Coroutine[Any, Any, Sample]]
+    ) -> list[Sample]:
+        """`one(index, item)` for the G samples of each item, at once, in group order."""
+        g = self.settings.group_size
         async with asyncio.TaskGroup() as group:
             tasks = [
-                group.create_task(one(p * s.group_size + g, item))
-                for p, item in enumerate(items)
-                for g in range(s.group_size)
+                group.create_task(one(p * g + i, item)) for p, item in enumerate(items) for i in range(g)
             ]
         return [t.result() for t in tasks]
 
@@ -536,13 +541,7 @@ class Trainer:
                 self.finished[trajectory_id] = result
             return self.sample_of(task, item, result, version)
 
-        async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(one(p * s.group_size + g, item))
-                for p, item in enumerate(items)
-                for g in range(s.group_size)
-            ]
-        return [t.result() for t in tasks]
+        return await self.each_sample(items, one)
 
     def sample_of(self, task: Lookup, item: str, result: TrajectoryResult, version: str) -> Sample:
         """A trajectory as a sample: its turn sets renumbered as the task's (`token_sets`)."""
