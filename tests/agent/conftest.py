@@ -26,18 +26,24 @@ class AgentCluster:
     host_id: str
 
 
-@pytest.fixture
-async def agent_cluster(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[AgentCluster]:
+async def sandbox_image(who: str) -> None:
+    """Docker with CRIU and the sandbox image ready; else a skip, or under CI=true a failure
+    naming `who` could not run."""
     reason = await asyncio.to_thread(_missing)  # it runs a loop of its own
     if reason is not None:
         if IN_CI:
-            pytest.fail(f"CI=true and the agent tests cannot run: {reason}")
+            pytest.fail(f"CI=true and {who} cannot run: {reason}")
         pytest.skip(reason)
     docker = aiodocker.Docker()
     try:
         await ensure_image(docker, DEFAULT_IMAGE)
     finally:
         await docker.close()
+
+
+@pytest.fixture
+async def agent_cluster(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[AgentCluster]:
+    await sandbox_image("the agent tests")
     options = {"engines": 1, "shadows": False, "sandboxes": True, "preset": "tiny-4k"}
     async with running_cluster(nats_server, tmp_path, **options) as cluster:
         assert {"checkpointer", "policy"} <= set(cluster.supervisor.children), cluster.supervisor.children

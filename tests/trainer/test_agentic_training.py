@@ -6,21 +6,18 @@ skips, except under CI=true, where it fails."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiodocker
 import pytest
 
 from belayer_rl.services.checkpointer.client import SandboxClient
-from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
 from belayer_rl.services.rollout.agent import RolloutSettings
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.services.trainer.tasks import Lookup
 from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
 from belayer_rl.shared.config import TrainerGroupConfig, hostname_id
-from tests.checkpointer.conftest import IN_CI, _missing
+from tests.agent.conftest import sandbox_image
 from tests.support import Cluster, NatsServer, running_cluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,16 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 async def sandbox_cluster(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Cluster]:
     """The trainer's cluster (tiny; the weight server comes with the shadows) with the checkpointer on
     the real dockerd and the policy service."""
-    reason = await asyncio.to_thread(_missing)
-    if reason is not None:
-        if IN_CI:
-            pytest.fail(f"CI=true and the agentic training test cannot run: {reason}")
-        pytest.skip(reason)
-    docker = aiodocker.Docker()
-    try:
-        await ensure_image(docker, DEFAULT_IMAGE)
-    finally:
-        await docker.close()
+    await sandbox_image("the agentic training test")
     options = {"engines": 1, "shadows": True, "sandboxes": True, "preset": "tiny"}
     async with running_cluster(nats_server, tmp_path / "cluster", **options) as cluster:
         yield cluster
