@@ -20,7 +20,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -364,14 +364,15 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             if config.auth:
                 creds_dir = config.state_dir / "creds"
                 server_config = write_credentials(config, creds_dir)
-            nats_process = await start_nats_server(
+            embedded = EmbeddedNats(
                 config.state_dir / "jetstream",
                 port,
                 config.state_dir / "logs" / "nats-server.log",
                 server_config,
-                sync_always=config.nats_sync_always,
+                config.nats_sync_always,
             )
-            stack.push_async_callback(stop_process, nats_process)
+            nats_process = await embedded.start()
+            stack.push_async_callback(embedded.stop)
             nats_url = f"nats://127.0.0.1:{port}"
         else:
             nats_url = config.nats_url
@@ -381,7 +382,10 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
         stack.push_async_callback(nc.close)
         supervisor = Supervisor(config, nats_url, nc, creds_dir)
         if nats_process is not None:
-            supervisor.others = [ProcessRecord(name="nats-server", pid=nats_process.pid, state="running")]
+            record = ProcessRecord(name="nats-server", pid=nats_process.pid, state="running")
+            supervisor.others = [record]
+            watcher = asyncio.create_task(embedded.keep_running(record, supervisor.write_state))
+            stack.push_async_callback(cancelled, watcher)
         await supervisor.start()
         try:
             yield supervisor
@@ -390,6 +394,56 @@ async def local_cluster(config: ClusterConfig) -> AsyncIterator[Supervisor]:
             for record in supervisor.others:
                 record.state = "stopped"
             supervisor.write_state()
+
+
+@dataclass
+class EmbeddedNats:
+    """The nats-server `belayer up` starts, started again on the same port and store if it dies
+    (the services' clients reconnect; JetStream recovers its store)."""
+
+    store: Path
+    port: int
+    log_file: Path
+    server_config: Path | None
+    sync_always: bool
+    process: asyncio.subprocess.Process | None = None
+    stopping: bool = False
+
+    async def start(self) -> asyncio.subprocess.Process:
+        self.process = await start_nats_server(
+            self.store, self.port, self.log_file, self.server_config, sync_always=self.sync_always
+        )
+        return self.process
+
+    async def keep_running(self, record: ProcessRecord, changed: Callable[[], None]) -> None:
+        while not self.stopping:
+            assert self.process is not None
+            code = await self.process.wait()
+            if self.stopping:
+                return
+            log.warning("nats-server pid %d exited with %s: starting it again", record.pid, code)
+            record.state, record.restarts = "restarting", record.restarts + 1
+            changed()
+            while not self.stopping:
+                try:
+                    record.pid = (await self.start()).pid
+                    break
+                except RuntimeError as exc:  # its port not yet free, say
+                    log.warning("nats-server did not start again: %s", exc)
+                    await asyncio.sleep(1.0)
+            record.state = "running"
+            changed()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self.process is not None:
+            await stop_process(self.process)
+
+
+async def cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def role_creds(creds_dir: Path | None, role: str) -> Path | None:
