@@ -37,6 +37,8 @@ from belayer_rl.shared.bus import Target
 from belayer_rl.shared.config import TrainerGroupConfig, hostname_id, same_as, setting
 
 if TYPE_CHECKING:
+    from belayer_rl.services.trainer.group_faults import Running
+    from belayer_rl.services.trainer.rollout_faults import RolloutChaos
     from belayer_rl.shared.metrics import TrainerMetrics
     from belayer_rl.shared.protocol import TrainerStep
 
@@ -82,7 +84,8 @@ class TrainConfig:
     chaos: str = setting(
         "",
         "faults to inject: GROUP@STEP:ACTION[@POINT],... (actor|reference|reward, kill|stop;"
-        " points forward, backward, publish, state-write), e.g. actor@3:kill,actor@5:kill@backward",
+        " points forward, backward, publish, state-write; the local cluster's worker|router kill|stop,"
+        " sandbox kill|pause, checkpointer kill, nats restart), e.g. actor@3:kill,worker@2:stop",
     )
     chaos_seed: int = setting(0, "seeds the faults' delays and ranks")
     metrics_port: int = setting(-1, "serve Prometheus metrics here (0: a free port; -1: off)")
@@ -137,8 +140,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
     config = replace(config, out=config.out.absolute())
+    from belayer_rl.cli.up import read_cluster
+
+    chaos_target = None  # the rollout side's faults need an operator's view of the local cluster
+    if any(f.rollout for f in chaos.schedule(config.chaos, config.chaos_seed)):
+        if read_cluster(args.state_dir.resolve()) is None:
+            raise SystemExit(
+                f"belayer train: rollout-side faults (--chaos) need the local cluster `belayer up` started;"
+                f" none recorded in {args.state_dir} (--state-dir)"
+            )
+        chaos_target = (resolve_target(args, role="admin"), args.state_dir.resolve())
     try:
-        return uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer")))
+        return uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer"), chaos_target))
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
         where = f" (the ranks' logs: {config.out / 'actor' / 'logs'})" if config.backend == "local" else ""
         raise SystemExit(f"belayer train: {exc}{where}") from None
@@ -153,14 +166,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 async def train(
-    config: TrainConfig, faults: FaultManagerConfig, rollout: RolloutSettings, target: Target
+    config: TrainConfig,
+    faults: FaultManagerConfig,
+    rollout: RolloutSettings,
+    target: Target,
+    chaos_target: tuple[Target, Path] | None = None,
 ) -> int:
+    """`chaos_target`: the local cluster, as an operator sees it, and its state folder (what the
+    rollout side's faults strike)."""
     import torch
 
     from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
     from belayer_rl.services.trainer import group_faults as chaos
     from belayer_rl.services.trainer.actor import ActorSettings
     from belayer_rl.services.trainer.grpo import GrpoConfig
+    from belayer_rl.services.trainer.oracle import RECORD
     from belayer_rl.services.trainer.plot import plot_rewards
     from belayer_rl.services.trainer.tasks import Lookup, workload
     from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
@@ -185,6 +205,7 @@ async def train(
         checkpoint_dir=config.out / "checkpoints" if config.checkpoint_every else None,
         actor=ActorSettings(lr=config.lr, ppo_epochs=config.ppo_epochs),
         grpo=GrpoConfig(kl_beta=config.kl_beta),
+        record=config.out / RECORD,
     )
     steps: list[TrainerStep] = []
     progress = Bar(config.steps, enabled=config.progress and sys.stderr.isatty())
@@ -262,20 +283,27 @@ async def train(
 
         for fault in planned:
             print(f"chaos (seed {config.chaos_seed}): {fault}", flush=True)
-        timed = [f for f in planned if not f.point]
+        timed = [f for f in planned if not f.point and not f.rollout]
         injected: list[str] = []
-        injector = asyncio.create_task(chaos.inject(trainer, timed, injected)) if timed else None
-        try:
-            await trainer.run(on_step)
-        finally:
-            log.close()
-            progress.close()
-            if injector is not None:
-                injector.cancel()
-                await asyncio.gather(injector, return_exceptions=True)
-        for line in injected:
+        injectors = [asyncio.create_task(chaos.inject(trainer, timed, injected))] if timed else []
+        struck = [f for f in planned if f.rollout]
+        async with contextlib.AsyncExitStack() as stack:
+            rollout_chaos = None
+            if struck:
+                assert chaos_target is not None  # cmd_train found the local cluster
+                rollout_chaos = await rollout_side_chaos(stack, trainer, settings.run, config, *chaos_target)
+                injectors.append(asyncio.create_task(rollout_chaos.inject(struck)))
+            try:
+                await trainer.run(on_step)
+            finally:
+                log.close()
+                progress.close()
+                for injector in injectors:
+                    injector.cancel()
+                await asyncio.gather(*injectors, return_exceptions=True)
+        for line in injected + (rollout_chaos.log if rollout_chaos is not None else []):
             print(f"chaos: {line}", flush=True)
-        for fault in timed[len(injected) :]:
+        for fault in timed[len(injected) :] + struck[len(rollout_chaos.log) if rollout_chaos else 0 :]:
             print(f"chaos: not carried out (the run ended first): {fault}", flush=True)
         for fault in (f for f in planned if f.point):
             done = chaos.fired(fault, config.out / "actor", config.world)
@@ -302,6 +330,28 @@ async def train(
     )
     print(f"{task.name}: {accuracy} after {trainer.step} steps; weights {trainer.version}; see {config.out}")
     return 0
+
+
+async def rollout_side_chaos(
+    stack: contextlib.AsyncExitStack,
+    trainer: Running,
+    run: str,
+    config: TrainConfig,
+    operator: Target,
+    state_dir: Path,
+) -> RolloutChaos:
+    """The rollout side's faults of the schedule, against the local cluster in `state_dir`."""
+    import aiodocker
+
+    from belayer_rl.services.trainer.rollout_faults import LocalCluster, RolloutChaos
+    from belayer_rl.shared.client import Client
+
+    client = await stack.enter_async_context(await Client.connect(operator, "trainer-chaos"))
+    docker = None
+    if config.sandbox == "docker":
+        docker = aiodocker.Docker()
+        stack.push_async_callback(docker.close)
+    return RolloutChaos(trainer, run, LocalCluster(client, docker, state_dir), config.chaos_seed)
 
 
 @contextlib.asynccontextmanager

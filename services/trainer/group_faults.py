@@ -1,9 +1,11 @@
-"""Chaos for trainer groups: a printed, seeded schedule of real signals to group workers.
+"""Chaos for a training run: a printed, seeded schedule of real faults, in every layer.
 
 A spec is a comma-separated list of `GROUP@STEP:ACTION[@POINT]`, for example `actor@3:kill,
-reward@5:kill,actor@7:stop,actor@4:kill@backward`. ACTION is `kill` (SIGKILL) or `stop` (SIGSTOP,
-a hang), aimed at a seeded rank of GROUP during step STEP (the step that starts once the trainer
-has finished STEP steps):
+reward@5:kill,actor@7:stop,actor@4:kill@backward,worker@2:stop,sandbox@1:pause`, each struck during
+step STEP (the step that starts once the trainer has finished STEP steps).
+
+The trainer's groups (`actor`, `reference`, `reward`) take `kill` (SIGKILL) or `stop` (SIGSTOP, a
+hang), aimed at a seeded rank of the group:
 
 - without a POINT, the trainer sends the signal a seeded delay into the step;
 - with one, the rank sends it to itself when its work reaches that point of the step: `forward`
@@ -15,6 +17,11 @@ has finished STEP steps):
 A point fires once: the rank leaves a mark beside the group's state file before it signals, so the
 rebuilt group, or a step replayed after a reschedule, runs through it. The same seed gives the
 same delays and ranks, so a schedule is repeatable and its printout says all.
+
+The rollout side's faults (ROLLOUT_ACTIONS) are struck by services/trainer/rollout_faults.py at
+whatever the step has in flight: `worker` (kill, stop: a serving engine's main), `router` (kill,
+stop: the lease holder), `sandbox` (kill, pause: a running trajectory's container), `checkpointer`
+(kill) and `nats` (restart: the nats-server killed and started again).
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from typing import Protocol
 
 POINTS = {"actor": ("forward", "backward", "publish", "state-write"), "reference": ("forward",),
           "reward": ("forward",)}  # fmt: skip
-SPEC = re.compile(r"(actor|reference|reward)@(\d+):(kill|stop)(?:@([a-z-]+))?")
+ROLLOUT_ACTIONS = {"worker": ("kill", "stop"), "router": ("kill", "stop"), "sandbox": ("kill", "pause"),
+                   "checkpointer": ("kill",), "nats": ("restart",)}  # fmt: skip
+SPEC = re.compile(r"([a-z]+)@(\d+):([a-z]+)(?:@([a-z-]+))?")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 RANK_ZERO_POINTS = ("publish", "state-write")  # rank 0 alone saves and publishes
 
@@ -45,10 +54,16 @@ class Fault:
     rank_draw: float  # in [0, 1): which rank, once the group's size is known
     point: str = ""  # a named point of the rank's work, or "" for a timed signal from the trainer
 
+    @property
+    def rollout(self) -> bool:
+        return self.group in ROLLOUT_ACTIONS
+
     def rank(self, world: int) -> int:
         return 0 if self.point in RANK_ZERO_POINTS else int(self.rank_draw * world)
 
     def __str__(self) -> str:
+        if self.rollout:
+            return f"{self.action} {self.group} {self.delay_s:.3f} s into step {self.step}, at work in flight"
         if self.point:
             return f"{self.action} {self.group} at {self.point} of step {self.step} (rank draw {self.rank_draw:.3f})"
         return f"{self.action} {self.group} {self.delay_s:.3f} s into step {self.step} (rank draw {self.rank_draw:.3f})"
@@ -60,12 +75,19 @@ def schedule(spec: str, seed: int, max_delay_s: float = 1.0) -> list[Fault]:
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         match = SPEC.fullmatch(part)
         if match is None:
-            raise ValueError(
-                f"--chaos: {part!r} is not GROUP@STEP:ACTION[@POINT] (actor|reference|reward, kill|stop)"
-            )
+            raise ValueError(f"--chaos: {part!r} is not GROUP@STEP:ACTION[@POINT]")
         group, step, action, point = match.group(1), int(match.group(2)), match.group(3), match.group(4) or ""
-        if point and point not in POINTS[group]:
-            raise ValueError(f"--chaos: {part!r}: {group} has the points {', '.join(POINTS[group])}")
+        actions = ROLLOUT_ACTIONS.get(group) or (("kill", "stop") if group in POINTS else None)
+        if actions is None:
+            raise ValueError(
+                f"--chaos: {part!r}: no group {group!r}; choose from {', '.join([*POINTS, *ROLLOUT_ACTIONS])}"
+            )
+        if action not in actions:
+            raise ValueError(f"--chaos: {part!r}: {group} takes {', '.join(actions)}")
+        if point and point not in POINTS.get(group, ()):
+            raise ValueError(
+                f"--chaos: {part!r}: {group} has the points {', '.join(POINTS.get(group, ())) or '(none)'}"
+            )
         faults.append(Fault(group, step, action, rng.uniform(0, max_delay_s), rng.random(), point))
     return sorted(faults, key=lambda f: (f.step, f.delay_s))
 
@@ -136,7 +158,7 @@ class Running(Protocol):
 async def inject(trainer: Running, faults: list[Fault], log: list[str]) -> None:
     """Carry out the timed `faults` (those without a point) against `trainer`'s groups; each one
     done is appended to `log`."""
-    for fault in (f for f in faults if not f.point):
+    for fault in (f for f in faults if not f.point and not f.rollout):
         while trainer.step < fault.step:  # noqa: ASYNC110 (the trainer has no event for it)
             await asyncio.sleep(0.01)
         await asyncio.sleep(fault.delay_s)

@@ -53,6 +53,7 @@ from belayer_rl.services.trainer.fault_manager import (
 )
 from belayer_rl.services.trainer.groups import ForkServer, LocalGroup
 from belayer_rl.services.trainer.grpo import GrpoConfig, group_advantages
+from belayer_rl.services.trainer.oracle import TrainedSample, TrainedStep
 from belayer_rl.services.trainer.ray_groups import RayGroup
 from belayer_rl.services.trainer.rollout_side import RolloutSide
 from belayer_rl.services.trainer.tasks import Lookup, TrainTask
@@ -104,6 +105,7 @@ class TrainSettings:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     # An agentic workload's trajectories: the checkpointer's host, the policy, the timeouts.
     rollout: RolloutSettings | None = None
+    record: Path | None = None  # each step's trained samples are appended here (services/trainer/oracle.py)
 
     def __post_init__(self) -> None:
         if not RUN_ID.fullmatch(self.run):
@@ -756,6 +758,8 @@ class Trainer:
                 generated_with = sorted({x.weight_version for x in samples})
                 stats, publish_s = await self.apply(samples)
                 update_s = time.perf_counter() - started - publish_s
+                if s.record is not None:
+                    await asyncio.to_thread(append_record, s.record, self.step, samples)
                 self.step += 1
                 self.position = after
                 self.next_rollout_version = pending_version if pending else self.version
@@ -849,6 +853,28 @@ class Trainer:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one(item)) for item in items]
         return sum(t.result() for t in tasks) / len(tasks)
+
+
+def append_record(path: Path, step: int, samples: list[Sample]) -> None:
+    """Step `step`'s trained samples, one line of the run's record (oracle.TrainedStep)."""
+    trained = TrainedStep(
+        step=step,
+        weight_version=samples[0].weight_version if samples else "",
+        samples=[
+            TrainedSample(
+                item=x.item,
+                trajectory=x.trajectory.trajectory if x.trajectory else "",
+                tokens=x.prompt + x.answer,
+                actions=x.trajectory.actions if x.trajectory else [],
+                observations=x.trajectory.observations if x.trajectory else [],
+                reward=x.reward,
+                error=x.trajectory.error if x.trajectory else "",
+            )
+            for x in samples
+        ],
+    )
+    with path.open("ab") as f:
+        f.write(msgspec.json.encode(trained) + b"\n")
 
 
 def sample_seed(run_seed: int, step: int, index: int) -> int:

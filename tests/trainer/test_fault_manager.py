@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from belayer_rl.services.trainer import checkpoint
 from belayer_rl.services.trainer import group_faults as chaos
+from belayer_rl.services.trainer import oracle
 from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, FaultManagerConfig
 from belayer_rl.services.trainer.tasks import DIGIT_TOKENS, ReverseDigits
 from belayer_rl.services.trainer.trainer import NO_METRICS, GroupBackend, Trainer, TrainSettings
@@ -74,13 +74,7 @@ def group_trainer(
 
 def final_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     assert trainer.group is not None
-    state = checkpoint.read(trainer.group.actor.state_file)
-    flat = {f"param.{k}": v for k, v in state["actor"]["params"].items()}
-    for index, slots in state["actor"]["optimizer"]["state"].items():
-        for name, value in slots.items():
-            flat[f"opt.{index}.{name}"] = torch.as_tensor(value)
-    flat["step"] = torch.tensor(state["step"])
-    return flat
+    return oracle.state_of(trainer.group.actor.state_file)
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
