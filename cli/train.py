@@ -37,7 +37,7 @@ from belayer_rl.shared.bus import Target
 from belayer_rl.shared.config import TrainerGroupConfig, hostname_id, same_as, setting
 
 if TYPE_CHECKING:
-    from belayer_rl.services.trainer.group_faults import Running
+    from belayer_rl.services.trainer.group_faults import Fault, Running
     from belayer_rl.services.trainer.rollout_faults import RolloutChaos
     from belayer_rl.shared.metrics import TrainerMetrics
     from belayer_rl.shared.protocol import TrainerStep
@@ -128,28 +128,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         if config.sandbox == "local":  # a folder has nothing to checkpoint
             rollout = replace(rollout, policy="never", fallback_policy="never")
-        chaos.schedule(config.chaos, config.chaos_seed)
+        planned = chaos.schedule(config.chaos, config.chaos_seed)
         if config.concurrency < 1:
             raise ValueError("--concurrency must be >= 1")
+        chaos_target = rollout_chaos_target(args, config, planned)
     except ValueError as exc:
         raise SystemExit(f"belayer train: {exc}") from None
-    if config.chaos and config.backend == "inline":
-        raise SystemExit("belayer train: --chaos needs worker groups to aim at (--backend local or ray)")
     from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, GroupFault, RescheduleNeeded
     from belayer_rl.services.trainer.trainer import TrajectoryFailed
 
     # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
     config = replace(config, out=config.out.absolute())
-    from belayer_rl.cli.up import read_cluster
-
-    chaos_target = None  # the rollout side's faults need an operator's view of the local cluster
-    if any(f.rollout for f in chaos.schedule(config.chaos, config.chaos_seed)):
-        if read_cluster(args.state_dir.resolve()) is None:
-            raise SystemExit(
-                f"belayer train: rollout-side faults (--chaos) need the local cluster `belayer up` started;"
-                f" none recorded in {args.state_dir} (--state-dir)"
-            )
-        chaos_target = (resolve_target(args, role="admin"), args.state_dir.resolve())
     try:
         return uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer"), chaos_target))
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
@@ -163,6 +152,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"belayer train: {count} trajectories failed; the first: {failed.exceptions[0]}"
         ) from None
+
+
+def rollout_chaos_target(
+    args: argparse.Namespace, config: TrainConfig, planned: list[Fault]
+) -> tuple[Target, Path] | None:
+    """What the schedule's rollout-side faults strike: the local cluster `belayer up` started, as
+    an operator sees it, and its state folder (None when the schedule has none). ValueError says
+    why the schedule cannot be carried out here."""
+    from belayer_rl.cli.up import read_cluster
+    from belayer_rl.services.trainer.tasks import Lookup, workload
+
+    if config.backend == "inline" and any(not f.rollout for f in planned):
+        raise ValueError("--chaos: the trainer's groups need --backend local or ray")
+    if not any(f.rollout for f in planned):
+        return None
+    state_dir = args.state_dir.resolve()
+    local = read_cluster(state_dir)
+    if local is None:
+        raise ValueError(
+            f"--chaos: the rollout side's faults strike the local cluster `belayer up` started;"
+            f" none is recorded in {state_dir} (--state-dir)"
+        )
+    if any(f.group == "nats" for f in planned) and "nats-server" not in {p.name for p in local.processes}:
+        raise ValueError(
+            f"--chaos nats: the cluster in {state_dir} did not start its nats-server (it was given"
+            " --nats), so nothing would start it again"
+        )
+    if any(f.group in ("sandbox", "checkpointer") for f in planned) and (
+        not isinstance(workload(config.workload), Lookup) or config.sandbox != "docker"
+    ):
+        raise ValueError("--chaos sandbox and checkpointer: they need Docker sandboxes (--workload lookup)")
+    return resolve_target(args, role="admin"), state_dir
 
 
 async def train(

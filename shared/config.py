@@ -570,6 +570,11 @@ class CheckpointerConfig(ServiceConfig):
         "chaos: SIGKILL this process when a checkpoint reaches this phase",
         choices=("", *CHECKPOINT_PHASES),
     )
+    debug_older_environment: bool = setting(
+        False,
+        "DEBUG, never in use: a restore gives the environment of the checkpoint before the one it"
+        " restores, with that one's context (the training oracle's mutation check)",
+    )
     object_store: bool = setting(False, "upload checkpoints to JetStream for restores on other hosts")
     replicas: int = same_as(RouterConfig, "replicas")
     allow_network: bool = setting(False, "let a sandbox ask for a network (`network: true`)")

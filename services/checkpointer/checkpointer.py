@@ -120,6 +120,7 @@ class Checkpointer:
         self.host = Host(
             host_id=config.host_id, engine=engine, store=self.store, kv=kv,
             max_layer_bytes=int(config.max_layer_gb * (1 << 30)), crash_at=config.crash_at,
+            debug_older_environment=config.debug_older_environment,
             policy=SandboxPolicy(
                 allow_network=config.allow_network,
                 allow_root_user=config.allow_root_user,

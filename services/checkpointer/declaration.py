@@ -120,5 +120,5 @@ therefore at the same path for the engine and for the checkpointer.""",
         },
     ),
     up=up,
-    up_settings=("docker_url",),
+    up_settings=("docker_url", "debug_older_environment"),
 )

@@ -42,6 +42,7 @@ class Host:
     max_layer_bytes: int  # a layer archive holding more is refused at restore
     policy: SandboxPolicy  # what a sandbox may ask for here
     crash_at: str = ""  # chaos testing: SIGKILL this process when a checkpoint reaches this phase
+    debug_older_environment: bool = False  # the training oracle's mutation: E_{k-1} restored with L_k
     # Checkpoint id -> restores of it that failed in a row for no proven reason (see full_restore).
     failed_restores: dict[str, tuple[int, float]] = field(default_factory=dict)  # (failures, first at)
 

@@ -58,9 +58,12 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
     the record runs the restored container at the result's step, incarnation and trajectory."""
     rejected: list[str] = []
     chosen: tuple[Manifest, Context] | None = None
-    for stored in candidates(host.store, current):
+    ordered = candidates(host.store, current)
+    for index, stored in enumerate(ordered):
         try:
             chosen = await restore_from(host, r, stored)
+            if host.debug_older_environment:
+                await older_environment(host, r, ordered[index + 1 :])
             break
         except (CorruptCheckpoint, layer.HostileLayer) as exc:  # its content is proven bad: garbage
             reason = f"{stored.name}: {type(exc).__name__}: {exc}"
@@ -132,6 +135,17 @@ async def full_restore(host: Host, r: SandboxRecord, current: PrefixPointer, sta
         context_ref=context.ref, context_digest=digest(context), rejected=rejected,
         restore_s=time.monotonic() - started,
     )  # fmt: skip
+
+
+async def older_environment(host: Host, r: SandboxRecord, older: list[Path]) -> None:
+    """The mutation a debug flag makes (never in use): the sandbox just restored from checkpoint k
+    runs the environment of the one before it (or the base image's) instead, while the restore
+    still answers with checkpoint k's step and context (a new container replaces the restored one)."""
+    if older:
+        await restore_from(host, r, older[0])
+        return
+    await fresh_container(host, r, await host.engine.inspect_image(r.image_id))
+    await host.engine.start(r.container_id)
 
 
 def candidates(store: Store, current: PrefixPointer) -> list[Path]:

@@ -40,6 +40,7 @@ POINTS = {"actor": ("forward", "backward", "publish", "state-write"), "reference
           "reward": ("forward",)}  # fmt: skip
 ROLLOUT_ACTIONS = {"worker": ("kill", "stop"), "router": ("kill", "stop"), "sandbox": ("kill", "pause"),
                    "checkpointer": ("kill",), "nats": ("restart",)}  # fmt: skip
+ROLLOUT_MAX_DELAY_S = 0.2
 SPEC = re.compile(r"([a-z]+)@(\d+):([a-z]+)(?:@([a-z-]+))?")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 RANK_ZERO_POINTS = ("publish", "state-write")  # rank 0 alone saves and publishes
@@ -88,7 +89,9 @@ def schedule(spec: str, seed: int, max_delay_s: float = 1.0) -> list[Fault]:
             raise ValueError(
                 f"--chaos: {part!r}: {group} has the points {', '.join(POINTS.get(group, ())) or '(none)'}"
             )
-        faults.append(Fault(group, step, action, rng.uniform(0, max_delay_s), rng.random(), point))
+        # The rollout side's faults come sooner: a step's generations may all end within a second.
+        delay_s = rng.uniform(0, ROLLOUT_MAX_DELAY_S if group in ROLLOUT_ACTIONS else max_delay_s)
+        faults.append(Fault(group, step, action, delay_s, rng.random(), point))
     return sorted(faults, key=lambda f: (f.step, f.delay_s))
 
 

@@ -40,10 +40,13 @@ class TrainedStep(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def lineage(folder: Path) -> dict[int, TrainedStep]:
-    """The steps the final weights carry: the latest record of each step."""
+    """The steps the final weights carry: the latest record of each step (none, for a run that
+    trained none: it has no record)."""
     decoder = msgspec.json.Decoder(TrainedStep)
     steps: dict[int, TrainedStep] = {}
     path = folder / RECORD
+    if not path.exists():
+        return steps
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
             step = decoder.decode(line)

@@ -134,11 +134,22 @@ async def run_the_schedule(
 FAST = FaultManagerConfig(hang_timeout_s=3.0, call_timeout_s=60.0, start_timeout_s=90.0)
 
 
+@pytest.fixture(scope="module")
+def twins() -> dict[str, dict[str, torch.Tensor]]:
+    """The fault-free twin's final state, run once for the module's tests: a run is a function of
+    its settings alone (the oracle's premise), and every test here compares with the same one."""
+    return {}
+
+
 @pytest.fixture
-async def twin(train_cluster: Cluster, tmp_path: Path) -> dict[str, torch.Tensor]:
-    trainer = group_trainer(train_cluster, tmp_path / "twin", settings("twin"), FAST)
-    await trainer.run()
-    return final_state(trainer)
+async def twin(
+    train_cluster: Cluster, tmp_path: Path, twins: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    if "twin" not in twins:
+        trainer = group_trainer(train_cluster, tmp_path / "twin", settings("twin"), FAST)
+        await trainer.run()
+        twins["twin"] = final_state(trainer)
+    return twins["twin"]
 
 
 async def fault_during(

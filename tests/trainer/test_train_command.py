@@ -59,3 +59,40 @@ def test_a_bad_chaos_spec_is_a_clear_error() -> None:
     assert (
         done.returncode != 0 and "is not GROUP@STEP:ACTION" in done.stderr and "Traceback" not in done.stderr
     )
+
+
+async def test_the_rollout_sides_faults_strike_work_in_flight_and_say_what_they_hit(
+    train_cluster: Cluster, tmp_path: Path
+) -> None:
+    """`--chaos` with the rollout side's faults, against the local cluster read from --state-dir:
+    the serving worker killed in step 1 and the router stopped in step 2, each while requests are
+    in flight; the run trains through both."""
+    state_dir = train_cluster.supervisor.config.state_dir
+    done = await asyncio.to_thread(
+        belayer, "--state-dir", str(state_dir), "--nats", train_cluster.nats.url, "train", "--backend",
+        "inline", "--steps", "3", "--prompts", "8", "--group-size", "8", "--length", "6", "--no-held-out",
+        "--out", "run",
+        "--chaos", "worker@1:kill,router@2:stop", "--chaos-seed", "1", timeout_s=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    struck = [line for line in done.stdout.splitlines() if line.startswith("chaos: ")]
+    assert len(struck) == 2, done.stdout
+    assert "kill worker" in struck[0] and "requests in flight" in struck[0], struck
+    assert "stop router" in struck[1] and "requests in flight" in struck[1], struck
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == [
+        "1",
+        "2",
+        "3",
+    ]
+    trained = (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()
+    assert len(trained) == 3
+
+
+def test_rollout_faults_it_cannot_carry_out_are_clear_errors(tmp_path: Path) -> None:
+    """No local cluster to strike, and a sandbox fault in a workload without sandboxes."""
+    nowhere = belayer("--state-dir", str(tmp_path), "--nats", "nats://127.0.0.1:1", "train", "--chaos",
+                      "worker@1:kill")  # fmt: skip
+    assert nowhere.returncode != 0 and "none is recorded in" in nowhere.stderr, nowhere.stderr
+    assert "Traceback" not in nowhere.stderr
+    wrong = belayer("--nats", "nats://127.0.0.1:1", "train", "--chaos", "sandbox@1:explode")
+    assert wrong.returncode != 0 and "sandbox takes kill, pause" in wrong.stderr, wrong.stderr
