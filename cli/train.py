@@ -37,8 +37,8 @@ from belayer_rl.shared.bus import Target
 from belayer_rl.shared.config import TrainerGroupConfig, hostname_id, same_as, setting
 
 if TYPE_CHECKING:
+    from belayer_rl.cli.chaos.training import RolloutChaos
     from belayer_rl.services.trainer.group_faults import Fault, Running
-    from belayer_rl.services.trainer.rollout_faults import RolloutChaos
     from belayer_rl.shared.metrics import TrainerMetrics
     from belayer_rl.shared.protocol import TrainerStep
 
@@ -364,7 +364,7 @@ async def rollout_side_chaos(
     """The rollout side's faults of the schedule, against the local cluster in `state_dir`."""
     import aiodocker
 
-    from belayer_rl.services.trainer.rollout_faults import LocalCluster, RolloutChaos
+    from belayer_rl.cli.chaos.training import LocalCluster, RolloutChaos
     from belayer_rl.shared.client import Client
 
     client = await stack.enter_async_context(await Client.connect(operator, "trainer-chaos"))

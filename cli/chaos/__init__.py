@@ -34,4 +34,6 @@ The oracle then checks:
 The parts, each a module: config (the settings and the fault kinds), workload (the generations and
 trajectories kept running, and their references), lab (the campaign's own nats-server, dockerd and
 store), injector (the seeded faults), oracle (the checks), campaign (the run and the command).
+Beside the campaign, training (`belayer train --chaos worker@2:kill,...`): the rollout side's faults
+of a training run's schedule, struck at the local cluster.
 """

@@ -179,6 +179,8 @@ class Router:
             owner=client_of(subject),
         )
         self.retention.check_share(start)  # one client's requests hold at most its share of the log
+        if message.request_id in self.requests:  # a retry of it got here while this one waited above
+            raise ServiceError("duplicate-request", f"request {message.request_id} exists; attach to it")
         request = Request(start=start, watchers={message.reply_to: None})
         self.requests[message.request_id] = self.running[message.request_id] = request
         opened: int | None = None
@@ -189,9 +191,13 @@ class Router:
             # read this request, serves it; the client's retry reaches it.
             self.lease.check()
         except ServiceError as exc:
-            # It may have ended meanwhile (a cancel, a dispatch that failed it): forget it either way.
-            self.requests.pop(message.request_id, None)
-            self.running.pop(message.request_id, None)
+            # It may have ended meanwhile (a cancel, a dispatch that failed it): forget it either
+            # way, and take it off the engine a dispatch gave it to.
+            self.detach(request)
+            if self.requests.get(message.request_id) is request:
+                del self.requests[message.request_id]
+            if self.running.get(message.request_id) is request:
+                del self.running[message.request_id]
             self.writer.last.pop(message.request_id, None)
             if opened is not None and exc.code in ("duplicate-request", "log-full"):  # no start landed
                 await self.retention.unopen(message.request_id, opened)

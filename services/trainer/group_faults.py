@@ -18,7 +18,7 @@ A point fires once: the rank leaves a mark beside the group's state file before 
 rebuilt group, or a step replayed after a reschedule, runs through it. The same seed gives the
 same delays and ranks, so a schedule is repeatable and its printout says all.
 
-The rollout side's faults (ROLLOUT_ACTIONS) are struck by services/trainer/rollout_faults.py at
+The rollout side's faults (ROLLOUT_ACTIONS) are struck by cli/chaos/training.py at
 whatever the step has in flight: `worker` (kill, stop: a serving engine's main), `router` (kill,
 stop: the lease holder), `sandbox` (kill, pause: a running trajectory's container), `checkpointer`
 (kill) and `nats` (restart: the nats-server killed and started again).

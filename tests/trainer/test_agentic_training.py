@@ -24,11 +24,11 @@ import aiodocker
 import msgspec
 import pytest
 
+from belayer_rl.cli.chaos.training import LocalCluster, RolloutChaos
 from belayer_rl.services.checkpointer.client import SandboxClient, container_name
 from belayer_rl.services.rollout.agent import RolloutSettings, Trajectory
 from belayer_rl.services.trainer import group_faults, oracle
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
-from belayer_rl.services.trainer.rollout_faults import LocalCluster, RolloutChaos
 from belayer_rl.services.trainer.tasks import Lookup
 from belayer_rl.services.trainer.trainer import (
     GroupBackend,

@@ -1,4 +1,5 @@
-"""The rollout side's faults in a training run (`belayer train --chaos worker@2:kill,...`).
+"""The rollout side's faults in a training run (`belayer train --chaos worker@2:kill,...`), struck
+from the CLI at the local cluster.
 
 Each fault of the schedule (group_faults.py) waits for its step and its seeded delay, then for work
 in flight on a target of its kind: a fault that hits nothing has not fired. It strikes once and
@@ -31,6 +32,7 @@ from typing import Protocol
 import aiodocker
 import msgspec
 
+from belayer_rl.cli.up import read_cluster
 from belayer_rl.services.checkpointer.sandbox import LABEL_SANDBOX
 from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.services.trainer.group_faults import Fault, Running
@@ -64,8 +66,6 @@ class LocalCluster:
     state_dir: Path
 
     def pid_of(self, name: str) -> int:
-        from belayer_rl.cli.up import read_cluster  # the CLI's file, read where the CLI runs
-
         cluster = read_cluster(self.state_dir)
         if cluster is None:
             return 0
