@@ -16,7 +16,7 @@ import aiodocker
 import nats.errors
 
 from belayer_rl.cli.chaos.config import ChaosConfig
-from belayer_rl.cli.chaos.lab import Lab, thaw
+from belayer_rl.cli.chaos.lab import DOCKER_CALL_S, Lab, after, resume, thaw, unpause
 from belayer_rl.cli.chaos.oracle import start_ticks
 from belayer_rl.cli.chaos.workload import Trajectories
 from belayer_rl.cli.cluster import (
@@ -33,7 +33,6 @@ from belayer_rl.shared.protocol import (
 from belayer_rl.shared.subjects import Subjects
 
 KILLED_SERVICES = ("kv-server", "weight-server", "shadow-supervisor", "checkpointer", "policy")
-DOCKER_CALL_S = 5.0  # a pause, unpause or kill that takes longer is stuck (see Injector.unpause)
 TARGET_TRIES, TARGET_RETRY_S = 20, 0.25  # a fault whose target is away waits for it this long
 PROGRESS_EVERY = 25  # faults between progress lines
 
@@ -103,12 +102,7 @@ class Injector:
         return sum(1 for f in self.faults if f.kind == kind)
 
     def later(self, delay_s: float, action) -> None:
-        async def after() -> None:
-            await asyncio.sleep(delay_s)
-            with contextlib.suppress(ProcessLookupError, aiodocker.DockerError):
-                await action()
-
-        self.resumptions.append(asyncio.create_task(after()))
+        self.resumptions.append(after(delay_s, action))
 
     def signal(self, pid: int, sig: signal.Signals) -> None:
         self.seen_pids.setdefault(pid, start_ticks(pid))
@@ -127,7 +121,7 @@ class Injector:
                 self.signal(engine.pid, signal.SIGKILL)
             else:
                 self.signal(engine.pid, signal.SIGSTOP)
-                self.later(rng.uniform(0.3, 1.5), lambda pid=engine.pid: self.resume_pid(pid))
+                self.later(rng.uniform(0.3, 1.5), lambda pid=engine.pid: resume(pid))
             return Fault(kind, f"{engine.engine_id} pid {engine.pid}", at, hits)
         if kind in ("router-kill", "router-stop"):
             holder = await lease_holder(self.client.nc.jetstream(), self.subjects)
@@ -139,7 +133,7 @@ class Injector:
                 self.signal(holder.pid, signal.SIGKILL)
             else:
                 self.signal(holder.pid, signal.SIGSTOP)
-                self.later(holder.ttl_s + rng.uniform(0.5, 1.5), lambda pid=holder.pid: self.resume_pid(pid))
+                self.later(holder.ttl_s + rng.uniform(0.5, 1.5), lambda pid=holder.pid: resume(pid))
             return Fault(kind, f"router incarnation {holder.incarnation} pid {holder.pid}", at, hits)
         if kind == "service-kill":
             name = rng.choice([n for n in KILLED_SERVICES if n in self.cluster.children])
@@ -189,24 +183,8 @@ class Injector:
             thaw(container.id)
             return None
         if kind == "container-pause":
-            self.later(rng.uniform(0.3, 2.0), lambda c=container, t=trajectory: self.unpause(c, t))
+            self.later(rng.uniform(0.3, 2.0), lambda c=container, t=trajectory: unpause(c, t))
         return Fault(kind, f"{trajectory} container {container.id[:12]}", at, 1)
-
-    async def unpause(self, container, trajectory: str) -> None:
-        """Docker cannot always undo its own pause: an exec that starts as the container freezes
-        waits in the frozen cgroup while holding the daemon's lock on the container, and every
-        later call on it (unpause, inspect) waits behind it. The cgroup is then thawed directly."""
-        try:
-            async with asyncio.timeout(DOCKER_CALL_S):
-                await container.unpause()
-        except aiodocker.DockerError as exc:  # gone, or thawed by a checkpointer restart
-            print(f"chaos: unpausing {trajectory} ({container.id[:12]}): {exc}", file=sys.stderr)
-        except TimeoutError:
-            print(
-                f"chaos: docker did not unpause {trajectory} ({container.id[:12]}): thawing its cgroup",
-                file=sys.stderr,
-            )
-            thaw(container.id)
 
     async def requests_in_flight(self) -> int:
         """As the router sees them; 0 while no router answers."""
@@ -214,6 +192,3 @@ class Injector:
             return len((await self.client.status(patience_s=0.5)).requests)
         except ServiceError:
             return 0
-
-    async def resume_pid(self, pid: int) -> None:
-        os.kill(pid, signal.SIGCONT)

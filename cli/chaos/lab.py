@@ -12,7 +12,9 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +133,41 @@ class OwnDockerd:
             shutil.copyfile(self.root / "dockerd.log", keep_log)
         subprocess.run(["umount", "-R", "-l", str(self.root / "data")], capture_output=True, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+DOCKER_CALL_S = 5.0  # a pause, unpause or kill that takes longer is stuck (see `unpause`)
+
+
+def after(delay_s: float, action: Callable[[], Awaitable[object]]) -> asyncio.Task[None]:
+    """`action()` `delay_s` from now, in a task the caller owns and awaits; a process or container
+    gone meanwhile is no error."""
+
+    async def later() -> None:
+        await asyncio.sleep(delay_s)
+        with contextlib.suppress(ProcessLookupError, aiodocker.DockerError):
+            await action()
+
+    return asyncio.create_task(later())
+
+
+async def resume(pid: int) -> None:
+    os.kill(pid, signal.SIGCONT)
+
+
+async def unpause(container: aiodocker.containers.DockerContainer, what: str) -> None:
+    """Docker cannot always undo its own pause: an exec that starts as the container freezes
+    waits in the frozen cgroup while holding the daemon's lock on the container, and every
+    later call on it (unpause, inspect) waits behind it. The cgroup is then thawed directly."""
+    try:
+        async with asyncio.timeout(DOCKER_CALL_S):
+            await container.unpause()
+    except aiodocker.DockerError as exc:  # gone, or thawed by a checkpointer restart
+        print(f"chaos: unpausing {what} ({container.id[:12]}): {exc}", file=sys.stderr)
+    except TimeoutError:
+        print(
+            f"chaos: docker did not unpause {what} ({container.id[:12]}): thawing its cgroup", file=sys.stderr
+        )
+        thaw(container.id)
 
 
 def thaw(container_id: str) -> None:

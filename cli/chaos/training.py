@@ -20,11 +20,9 @@ cluster.json) read by `LocalCluster`, or a test's cluster.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +30,7 @@ from typing import Protocol
 import aiodocker
 import msgspec
 
+from belayer_rl.cli.chaos.lab import DOCKER_CALL_S, after, resume, thaw, unpause
 from belayer_rl.cli.up import read_cluster
 from belayer_rl.services.checkpointer.sandbox import LABEL_SANDBOX
 from belayer_rl.services.router.lease import lease_holder
@@ -144,8 +143,13 @@ class RolloutChaos:
         if fault.action == "kill":
             await container.kill()
         else:
-            await container.pause()
-            self.after(rng.uniform(*PAUSED_S), container.unpause)
+            try:
+                async with asyncio.timeout(DOCKER_CALL_S):  # see lab.unpause: the daemon may be stuck on it
+                    await container.pause()
+            except TimeoutError:
+                thaw(container.id)
+                return None
+            self.later.append(after(rng.uniform(*PAUSED_S), lambda: unpause(container, trajectory)))
         return f"trajectory {trajectory}'s container {container.id[:12]}"
 
     async def checkpointer(self, fault: Fault, rng: random.Random) -> str | None:
@@ -180,16 +184,4 @@ class RolloutChaos:
     def signal(self, pid: int, action: str, resume_after_s: float) -> None:
         os.kill(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
         if action == "stop":
-            self.after(resume_after_s, lambda: resume(pid))
-
-    def after(self, delay_s: float, action: Callable[[], Awaitable[object]]) -> None:
-        async def later() -> None:
-            await asyncio.sleep(delay_s)
-            with contextlib.suppress(ProcessLookupError, aiodocker.DockerError):
-                await action()
-
-        self.later.append(asyncio.create_task(later()))
-
-
-async def resume(pid: int) -> None:
-    os.kill(pid, signal.SIGCONT)
+            self.later.append(after(resume_after_s, lambda: resume(pid)))
