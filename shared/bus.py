@@ -147,6 +147,8 @@ async def connect(
 
 # ---------------------------------------------------------------- request / reply
 
+RECONNECT_CHECK_S = 0.25  # how often a waiting request looks for a lost connection
+
 
 async def request(nc: NATS, subject: str, message: Message, timeout_s: float) -> Ack:
     """Send a typed request; return its Ack or raise ServiceError (with code "timeout" or
@@ -155,13 +157,25 @@ async def request(nc: NATS, subject: str, message: Message, timeout_s: float) ->
 
 
 async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T], timeout_s: float) -> T:
-    """A typed request whose success reply is a `kind`; errors as in `request`."""
+    """A typed request whose success reply is a `kind`; errors as in `request`. A request whose
+    connection was lost and made again while it waited fails then, as a timeout: its reply is
+    lost (a restarted nats-server refuses the responder's publish to an inbox it never saw)."""
+    reconnects = nc.stats["reconnects"]
+    pending = asyncio.ensure_future(nc.request(subject, protocol.encode(message), timeout=timeout_s))
     try:
-        reply = await nc.request(subject, protocol.encode(message), timeout=timeout_s)
+        while not pending.done():
+            await asyncio.wait({pending}, timeout=RECONNECT_CHECK_S)
+            if not pending.done() and nc.stats["reconnects"] != reconnects:
+                raise ServiceError(
+                    "timeout", f"no reply on {subject}: the connection to NATS was lost meanwhile"
+                )
+        reply = pending.result()
     except nats.errors.NoRespondersError:
         raise ServiceError("no-responders", f"nobody serves {subject}") from None
     except (TimeoutError, nats.errors.TimeoutError):
         raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
+    finally:
+        pending.cancel()
     decoder: msgspec.json.Decoder[T | ErrorReply] = protocol.decoder_for(kind | ErrorReply)
     answer = protocol.decode(decoder, reply.data)
     if isinstance(answer, ErrorReply):
