@@ -267,7 +267,7 @@ class BenchRuns:
             group, action = fault
             # Rank 0, 0.2 s into the step's rollout or update.
             planned = [chaos_faults.Fault(group, step, action, delay_s=0.2, rank_draw=0.0) for step in at]
-            chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, []))
+            chaos = asyncio.create_task(chaos_faults.inject(trainer, planned, lambda line: None))
         started = time.perf_counter()
         marks: list[float] = []
         step_events: list[TrainerStep] = []

@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -65,6 +66,11 @@ class TrainConfig:
     sandbox: Literal["docker", "local"] = setting(
         "docker",
         "agentic workloads: docker: the checkpointer's sandboxes; local: scratch folders (no Docker, no checkpoints)",
+    )
+    in_docker: int = setting(
+        0,
+        "agentic workloads with --sandbox local: this many of each step's trajectories run in the"
+        " checkpointer's Docker sandboxes all the same",
     )
     host_id: str | None = setting(
         None, "agentic workloads: the checkpointer's host (default: this host's name)"
@@ -126,8 +132,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             host_id=config.host_id or hostname_id(),
             scripted=False,
         )
-        if config.sandbox == "local":  # a folder has nothing to checkpoint
-            rollout = replace(rollout, policy="never", fallback_policy="never")
+        if config.in_docker and config.sandbox != "local":
+            raise ValueError("--in-docker goes with --sandbox local (with docker, every trajectory is)")
         planned = chaos.schedule(config.chaos, config.chaos_seed)
         if config.concurrency < 1:
             raise ValueError("--concurrency must be >= 1")
@@ -140,7 +146,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
     config = replace(config, out=config.out.absolute())
     try:
-        return uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer"), chaos_target))
+        uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer"), chaos_target))
+        return 0
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
         where = f" (the ranks' logs: {config.out / 'actor' / 'logs'})" if config.backend == "local" else ""
         raise SystemExit(f"belayer train: {exc}{where}") from None
@@ -180,10 +187,31 @@ def rollout_chaos_target(
             " --nats), so nothing would start it again"
         )
     if any(f.group in ("sandbox", "checkpointer") for f in planned) and (
-        not isinstance(workload(config.workload), Lookup) or config.sandbox != "docker"
+        not isinstance(workload(config.workload), Lookup) or not uses_docker(config)
     ):
-        raise ValueError("--chaos sandbox and checkpointer: they need Docker sandboxes (--workload lookup)")
+        raise ValueError(
+            "--chaos sandbox and checkpointer: they need Docker sandboxes (--workload lookup with"
+            " --sandbox docker, or --in-docker N)"
+        )
     return resolve_target(args, role="admin"), state_dir
+
+
+@dataclass
+class TrainOutcome:
+    """What a `train` call did, for a caller that goes on from it (`belayer demo`)."""
+
+    steps: list[TrainerStep]  # each step this call trained, as its trainer_step event
+    started: float  # time.monotonic() as the first step started
+    ended_s: list[float]  # seconds from then to each of those steps' end
+    before: float | None  # held-out accuracy (None: not measured)
+    after: float | None
+    chaos: list[tuple[float, str]]  # what each fault did, and when (time.monotonic())
+    step: int  # the trainer's step count at the end (a resumed run's includes the earlier steps)
+
+
+def uses_docker(config: TrainConfig) -> bool:
+    """Whether some of the run's trajectories run in the checkpointer's Docker sandboxes."""
+    return config.sandbox == "docker" or config.in_docker > 0
 
 
 async def train(
@@ -192,9 +220,12 @@ async def train(
     rollout: RolloutSettings,
     target: Target,
     chaos_target: tuple[Target, Path] | None = None,
-) -> int:
+    evaluate: tuple[bool, bool] | None = None,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> TrainOutcome:
     """`chaos_target`: the local cluster, as an operator sees it, and its state folder (what the
-    rollout side's faults strike)."""
+    rollout side's faults strike). `evaluate`: whether to measure the held-out accuracy before and
+    after (default: both with config.held_out). Every line of progress goes to `say`."""
     import torch
 
     from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
@@ -222,6 +253,7 @@ async def train(
         off_policy=config.off_policy,
         concurrency=config.concurrency,
         rollout=rollout if agentic else None,
+        in_docker=config.in_docker,
         checkpoint_every=config.checkpoint_every,
         checkpoint_dir=config.out / "checkpoints" if config.checkpoint_every else None,
         actor=ActorSettings(lr=config.lr, ppo_epochs=config.ppo_epochs),
@@ -277,42 +309,56 @@ async def train(
         sandboxes = None
         if agentic and config.sandbox == "local":
             sandboxes = LocalSandboxes(config.out / "sandboxes")
-            print(
-                f"actions run in local folders under {sandboxes.root}: no Docker, no checkpoints", flush=True
-            )
+            docker = f", but {config.in_docker} a step in Docker sandboxes" if config.in_docker else ""
+            say(f"actions run in local folders under {sandboxes.root} (no checkpoints){docker}")
         trainer = Trainer(client, task, settings, group, metrics, sandboxes)
         for skipped in await trainer.resume():
             print(f"skipped a damaged checkpoint: {skipped}", file=sys.stderr)
         if not trainer.version:
             await trainer.publish()
-        before = await trainer.accuracy(task.held_out) if config.held_out else None
+        before_wanted, after_wanted = evaluate or (config.held_out, config.held_out)
+        before = await trainer.accuracy(task.held_out) if before_wanted else None
         progress.advance(trainer.step)
+        started = time.monotonic()
+        ended_s: list[float] = []
         log = (config.out / "steps.jsonl").open("ab")
 
         def on_step(result: StepResult) -> None:
             e = result.event
             steps.append(e)
+            ended_s.append(time.monotonic() - started)
             log.write(encode(e) + b"\n")
             log.flush()
-            print(
+            say(
                 f"step {e.step:4d}  reward {e.reward_mean:.3f}  loss {e.loss:+.4f}  kl {e.kl:.4f}"
                 f"  clipped {e.clipped_fraction:.1%}  {e.tokens_per_s:7.0f} tok/s  recoveries {e.resumes}"
-                f"  ({e.rollout_s:.2f} s rollout, {e.update_s:.2f} s update)",
-                flush=True,
+                f"  ({e.rollout_s:.2f} s rollout, {e.update_s:.2f} s update)"
             )
             progress.advance(1)
 
         for fault in planned:
-            print(f"chaos (seed {config.chaos_seed}): {fault}", flush=True)
+            say(f"chaos (seed {config.chaos_seed}): {fault}")
+        done: list[tuple[float, str]] = []
+
+        def report(line: str, at: float | None = None) -> None:
+            done.append((time.monotonic() if at is None else at, line))
+            say(f"chaos: {line}")
+
         timed = [f for f in planned if not f.point and not f.rollout]
         injected: list[str] = []
-        injectors = [asyncio.create_task(chaos.inject(trainer, timed, injected))] if timed else []
+
+        def report_timed(line: str) -> None:
+            injected.append(line)
+            report(line)
+
+        injectors = [asyncio.create_task(chaos.inject(trainer, timed, report_timed))] if timed else []
         struck = [f for f in planned if f.rollout]
         async with contextlib.AsyncExitStack() as stack:
             rollout_chaos = None
             if struck:
                 assert chaos_target is not None  # cmd_train found the local cluster
                 rollout_chaos = await rollout_side_chaos(stack, trainer, settings.run, config, *chaos_target)
+                rollout_chaos.report = report
                 injectors.append(asyncio.create_task(rollout_chaos.inject(struck)))
             try:
                 await trainer.run(on_step)
@@ -322,14 +368,14 @@ async def train(
                 for injector in injectors:
                     injector.cancel()
                 await asyncio.gather(*injectors, return_exceptions=True)
-        for line in injected + (rollout_chaos.log if rollout_chaos is not None else []):
-            print(f"chaos: {line}", flush=True)
         for fault in timed[len(injected) :] + struck[len(rollout_chaos.log) if rollout_chaos else 0 :]:
-            print(f"chaos: not carried out (the run ended first): {fault}", flush=True)
+            report(f"not carried out (the run ended first): {fault}")
         for fault in (f for f in planned if f.point):
-            done = chaos.fired(fault, config.out / "actor", config.world)
-            print(f"chaos: {fault}: {'fired' if done else 'not reached'}", flush=True)
-        after = await trainer.accuracy(task.held_out) if config.held_out else None
+            mark = chaos.fired(fault, config.out / "actor", config.world)
+            # When it fired: its mark's time, on this clock.
+            at = None if mark is None else time.monotonic() - (time.time() - mark.stat().st_mtime)
+            report(f"{fault}: {'fired' if mark else 'not reached'}", at)
+        after = await trainer.accuracy(task.held_out) if after_wanted else None
         if sandboxes is not None:  # the folders of the trajectories that ended (a failed run keeps them)
             await sandboxes.close()
     if steps:
@@ -349,8 +395,8 @@ async def train(
         if before is not None and after is not None
         else "held-out accuracy not measured"
     )
-    print(f"{task.name}: {accuracy} after {trainer.step} steps; weights {trainer.version}; see {config.out}")
-    return 0
+    say(f"{task.name}: {accuracy} after {trainer.step} steps; weights {trainer.version}; see {config.out}")
+    return TrainOutcome(steps, started, ended_s, before, after, sorted(done), trainer.step)
 
 
 async def rollout_side_chaos(
@@ -369,7 +415,7 @@ async def rollout_side_chaos(
 
     client = await stack.enter_async_context(await Client.connect(operator, "trainer-chaos"))
     docker = None
-    if config.sandbox == "docker":
+    if uses_docker(config):
         docker = aiodocker.Docker()
         stack.push_async_callback(docker.close)
     return RolloutChaos(trainer, run, LocalCluster(client, docker, state_dir), config.chaos_seed)

@@ -23,6 +23,7 @@ import asyncio
 import os
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -87,6 +88,7 @@ class RolloutChaos:
     targets: Targets
     seed: int
     log: list[str] = field(default_factory=list)  # one line per fault: what it interrupted, or why not
+    report: Callable[[str], None] = lambda line: None  # told of each line as it is logged
     later: list[asyncio.Task[None]] = field(default_factory=list)  # the continues and unpauses due
 
     async def inject(self, faults: list[Fault]) -> None:
@@ -97,6 +99,7 @@ class RolloutChaos:
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(fault.delay_s)
                 self.log.append(await self.strike(fault, rng))
+                self.report(self.log[-1])
         finally:
             await asyncio.gather(*self.later, return_exceptions=True)
 

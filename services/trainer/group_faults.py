@@ -31,7 +31,7 @@ import os
 import random
 import re
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -112,11 +112,12 @@ def mark(folder: Path, group: str, rank: int, step: int, point: str) -> Path:
     return folder / f"chaos-fired-{group}-{rank}-{step}-{point}"
 
 
-def fired(fault: Fault, folder: Path, actor_world: int) -> bool:
-    """Whether the rank reached `fault`'s point (and so signalled itself); `folder` holds the
-    groups' state files."""
+def fired(fault: Fault, folder: Path, actor_world: int) -> Path | None:
+    """The mark the rank left when it reached `fault`'s point and signalled itself (its time is
+    when), or None; `folder` holds the groups' state files."""
     rank = fault.rank(world_of(fault.group, actor_world))
-    return mark(folder, fault.group, rank, fault.step, fault.point).exists()
+    path = mark(folder, fault.group, rank, fault.step, fault.point)
+    return path if path.exists() else None
 
 
 class FaultPoints:
@@ -158,21 +159,21 @@ class Running(Protocol):
     def groups_by_name(self) -> Mapping[str, Target]: ...
 
 
-async def inject(trainer: Running, faults: list[Fault], log: list[str]) -> None:
-    """Carry out the timed `faults` (those without a point) against `trainer`'s groups; each one
-    done is appended to `log`."""
+async def inject(trainer: Running, faults: list[Fault], report: Callable[[str], None]) -> None:
+    """Carry out the timed `faults` (those without a point) against `trainer`'s groups; `report` is
+    told of each as it is done."""
     for fault in (f for f in faults if not f.point and not f.rollout):
         while trainer.step < fault.step:  # noqa: ASYNC110 (the trainer has no event for it)
             await asyncio.sleep(0.01)
         await asyncio.sleep(fault.delay_s)
         group = trainer.groups_by_name().get(fault.group)
         if group is None or not group.pids:
-            log.append(f"skipped ({fault.group} is not running): {fault}")
+            report(f"skipped ({fault.group} is not running): {fault}")
             continue
         rank = fault.rank(len(group.pids))
         pid = group.pids[rank]
         try:
             os.kill(pid, SIGNALS[fault.action])
-            log.append(f"{fault}: rank {rank}, pid {pid}")
+            report(f"{fault}: rank {rank}, pid {pid}")
         except ProcessLookupError:
-            log.append(f"missed (pid {pid} already gone): {fault}")
+            report(f"missed (pid {pid} already gone): {fault}")

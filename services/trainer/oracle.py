@@ -58,9 +58,13 @@ def lineage(folder: Path) -> dict[int, TrainedStep]:
     return steps
 
 
-def compare(faulty: Path, twin: Path) -> list[str]:
-    """What differs between the steps `faulty` and `twin` trained on ([] when nothing)."""
+def compare(faulty: Path, twin: Path, through: int | None = None) -> list[str]:
+    """What differs between the steps `faulty` and `twin` trained on ([] when nothing); with
+    `through`, between their first `through` steps (a twin of a run's beginning)."""
     ours, theirs = lineage(faulty), lineage(twin)
+    if through is not None:
+        ours = {k: v for k, v in ours.items() if k < through}
+        theirs = {k: v for k, v in theirs.items() if k < through}
     found = []
     if sorted(ours) != sorted(theirs):
         found.append(f"steps trained: {sorted(ours)} against the twin's {sorted(theirs)}")
@@ -87,16 +91,29 @@ def compare(faulty: Path, twin: Path) -> list[str]:
 
 def state_of(state_file: Path) -> dict[str, torch.Tensor]:
     """A group's state file as flat tensors: the weights, the AdamW slots and the step."""
-    state = checkpoint.read(state_file)
-    flat = {f"param.{k}": v for k, v in state["actor"]["params"].items()}
+    return flat(checkpoint.read(state_file))
+
+
+def flat(state: dict) -> dict[str, torch.Tensor]:
+    """A group's state (what its state file holds) as flat tensors."""
+    tensors = {f"param.{k}": v for k, v in state["actor"]["params"].items()}
     for index, slots in state["actor"]["optimizer"]["state"].items():
         for name, value in slots.items():
-            flat[f"opt.{index}.{name}"] = torch.as_tensor(value)
-    flat["step"] = torch.tensor(state["step"])
-    return flat
+            tensors[f"opt.{index}.{name}"] = torch.as_tensor(value)
+    tensors["step"] = torch.tensor(state["step"])
+    return tensors
+
+
+def same_tensors(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> bool:
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def same_state(a: Path, b: Path) -> bool:
     """Whether two state files hold bitwise the same weights, AdamW state and step."""
-    x, y = state_of(a), state_of(b)
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    return same_tensors(state_of(a), state_of(b))
+
+
+def same_checkpoint(a: Path, b: Path) -> bool:
+    """Whether two trainer checkpoints of group-mode runs (their group's state inside) hold bitwise
+    the same weights, AdamW state and step."""
+    return same_tensors(flat(checkpoint.read(a)["actor"]), flat(checkpoint.read(b)["actor"]))

@@ -105,6 +105,10 @@ class TrainSettings:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     # An agentic workload's trajectories: the checkpointer's host, the policy, the timeouts.
     rollout: RolloutSettings | None = None
+    # With local folders for the actions: this many of each step's trajectories (its first ones)
+    # run in the checkpointer's Docker sandboxes all the same (a real sandbox under every step for
+    # the price of a few).
+    in_docker: int = 0
     record: Path | None = None  # each step's trained samples are appended here (services/trainer/oracle.py)
 
     def __post_init__(self) -> None:
@@ -255,7 +259,8 @@ class Trainer:
         metrics: TrainerMetrics = NO_METRICS,
         sandboxes: LocalSandboxes | None = None,
     ) -> None:
-        """`sandboxes`: an agentic workload's actions run in these folders, not the checkpointer's."""
+        """`sandboxes`: an agentic workload's actions run in these folders, not the checkpointer's
+        (but for `settings.in_docker` trajectories a step)."""
         self.client = client
         self.metrics = metrics
         self.group = group  # None: the actor runs here, in a thread
@@ -278,10 +283,14 @@ class Trainer:
         # The engines, as the fault manager rebuilds them (group mode).
         self.rollout_side = RolloutSide(client, self.resync_weights)
         self.services: Services | None = None  # what an agentic workload's trajectories talk to
+        self.docker: Services | None = None  # what its `in_docker` trajectories talk to
         if isinstance(task, Lookup):
             if settings.rollout is None:
                 raise ValueError(f"{task.name} is agentic: its trajectories need rollout settings")
             self.services = Services.on(client, settings.rollout.host_id, local=sandboxes)
+            self.docker = (
+                Services.on(client, settings.rollout.host_id) if settings.in_docker else self.services
+            )
         # The step's trajectories that ended well, by id: a step run again after a fault keeps
         # them (the same seeds give the same trajectory) and runs only the others.
         self.finished: dict[str, TrajectoryResult] = {}
@@ -501,16 +510,21 @@ class Trainer:
         version: str,
         greedy: bool,
         progress: Callable[[], None] = lambda: None,
+        in_docker: bool = False,
     ) -> Trajectory:
-        """`progress` is called before each of its actions: what the hang detector sees move."""
-        assert self.services is not None and self.settings.rollout is not None  # an agentic task has them
-        settings = self.settings.rollout
+        """`progress` is called before each of its actions: what the hang detector sees move.
+        `in_docker`: in the checkpointer's sandboxes even where the others run in folders."""
+        assert self.services is not None and self.docker is not None and self.settings.rollout is not None
+        settings = replace(self.settings.rollout, temperature=0.0 if greedy else self.settings.temperature)
+        services = self.docker if in_docker else self.services
+        if isinstance(services.sandboxes, LocalSandboxes):  # a folder has nothing to checkpoint
+            settings = replace(settings, policy="never", fallback_policy="never")
         return Trajectory(
             trajectory_id=trajectory_id,
             task=task.rollout_task(item),
             seed=seed,
-            settings=replace(settings, temperature=0.0 if greedy else self.settings.temperature),
-            services=self.services,
+            settings=settings,
+            services=services,
             clock=lambda: time.monotonic() - self.clock_zero,
             weight_version=version,
             on_action=lambda trajectory, step: progress(),
@@ -535,7 +549,9 @@ class Trainer:
             result = self.finished.get(trajectory_id)
             if result is None:
                 async with gate:
-                    trajectory = self.trajectory(trajectory_id, task, item, seed, version, False, finished)
+                    trajectory = self.trajectory(
+                        trajectory_id, task, item, seed, version, False, finished, index < s.in_docker
+                    )
                     result = await trajectory.run()
                 finished()
                 if result.status != "done":

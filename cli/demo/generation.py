@@ -1,4 +1,4 @@
-"""`belayer demo`: a local cluster streams a generation through a worker killed mid-stream.
+"""`belayer demo generation`: a local cluster streams a generation through a worker killed mid-stream.
 
 It starts nats-server, the router and two workers, streams a generation, SIGKILLs the worker that
 serves it halfway through, and shows the stream carrying on from the next position on the other
@@ -24,8 +24,8 @@ from belayer_rl.shared.protocol import TokenChunk
 PROMPT = "The belayer holds the rope while the climber"
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    demo = commands.add_parser("demo", help="stream a generation through a worker failure")
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    demo = kinds.add_parser("generation", help="stream a generation through a worker failure")
     demo.add_argument("--model", default="tiny", help="model preset")
     demo.add_argument("--max-tokens", type=int, default=200)
     demo.add_argument(
