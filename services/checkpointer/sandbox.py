@@ -91,6 +91,8 @@ OOM_REPORT_S = 0.5  # how long after a SIGKILLed init Docker may still report it
 DOCKER_UNREACHABLE = 900  # aiodocker's status for a daemon it could not connect to
 USER_FILE_MAX_BYTES = 1 << 20  # /etc/passwd and /etc/group read from an image to pin a user's numbers
 DOCKER_SILENT = 504  # ours, for a call the daemon did not answer within the engine's bound
+REMOVAL_UNDER_WAY = "is already in progress"  # the daemon's 409 for a second removal of a container
+REMOVAL_WAIT_S = 30.0  # how long a removal under way is waited for
 CAP_SYS_RESOURCE = 24  # prlimit() on another user's process needs it; CRIU reads every process's limits
 CRIU_NO_LIMITS = "Can't get rlimit"  # CRIU's log when prlimit() was refused
 DUMP_POLL_S = 1.0  # how often a dump's progress is measured (see `DockerEngine.watch_dump`)
@@ -507,7 +509,8 @@ class DockerEngine:
 
     @daemon_call
     async def remove(self, container_id: str) -> None:
-        """Kill and remove; a container that is already gone is fine."""
+        """Kill and remove; a container that is already gone is fine, and one whose removal is
+        under way (a sandbox made again by name while its last container goes) is waited for."""
         self.oom_files.pop(container_id, None)
         try:
             async with self.docker._query(
@@ -515,8 +518,22 @@ class DockerEngine:
             ):
                 pass
         except aiodocker.DockerError as exc:
-            if exc.status != 404:
+            if exc.status == 409 and REMOVAL_UNDER_WAY in str(exc):
+                await self.gone(container_id)
+            elif exc.status != 404:
                 raise
+
+    async def gone(self, container_id: str) -> None:
+        """Wait until the engine no longer knows the container (at most REMOVAL_WAIT_S)."""
+        async with asyncio.timeout(REMOVAL_WAIT_S):
+            while True:
+                try:
+                    await self.docker._query_json(f"containers/{container_id}/json")
+                except aiodocker.DockerError as exc:
+                    if exc.status == 404:
+                        return
+                    raise
+                await asyncio.sleep(0.1)
 
     async def thaw_behind_dockers_back(self, container_id: str, state: ContainerState) -> bool:
         """Thaw the container's cgroup when it is frozen while Docker holds the container running

@@ -1,21 +1,27 @@
-"""`belayer demo` as a user runs it, from a folder of its own: a fault of every kind in the first
-steps (Docker sandboxes: the faulted steps' actions run in the checkpointer's containers), the run
-trained on, a fault-free twin on a fresh cluster, and the verdict. Without Docker and CRIU this
-skips, except under CI=true, where it fails. One learning step keeps it short: what the demo
-learns is a figure (docs/benchmarks.md), not a test.
+"""`belayer demo` as a user runs it, from a folder of its own: one seeded schedule with a fault of
+every kind in the first steps (workers, the router, sandbox containers, the checkpointer,
+nats-server, and the trainer's actor, reference and reward groups at their named points), each
+at work in flight; the run trained on; a fault-free twin on a fresh cluster; the verdict. The
+faulted steps' first trajectories run in the checkpointer's Docker sandboxes. Without Docker and
+CRIU this skips, except under CI=true, where it fails. One learning step keeps it short: what the
+demo learns is a figure (docs/benchmarks.md), not a test.
 
-The verdict is checked to be a real comparison: the twin's checkpoint with one weight nudged no
-longer equals the run's (the mutation check)."""
+The oracle (services/trainer/oracle.py) is checked to catch a wrong answer: the twin's checkpoint
+with one weight moved to the next float, and the run's record with a flipped reward, a trajectory
+trained twice, or an observation carrying an infrastructure error's text."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import aiodocker
+import msgspec
 import pytest
 import torch
 
 from belayer_rl.cli.demo.training import FAULTED_STEPS
+from belayer_rl.services.checkpointer.sandbox import LABEL_SANDBOX
 from belayer_rl.services.trainer import checkpoint, oracle
 from tests.agent.conftest import sandbox_image
 from tests.cli.helpers import belayer
@@ -57,3 +63,40 @@ async def test_the_demo_strikes_every_layer_and_ends_with_the_twins_weights(tmp_
     params[name] = flat.view(params[name].shape)
     mutant = checkpoint.write(tmp_path / "mutant", FAULTED_STEPS, state)
     assert not oracle.same_checkpoint(ours, mutant)
+
+    # The record's mutations: the run's with one wrong thing in step 2, each caught and named.
+    run, twin = tmp_path / "shown" / "run", tmp_path / "shown" / "twin"
+    assert oracle.compare(run, twin, through=FAULTED_STEPS) == []
+    for mutate, named in MUTATIONS.items():
+        mutant_dir = tmp_path / f"mutant-{named}"
+        mutant_dir.mkdir()
+        lineage = oracle.lineage(run)
+        lineage[2] = msgspec.structs.replace(lineage[2], samples=mutate(lineage[2].samples))
+        (mutant_dir / oracle.RECORD).write_bytes(
+            b"".join(msgspec.json.encode(x) + b"\n" for x in lineage.values())
+        )
+        found = oracle.compare(mutant_dir, twin, through=FAULTED_STEPS)
+        assert found and all(x.startswith("step 2: ") for x in found), (named, found)
+        assert any(named in x for x in found), (named, found)
+
+    # Every trajectory's sandbox is gone once it ended.
+    async with aiodocker.Docker() as docker:
+        left = await docker.containers.list(all=True, filters={"label": [LABEL_SANDBOX]})
+    assert [c["Labels"][LABEL_SANDBOX] for c in left if c["Labels"][LABEL_SANDBOX].startswith("demo-")] == []
+
+
+def flip_reward(samples: list[oracle.TrainedSample]) -> list[oracle.TrainedSample]:
+    return [msgspec.structs.replace(samples[0], reward=0.0 if samples[0].reward else 1.0), *samples[1:]]
+
+
+def train_twice(samples: list[oracle.TrainedSample]) -> list[oracle.TrainedSample]:
+    return [samples[0], samples[0], *samples[2:]]
+
+
+def error_in_observation(samples: list[oracle.TrainedSample]) -> list[oracle.TrainedSample]:
+    first = samples[0]
+    observations = [*first.observations[:-1], "sandbox-gone: the container was killed"]
+    return [msgspec.structs.replace(first, observations=observations), *samples[1:]]
+
+
+MUTATIONS = {flip_reward: "reward", train_twice: "trained twice", error_in_observation: "observations"}
