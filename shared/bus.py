@@ -160,7 +160,9 @@ async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T]
     """A typed request whose success reply is a `kind`; errors as in `request`. A request whose
     connection was lost and made again while it waited fails then, as a timeout: its reply is
     lost (a restarted nats-server refuses the responder's publish to an inbox it never saw)."""
-    reconnects = nc.stats["reconnects"]
+    # Made while the connection is down, the request goes out on the next one: that reconnect
+    # does not lose it.
+    reconnects = nc.stats["reconnects"] + (0 if nc.is_connected else 1)
     pending = asyncio.ensure_future(nc.request(subject, protocol.encode(message), timeout=timeout_s))
     try:
         while not pending.done():
@@ -175,7 +177,10 @@ async def request_struct(nc: NATS, subject: str, message: Message, kind: type[T]
     except (TimeoutError, nats.errors.TimeoutError):
         raise ServiceError("timeout", f"no reply on {subject} within {timeout_s}s") from None
     finally:
-        pending.cancel()
+        if not pending.done():
+            pending.cancel()
+            # A reply or an error may land as it is cancelled: read, so nothing is left unretrieved.
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())
     decoder: msgspec.json.Decoder[T | ErrorReply] = protocol.decoder_for(kind | ErrorReply)
     answer = protocol.decode(decoder, reply.data)
     if isinstance(answer, ErrorReply):

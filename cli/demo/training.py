@@ -72,6 +72,7 @@ TRAINING = dict(workload="lookup", length=2, prompts=16, group_size=16, lr=3e-3,
 # sandboxes and the others in local folders: a Docker sandbox costs about half a second a
 # trajectory on 2 cores (docs/benchmarks.md), and learning takes thousands of them.
 IN_DOCKER = 8
+CREATE_TIMEOUT_S = 20.0  # a create is an image inspect, a container create and a start: seconds
 # The recovery events shown as they come (and on the timeline); the rest are counted.
 SHOWN = ("worker_failed", "handover", "router_started", "sandbox_restored", "env_failure",
          "group_failed", "group_rebuilt", "reschedule", "process")  # fmt: skip
@@ -121,10 +122,8 @@ class Phase:
 
 async def demo(args: argparse.Namespace) -> int:
     zero = time.monotonic()
-    sandbox = (
-        args.sandbox if args.sandbox != "auto" else ("docker" if docker_with_criu() is None else "local")
-    )
-    why_not = docker_with_criu() if args.sandbox == "auto" else None
+    why_not = await docker_with_criu() if args.sandbox == "auto" else None
+    sandbox = args.sandbox if args.sandbox != "auto" else ("docker" if why_not is None else "local")
     schedule = ",".join(
         f for f in SCHEDULE.split(",") if sandbox == "docker" or f.split("@")[0] not in DOCKER_ONLY
     )
@@ -214,7 +213,9 @@ def settings(
         max_restarts=4,
         max_reschedule_times=4,
     )
-    return config, faults, RolloutSettings(host_id=hostname_id(), scripted=False)
+    # A create whose checkpointer was killed with it in flight is never answered: it fails sooner.
+    rollout = RolloutSettings(host_id=hostname_id(), scripted=False, create_timeout_s=CREATE_TIMEOUT_S)
+    return config, faults, rollout
 
 
 async def phase(name: str, operator: Target, run: Coroutine[Any, Any, TrainOutcome]) -> Phase:
@@ -290,16 +291,23 @@ async def sandbox_image() -> None:
         await docker.close()
 
 
-def docker_with_criu() -> str | None:
+async def docker_with_criu() -> str | None:
     """None where Docker answers with its experimental features (checkpoints need them) and
     `criu` is installed; otherwise why not."""
+    import aiodocker
+
     from belayer_rl.services.checkpointer.probe import docker_unreachable
+    from belayer_rl.services.checkpointer.sandbox import EngineInfo
 
     unreachable = docker_unreachable()
     if unreachable is not None:
         return unreachable
     if shutil.which("criu") is None:
         return "no criu on PATH"
+    async with aiodocker.Docker() as docker:
+        info = msgspec.convert(await docker.system.info(), type=EngineInfo)
+    if not info.experimental_build:
+        return "the Docker engine runs without its experimental features (checkpoints need them)"
     return None
 
 
@@ -336,7 +344,7 @@ def report(
                       + [(r.at, f"recovery  {r.text}") for r in faulty.recoveries])  # fmt: skip
     for at, line in timeline:
         say(f"  {at - start:6.1f} s  {line}")
-    say(f"  and {faulty.resumed_requests} generations resumed from the router's token log, token-exact")
+    say(f"  and {faulty.resumed_requests} generations resumed from the router's token log")
     say(f"training time the faults added: {added_s:.1f} s (steps 1-{last} took {faulty.outcome.ended_s[-1]:.1f} s"
         f" under faults, {twin.outcome.ended_s[-1]:.1f} s in the fault-free twin)")  # fmt: skip
     say(

@@ -45,9 +45,7 @@ class SandboxClient:
     def _subject(self, verb: str) -> str:
         return self.subjects.sandbox_rpc(self.host_id, verb, self.client)
 
-    async def create(self, spec: SandboxSpec, sandbox: str = "", timeout_s: float = 20.0) -> SandboxInfo:
-        # A create is an image inspect, a container create and a start: seconds on a loaded host.
-        # A request whose checkpointer died with it gets no reply, and its caller waits this long.
+    async def create(self, spec: SandboxSpec, sandbox: str = "", timeout_s: float = 60.0) -> SandboxInfo:
         return await bus.request_struct(
             self.nc,
             self._subject("create"),

@@ -97,6 +97,9 @@ class RolloutSettings:
         3, "retries of a request to the router or a checkpointer that fails on infrastructure"
     )
     action_timeout_s: float = setting(60.0, "seconds one sandbox action may take")
+    create_timeout_s: float = setting(
+        60.0, "seconds a sandbox's create may take (one whose checkpointer died with it is never answered)"
+    )
     checkpoint_timeout_s: float = setting(60.0, "seconds one checkpoint may take")
     restore_timeout_s: float = setting(120.0, "seconds one restore may take")
     memory_mb: int = setting(256, "each sandbox's memory")
@@ -108,6 +111,7 @@ class RolloutSettings:
         for flag, value in (
             ("--consult-every", self.consult_every_s),
             ("--action-timeout", self.action_timeout_s),
+            ("--create-timeout", self.create_timeout_s),
             ("--checkpoint-timeout", self.checkpoint_timeout_s),
             ("--restore-timeout", self.restore_timeout_s),
             ("--memory-mb", self.memory_mb),
@@ -599,7 +603,9 @@ class Trajectory:
 
     async def start_sandbox(self) -> None:
         spec = SandboxSpec(image=self.settings.image, memory_mb=self.settings.memory_mb)
-        await self.services.sandboxes.create(spec, sandbox=self.sandbox)
+        await self.services.sandboxes.create(
+            spec, sandbox=self.sandbox, timeout_s=self.settings.create_timeout_s
+        )
         self.steps = []
         self.context = tokenizer.encode(self.task.prompt)
 

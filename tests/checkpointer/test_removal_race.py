@@ -52,12 +52,22 @@ async def test_a_second_removal_waits_for_the_first(tmp_path: object) -> None:
             refused += [o for o in outcomes if isinstance(o, aiodocker.DockerError) and o.status == 409]
         assert refused and all(REMOVAL_UNDER_WAY in str(o) for o in refused), refused
 
+        waits = 0
+        wait_for_removal = engine.gone
+
+        async def counted(container_id: str) -> None:
+            nonlocal waits
+            waits += 1
+            await wait_for_removal(container_id)
+
+        engine.gone = counted  # type: ignore[method-assign]
         for attempt in range(5):
             cid = await started(docker, f"belayer-test-race-{attempt}")
             await asyncio.gather(engine.remove(cid), engine.remove(cid))  # neither raises
             with pytest.raises(aiodocker.DockerError) as gone:
                 await docker._query_json(f"containers/{cid}/json")
             assert gone.value.status == 404
+        assert waits >= 1  # the race was run into, and waited out
     finally:
         for attempt in range(5):
             for name in (f"belayer-test-race-bare-{attempt}", f"belayer-test-race-{attempt}"):
