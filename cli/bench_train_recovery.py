@@ -1,12 +1,14 @@
 """`belayer bench train-recovery`: what one trainer-group failure costs, against a failure-free run
 and against rescheduling the whole workflow, all in one run of the bench.
 
-    belayer bench train-recovery [--minutes 10] [--faults 5] [--kinds actor,reference,reward,hang,rollout] [--json]
+    belayer bench train-recovery [--workload reverse|lookup] [--minutes 10] [--faults 5]
+        [--kinds actor,reference,reward,hang,rollout] [--plot rewards.png] [--json]
 
 Every run starts a local cluster of its own (router, weight and KV servers, shadow supervisor, one
-tiny worker) and stops it after. A failure-free GRPO run on `reverse` (actor of 2 gloo ranks, a
-reference for the KL term, a reward group) trains for --minutes, and its steps set the length of
-every other run. The bench then runs the same steps again once per failure kind, with --faults
+tiny worker) and stops it after. A failure-free GRPO run (actor of 2 gloo ranks, a reference for
+the KL term, a reward group) trains for --minutes, and its steps set the length of every other run.
+The workload is `reverse` (one turn, no tool) or `lookup` (agentic trajectories, their actions in
+local folders, trained with the demo's recipe so that it learns; cli/demo/training.py). The bench then runs the same steps again once per failure kind, with --faults
 faults of that kind evenly spaced, far enough apart that no fault's measuring window holds another
 one (so each run's faults give a median and a spread, not one noisy window): SIGKILL of an actor
 rank, of the reference or of the reward worker, SIGSTOP of an actor rank (a hang), or SIGSTOP of
@@ -43,13 +45,18 @@ import uvloop
 
 from belayer_rl.cli.bench_report import Report, emit
 from belayer_rl.cli.cluster import ClusterConfig, UpSettings, local_cluster
+from belayer_rl.cli.demo.training import RECIPE
+from belayer_rl.services.rollout.agent import RolloutSettings
+from belayer_rl.services.rollout.local_sandbox import LocalSandboxes
 from belayer_rl.services.trainer import group_faults as chaos_faults
+from belayer_rl.services.trainer.actor import ActorSettings
 from belayer_rl.services.trainer.fault_manager import FaultManagerConfig
 from belayer_rl.services.trainer.grpo import GrpoConfig
-from belayer_rl.services.trainer.tasks import ReverseDigits
+from belayer_rl.services.trainer.plot import plot_reward_curves
+from belayer_rl.services.trainer.tasks import Lookup, TrainTask, workload
 from belayer_rl.services.trainer.trainer import GroupBackend, StepResult, Trainer, TrainSettings
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import TrainerGroupConfig
+from belayer_rl.shared.config import TrainerGroupConfig, hostname_id
 from belayer_rl.shared.protocol import EVENT_TYPES, ShadowState, TrainerStep, decode, decoder_for
 from belayer_rl.shared.subjects import event_kind
 
@@ -62,7 +69,7 @@ KINDS: dict[str, tuple[str, str] | None] = {  # kind -> (group, chaos action)
     "actor-cold": ("actor", "kill"),  # as "actor", every rank started cold (no fork server)
     "none": None,  # the failure-free run again: what two runs differ by with no fault at all
 }
-KL_BETA = 0.05  # so that the reference group exists in every run
+KL_BETA = 0.05  # so that the reference group exists in every run (reverse)
 CHECKPOINT_EVERY = 10
 UNBOUNDED_STEPS = 10**6  # the failure-free run's bound: it stops at --minutes
 LOCAL_BEFORE, LOCAL_AFTER = 55, 20  # steps that set the pace before a fault, and that it may slow
@@ -79,6 +86,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     bench = kinds.add_parser(
         "train-recovery", help="trainer group failures: time added, rebuild vs reschedule"
     )
+    bench.add_argument(
+        "--workload", choices=("reverse", "lookup"), default="reverse",
+        help="reverse: one turn, no tool; lookup: agentic trajectories, actions in local folders",
+    )  # fmt: skip
     bench.add_argument("--minutes", type=float, default=10.0, help="length of the failure-free run")
     bench.add_argument("--kinds", default=",".join(KINDS), help="failure kinds, one run each")
     bench.add_argument(
@@ -90,6 +101,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--no-reschedule", action="store_true", help="skip the reschedule baseline run")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--plot", type=Path, help="draw every run's reward curve on one plot, in this PNG")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(run=run)
 
@@ -132,7 +144,7 @@ class Events:
 
 
 async def measure(args: argparse.Namespace, kinds: list[str]) -> Report:
-    task = ReverseDigits(length=2)
+    task = workload(args.workload, length=2)
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
         bench = BenchRuns(args, task, root)
@@ -166,8 +178,15 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> Report:
                 file=sys.stderr,
                 flush=True,
             )
+    curves = {"failure-free": rewards(clean)} | {kind: r["rewards"] for kind, r in results.items()}
+    if reschedule is not None:
+        curves["reschedule"] = reschedule["rewards"]
+    if args.plot is not None:
+        title = f"belayer bench train-recovery --workload {args.workload}: mean reward by step"
+        await asyncio.to_thread(plot_reward_curves, curves, args.plot, title)
     return {
         "workload": f"{task.name}, GRPO, 16 prompts x 16 samples a step, actor of 2 gloo ranks + reference + reward",
+        "rewards_by_step": curves,  # each run's mean reward of each step, in the order trained
         "steps": steps,
         "step_s": clean.wall / steps,
         "failure_free_s": clean.wall,
@@ -207,7 +226,7 @@ class BenchRuns:
     the token log and the bus carry every earlier run's requests)."""
 
     args: argparse.Namespace
-    task: ReverseDigits
+    task: TrainTask
     root: Path
 
     async def one(
@@ -236,13 +255,19 @@ class BenchRuns:
         fault: tuple[str, str] | None, at: list[int], until_s: float | None, **changes: Any,
     ) -> Run:  # fmt: skip
         args, folder = self.args, self.root / run
+        agentic = isinstance(self.task, Lookup)
+        # lookup learns only with the demo's recipe; reverse keeps the settings of earlier figures
+        actor = ActorSettings(lr=RECIPE.lr, ppo_epochs=RECIPE.ppo_epochs) if agentic else ActorSettings()
+        kl_beta = RECIPE.kl_beta if agentic else KL_BETA
         train = TrainSettings(
-            run=run, steps=steps, seed=args.seed, grpo=GrpoConfig(kl_beta=KL_BETA),
+            run=run, steps=steps, seed=args.seed, actor=actor, grpo=GrpoConfig(kl_beta=kl_beta),
+            rollout=RolloutSettings(host_id=hostname_id(), scripted=False) if agentic else None,
             checkpoint_every=CHECKPOINT_EVERY, checkpoint_dir=folder / "ckpt",
         )  # fmt: skip
         worker = TrainerGroupConfig(
             nats_url=supervisor.nats_url, nats_creds=supervisor.access("trainer").creds, metrics_port=-1,
-            run=run, world=2, rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=KL_BETA,
+            run=run, world=2, rendezvous=folder / "rendezvous", seed=args.seed, kl_beta=kl_beta,
+            lr=actor.lr, ppo_epochs=actor.ppo_epochs, workload=args.workload, length=self.task.length,
             allowed=TrainerGroupConfig.allowed_of(self.task.allowed_sets),
         )  # fmt: skip
         # Every rung may recover every fault of the run: each fault is then recovered alike.
@@ -254,9 +279,11 @@ class BenchRuns:
         faults = FaultManagerConfig(
             hang_timeout_s=args.hang_timeout, rollout_timeout_s=args.rollout_timeout, **{**bounds, **changes}
         )
+        sandboxes = LocalSandboxes(folder / "sandboxes") if agentic else None
         trainer = Trainer(
-            client, self.task, train, GroupBackend.create("local", client, worker, folder, faults)
-        )
+            client, self.task, train, GroupBackend.create("local", client, worker, folder, faults),
+            sandboxes=sandboxes,
+        )  # fmt: skip
         events = Events()
         await events.follow(client, run)
         chaos = None
@@ -285,6 +312,8 @@ class BenchRuns:
         finally:
             if chaos is not None and not chaos.done():
                 chaos.cancel()
+            if sandboxes is not None:
+                await sandboxes.close()
         wall = time.perf_counter() - started
         if chaos is not None:
             await asyncio.gather(chaos, return_exceptions=True)
@@ -302,6 +331,11 @@ async def stop_rollout_side(trainer: Trainer, at: list[int], engines_file: Path)
             for pid in (engine.shadow, engine.main):
                 if pid > 0:  # 0: none now (a kill of pid 0 would stop this process group)
                     os.kill(pid, signal.SIGSTOP)
+
+
+def rewards(run: Run) -> list[float]:
+    """The run's mean reward of each step, in the order trained (a step done again: twice)."""
+    return [event.reward_mean for event in run.steps]
 
 
 def step_times(marks: list[float]) -> list[float]:
@@ -386,6 +420,7 @@ def summarise(run: Run, clean: Run, at: list[int]) -> Report:
         "detected_s": [e["detected_s"] for e in failed],
         "rebuild_s": [e["total_s"] for e in rebuilt],
         "rescheduled": sum(e["event"] == "reschedule" for e in seen),
+        "rewards": rewards(run),
         "events": seen,
     }
 
