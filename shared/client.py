@@ -170,15 +170,20 @@ class Client:
     async def wait_for_engines(self, count: int, timeout_s: float) -> RouterStatus:
         """Wait until the router answers and sees `count` live engines."""
         deadline = time.monotonic() + timeout_s
+        seen = "the router never answered"
         while True:
             try:
                 status = await self.status()
                 if sum(e.alive for e in status.engines) >= count:
                     return status
-            except ServiceError:
-                pass
+                engines = [
+                    f"{e.engine_id} epoch {e.epoch} pid {e.pid} alive={e.alive}" for e in status.engines
+                ]
+                seen = "the router sees " + (", ".join(engines) or "no engine")
+            except ServiceError as exc:
+                seen = f"the router did not answer: {exc}"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {count} live engine(s) after {timeout_s:.0f}s")
+                raise TimeoutError(f"fewer than {count} live engine(s) after {timeout_s:.0f}s ({seen})")
             await asyncio.sleep(0.1)
 
     # ------------------------------------------------------------ streams

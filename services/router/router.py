@@ -665,6 +665,7 @@ class Router:
                     )
                 except ServiceError as exc:
                     log.warning("dispatch of %s to %s failed: %s", request.request_id, engine.engine_id, exc)
+                    request.last_dispatch_error = f"{engine.engine_id} epoch {engine.epoch}: {exc}"
                     if request.attempt == dispatch.attempt:
                         self.detach(request)
                         request.attempt = 0
@@ -953,9 +954,18 @@ class Router:
                 if request.engine_id is None and request.waiting_since is not None:
                     waited = now - request.waiting_since
                     if waited > self.config.no_worker_deadline_s:
-                        await self.fail(request, "no-workers", f"no healthy engine for {waited:.1f}s")
+                        await self.fail(request, "no-workers", self.why_no_engine(request, waited))
                     elif not request.dispatching:
                         self.enqueue(request)
+
+    def why_no_engine(self, request: Request, waited: float) -> str:
+        """A no-workers error's text: how long it waited and, where live engines were there all the
+        same, which, and why its last dispatch to one went unacknowledged."""
+        alive = [f"{e.engine_id} epoch {e.epoch}" for e in self.engines.values() if e.alive]
+        if not alive:
+            return f"no healthy engine for {waited:.1f}s"
+        last = request.last_dispatch_error or "none was tried"
+        return f"no engine took it for {waited:.1f}s; live: {', '.join(alive)}; last dispatch: {last}"
 
     # ------------------------------------------------------------ restart and reconnect
 

@@ -36,6 +36,7 @@ class Request:
     watchers: dict[str, None] = field(default_factory=dict)
     followed_at: float = field(default_factory=time.monotonic)  # a client's last sign of interest
     refused_by: dict[tuple[str, int], str] = field(default_factory=dict)  # (engine, epoch) -> why
+    last_dispatch_error: str = ""  # why its latest unacknowledged dispatch failed (a no-workers error says)
     # Since when, and why first, it waits for the first token of a resumed attempt (metrics).
     interrupted: tuple[float, ResumeCause] | None = None
     # A request rebuilt from the token log: positions from here up to what a re-attaching client
