@@ -144,7 +144,7 @@ class Events:
 
 
 async def measure(args: argparse.Namespace, kinds: list[str]) -> Report:
-    task = workload(args.workload, length=2)
+    task = workload(args.workload, length=RECIPE.length if args.workload == "lookup" else 2)
     with tempfile.TemporaryDirectory(prefix="belayer-bench-train-") as state:
         root = Path(state)
         bench = BenchRuns(args, task, root)

@@ -573,8 +573,9 @@ class Router:
 
     def enqueue(self, request: Request) -> None:
         """Put the request in line for an engine and try to dispatch it now."""
-        if request.waiting_since is None:
+        if request.waiting_since is None:  # a new wait: what an earlier one saw says nothing of it
             request.waiting_since = time.monotonic()
+            request.last_dispatch_error = ""
         if not request.dispatching:
             self.spawn(self.dispatch(request), f"dispatch-{request.request_id}")
 
