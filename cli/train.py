@@ -331,7 +331,7 @@ async def train(
             log.flush()
             say(
                 f"step {e.step:4d}  reward {e.reward_mean:.3f}  loss {e.loss:+.4f}  kl {e.kl:.4f}"
-                f"  clipped {e.clipped_fraction:.1%}  {e.tokens_per_s:7.0f} tok/s  recoveries {e.resumes}"
+                f"  clipped {e.clipped_fraction:.1%}  {e.tokens_per_s:7.0f} tok/s  {e.resumes} resumed"
                 f"  ({e.rollout_s:.2f} s rollout, {e.update_s:.2f} s update)"
             )
             progress.advance(1)
