@@ -8,7 +8,8 @@ Samples are generated through the cluster's router (the `belayer up` cluster by 
 step's weights are published to its weight server over the bus, under the trainer's credential.
 Writes DIR/steps.jsonl (one TrainerStep per line; a step replayed after a reschedule is written
 again), DIR/reward.png and DIR/summary.json; with --checkpoint-every, DIR/checkpoints, from which
-a rerun with the same flags resumes. An agentic workload (`lookup`) samples whole trajectories:
+a rerun with the same flags resumes (--steps may grow; a checkpoint of other settings, another
+seed or run id, is refused rather than mixed into this run). An agentic workload (`lookup`) samples whole trajectories:
 turns through the router, actions in sandboxes of the checkpointer of --host-id with the policy
 service deciding checkpoints (--sandbox local: scratch folders, no checkpoints). The actor runs as --world ranks under the fault manager
 (--backend local: processes; ray: Ray actors), the reward as a group of its own, and so does the
@@ -141,13 +142,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"belayer train: {exc}") from None
     from belayer_rl.services.trainer.fault_manager import FaultBoundExceeded, GroupFault, RescheduleNeeded
-    from belayer_rl.services.trainer.trainer import TrajectoryFailed
+    from belayer_rl.services.trainer.trainer import AnotherRun, TrajectoryFailed
 
     # Absolute from here on: the ranks (Ray's among them) do not share this process's folder.
     config = replace(config, out=config.out.absolute())
     try:
         uvloop.run(train(config, faults, rollout, resolve_target(args, role="trainer"), chaos_target))
         return 0
+    except AnotherRun as exc:
+        raise SystemExit(f"belayer train: --out {config.out}: {exc}") from None
     except (GroupFault, RescheduleNeeded, FaultBoundExceeded) as exc:
         where = f" (the ranks' logs: {config.out / 'actor' / 'logs'})" if config.backend == "local" else ""
         raise SystemExit(f"belayer train: {exc}{where}") from None

@@ -34,6 +34,7 @@ from nats.js.object_store import ObjectStore
 from belayer_rl.services.checkpointer import checkpoint, layer, objects, pointer, restore
 from belayer_rl.services.checkpointer.client import container_name
 from belayer_rl.services.checkpointer.host import Host, fresh_container
+from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE
 from belayer_rl.services.checkpointer.records import SandboxRecord
 from belayer_rl.services.checkpointer.sandbox import (
     OUTPUT_CAP,
@@ -410,9 +411,17 @@ class Checkpointer:
                     raise
                 if (trouble := host_trouble(exc)) is not None:
                     raise trouble from None
-                code: protocol.ErrorCode = "no-image" if not sb.record.image_id else "create-failed"
+                if not sb.record.image_id:
+                    raise ServiceError(
+                        "no-image",
+                        f"sandbox {name}: no image {req.spec.image!r} on the Docker engine of host"
+                        f" {self.config.host_id} (load it there; `python -m"
+                        f" belayer_rl.services.checkpointer.image` builds {DEFAULT_IMAGE})",
+                    ) from None
                 detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
-                raise ServiceError(code, f"sandbox {name} from {req.spec.image!r}: {detail}") from None
+                raise ServiceError(
+                    "create-failed", f"sandbox {name} from {req.spec.image!r}: {detail}"
+                ) from None
             self.save(sb)
         await self.check_idle(sb)  # an engine event that came while it was created was not judged
         return self.info(sb)

@@ -381,7 +381,7 @@ class Trajectory:
             await self.services.sandboxes.end(self.trajectory_id)
             await self.start_sandbox()
         except ServiceError as exc:
-            raise InfraError(f"no sandbox: {exc.code}: {exc}") from None
+            raise InfraError(f"no sandbox: {exc}") from None
         while True:
             try:
                 if self.k == 0:
@@ -401,7 +401,7 @@ class Trajectory:
                 await self.act(self.action_for(response, last), llm_s, response, choice)
             except ServiceError as exc:
                 if exc.code not in ENV_FAILURES:
-                    raise InfraError(f"{exc.code}: {exc}") from None
+                    raise InfraError(str(exc)) from None
                 await self.recover(str(exc))
 
     def verdict(self, check: StepRecord) -> float:
@@ -568,7 +568,7 @@ class Trajectory:
             )
         except ServiceError as exc:
             self.checkpoint_s += self.clock() - started  # its time counts, hidden or not, like a ready one's
-            self.mark("checkpoint-failed", started, f"{exc.code}: {exc}", step=k)
+            self.mark("checkpoint-failed", started, str(exc), step=k)
             if exc.code == "timeout":
                 waited = self.clock() - started
                 event = CheckpointTimeout(
@@ -632,7 +632,7 @@ class Trajectory:
             )
         except ServiceError as exc:
             env_s = self.clock() - started
-            self.mark("failure", started, f"{exc.code}: {exc}", step=step)
+            self.mark("failure", started, str(exc), step=step)
             if exc.code in ENV_FAILURES:  # what λ counts; an RPC timeout is not the environment's failure
                 failed = EnvStep(
                     trajectory=self.trajectory_id,
@@ -681,7 +681,7 @@ class Trajectory:
                 break
             except ServiceError as exc:
                 if attempt == self.settings.max_retries:
-                    raise InfraError(f"restore failed {attempt} times, last: {exc.code}: {exc}") from None
+                    raise InfraError(f"restore failed {attempt} times, last: {exc}") from None
         self.recoveries += 1
         if self.k == 0:
             source = "from the base image"

@@ -135,6 +135,24 @@ class Sample:
     trajectory: TrajectoryResult | None = None  # an agentic sample's whole record
 
 
+class AnotherRun(Exception):
+    """The checkpoint folder holds a run with other settings: resuming it would mix two runs."""
+
+
+def differences(there: dict[str, str], here: dict[str, str]) -> list[str]:
+    """'KEY X there, Y here' for each setting two run identities do not share."""
+
+    def shown(identity: dict[str, str], key: str) -> str:
+        return repr(identity[key]) if key in identity else "(none)"
+
+    keys = sorted(set(there) | set(here))
+    return [
+        f"{k} {shown(there, k)} there, {shown(here, k)} here"
+        for k in keys
+        if shown(there, k) != shown(here, k)
+    ]
+
+
 class TrajectoryFailed(Exception):
     """A trajectory of the step ended as an infrastructure error: the step is not trained on."""
 
@@ -334,6 +352,7 @@ class Trainer:
         """Blocking (reads the group's state file in group mode)."""
         actor = self.actor.state() if self.group is None else checkpoint.read(self.group.actor.state_file)
         return {
+            "identity": self.identity(),
             "actor": actor,
             "step": self.step,
             "position": [self.position.epoch, self.position.index],
@@ -341,6 +360,23 @@ class Trainer:
             "next_rollout_version": self.next_rollout_version,
             "kept": self.kept,
             "rng": torch.get_rng_state(),
+        }
+
+    def identity(self) -> dict[str, str]:
+        """What fixes the run's samples and updates, all but its length: a checkpoint resumes only a
+        run that has the same (a rerun with more steps goes on; one with another seed does not)."""
+        s = self.settings
+        return {
+            "run": s.run,
+            "task": self.task.name,
+            "seed": str(s.seed),
+            "preset": s.preset,
+            "prompts_per_step": str(s.prompts_per_step),
+            "group_size": str(s.group_size),
+            "temperature": str(s.temperature),
+            "off_policy": str(s.off_policy),
+            "actor": repr(s.actor),
+            "grpo": repr(s.grpo),
         }
 
     def load_state(self, state: dict) -> None:
@@ -364,6 +400,16 @@ class Trainer:
         loaded = await asyncio.to_thread(checkpoint.load_latest, folder)
         if loaded is None:
             return []
+        ours = self.identity()
+        theirs = (
+            loaded.state["identity"] if "identity" in loaded.state else {"written by": "an older belayer"}
+        )
+        if theirs != ours:
+            raise AnotherRun(
+                f"{loaded.path} is another run's checkpoint ({'; '.join(differences(theirs, ours))}):"
+                " resuming it would mix two runs; give this one a folder of its own, or the same"
+                " settings to resume that one"
+            )
         await asyncio.to_thread(self.load_state, loaded.state)
         log.info("resumed from %s at step %d", loaded.path.name, self.step)
         return loaded.skipped

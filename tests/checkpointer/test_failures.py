@@ -307,6 +307,10 @@ async def test_create_errors_are_typed_and_leave_nothing(client: SandboxClient, 
     with pytest.raises(ServiceError) as missing:
         await client.create(SandboxSpec(image="belayer-no-such-image:nope"), sandbox="x")
     assert missing.value.code == "no-image"
+    assert (
+        "'belayer-no-such-image:nope'" in missing.value.message
+        and "builds belayer-sandbox:test" in missing.value.message
+    )
     with pytest.raises(ServiceError) as bad:
         await client.create(SandboxSpec(image=image, cap_add=["NOT_A_CAP"]), sandbox="x")
     assert bad.value.code == "not-allowed"

@@ -33,7 +33,7 @@ async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Clu
     first = await run_train(url, tmp_path, 3)
     lines = [line for line in first.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and all(
-        "reward" in line and "tok/s" in line and "recoveries" in line for line in lines
+        "reward" in line and "tok/s" in line and "resumed" in line for line in lines
     )
     assert "held-out exact match" in first
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -52,6 +52,17 @@ async def test_train_prints_steps_draws_the_curve_and_resumes(train_cluster: Clu
     assert all(e.generated_with == [previous.weight_version] for previous, e in itertools.pairwise(logged))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["weight_version"] == logged[-1].weight_version
+
+    # Another seed in the same folder is another run: a clear error, and nothing of this one touched.
+    other = await asyncio.to_thread(
+        belayer, "--nats", url, "train", "--steps", "13", "--prompts", "4", "--group-size", "4",
+        "--checkpoint-every", "1", "--seed", "5", "--out", "run", timeout_s=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert other.returncode != 0 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert "another run's checkpoint" in other.stderr and "seed '4' there, '5' here" in other.stderr, (
+        other.stderr
+    )
+    assert len((out / "steps.jsonl").read_bytes().splitlines()) == 12
 
 
 def test_a_bad_chaos_spec_is_a_clear_error() -> None:

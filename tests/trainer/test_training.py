@@ -14,7 +14,7 @@ import torch
 from belayer_rl.services.trainer import checkpoint
 from belayer_rl.services.trainer.actor import ActorSettings, NonFiniteUpdate
 from belayer_rl.services.trainer.tasks import ReverseDigits
-from belayer_rl.services.trainer.trainer import Sample, StepResult, Trainer, TrainSettings
+from belayer_rl.services.trainer.trainer import AnotherRun, Sample, StepResult, Trainer, TrainSettings
 from belayer_rl.services.weight_server.client import WeightClient
 from tests.support import Cluster
 
@@ -109,6 +109,11 @@ async def test_a_resumed_run_ends_bitwise_equal_to_its_twin(train_cluster: Clust
     newest = checkpoint.path_for(folder, 3)
     newest.write_bytes(newest.read_bytes()[:1000])  # a half-written file
     second = Trainer(train_cluster.client, TASK, resumed)
+    # The same folder under another seed is another run's: refused, and nothing loaded.
+    other = Trainer(train_cluster.client, TASK, dataclasses.replace(resumed, seed=6))
+    with pytest.raises(AnotherRun, match="seed '5' there, '6' here"):
+        await other.resume()
+    assert other.step == 0 and other.version == ""
     skipped = await second.resume()
     assert second.step == 2 and len(skipped) == 1 and "digest mismatch" in skipped[0]
     await second.run()
