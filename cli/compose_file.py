@@ -161,7 +161,7 @@ def block(
     if c.stop_grace:
         entry["stop_grace_period"] = c.stop_grace
     entry["depends_on"] = {"nats": {"condition": "service_healthy"}} | {
-        other.name: {"condition": "service_healthy"} for name in c.after for other in by_name[name][:1]
+        other.name: {"condition": "service_healthy"} for name in c.after for other in by_name[name]
     }
     entry |= c.keys
     return expand(entry, known, engine)
@@ -223,7 +223,9 @@ def render(services: Sequence[Service], engines: Sequence[str] = ENGINES) -> str
             f"Holds the IPC and pid namespaces that {', '.join(c.name for c, _ in sharing)} share, so that"
             " restarting any one of them leaves the others' namespaces, and /dev/shm, in place. Its init"
             " (docker-init) is pid 1 of that namespace and reaps orphans. Restarting this one ends every"
-            " process in the namespace; the restart policies bring them back. Why each shares them:"
+            " process in the namespace; the restart policies bring them back. Recreating it (a new"
+            " image) leaves them dead until they are recreated too: `up` does so, and so does `run`"
+            " of the trainer, which depends on every engine for that. Why each shares them:"
         )
         out += "\n" + comment("\n".join([opening, *why]), "  ")
         holder = {

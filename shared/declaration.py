@@ -152,7 +152,9 @@ class Compose:
     environment: Mapping[str, str] = field(default_factory=dict)
     # files of the credentials folder beyond its role's: file -> where it reads it ({engine} filled)
     secrets: Mapping[str, str] = field(default_factory=dict)
-    after: tuple[str, ...] = ()  # the services that must be healthy before it starts
+    after: tuple[
+        str, ...
+    ] = ()  # the services (every container of each) that must be healthy before it starts
     stop_grace: str = ""  # Compose's stop_grace_period, when its drain needs more than the default
     keys: Mapping[str, Any] = field(default_factory=dict)  # further Compose keys, as Compose spells them
 

@@ -48,12 +48,14 @@ TRAINER = Service(
         note="""A GRPO training run (README, "Training"): a job, not a daemon, started on demand:
   docker compose --profile train run --rm trainer [--steps N --chaos actor@3:kill ...]
   docker compose --profile train run --rm trainer --workload lookup   (agentic: the Compose
-    checkpointer's sandboxes, the policy service's checkpoints)
+    checkpointer's sandboxes, the policy service's checkpoints; their image first, on the
+    Docker host: python -m belayer_rl.services.checkpointer.image)
 Its worker groups (actor ranks, reward) are processes inside its container, under its fault
 manager. The step log, reward curve and checkpoints go to the volume `train`, so a rerun with
-the same flags resumes from its last checkpoint. Metrics and /healthz on :9100 while it runs.""",
+the same flags resumes from its last checkpoint; a run of other settings needs --out
+/var/lib/belayer/<another folder>. Metrics and /healthz on :9100 while it runs.""",
         variables={"BELAYER_TRAIN_STEPS": Variable("100", "the steps of `--profile train run trainer`")},
-        after=("router", "weight-server"),
+        after=("router", "weight-server", "shadow-supervisor", "checkpointer", "policy"),
         keys={
             "profiles": ["train"],
             "restart": "no",

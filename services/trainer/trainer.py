@@ -400,10 +400,12 @@ class Trainer:
         loaded = await asyncio.to_thread(checkpoint.load_latest, folder)
         if loaded is None:
             return []
-        ours = self.identity()
-        theirs = (
-            loaded.state["identity"] if "identity" in loaded.state else {"written by": "an older belayer"}
-        )
+        if "identity" not in loaded.state:
+            raise AnotherRun(
+                f"{loaded.path} records no run identity (an older belayer wrote it), so it cannot be"
+                " told from another run's: give this run a folder of its own"
+            )
+        theirs, ours = loaded.state["identity"], self.identity()
         if theirs != ours:
             raise AnotherRun(
                 f"{loaded.path} is another run's checkpoint ({'; '.join(differences(theirs, ours))}):"

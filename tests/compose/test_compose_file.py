@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -43,3 +44,34 @@ def test_a_third_engine_is_a_flag_its_container_uid_and_groups_follow() -> None:
     assert {s["source"] for s in engine["secrets"]} == {"shadow-supervisor-e2", "engine-e2"}
     assert services["kv-server"]["group_add"] == ["2100", "2101", "2102"]  # each engine's arena group
     assert {"shadow-supervisor-e2", "engine-e2"} <= set(spec["secrets"])
+
+
+def run_tree(services: dict[str, Any], name: str) -> set[str]:
+    """`name` and everything it depends on: what `compose run NAME` starts, and recreates when its
+    image changed."""
+    tree: set[str] = set()
+    todo = [name]
+    while todo:
+        if (current := todo.pop()) not in tree:
+            tree.add(current)
+            todo.extend(services[current].get("depends_on", {}))
+    return tree
+
+
+def test_running_the_trainer_after_a_rebuild_recreates_every_container_of_the_shared_namespaces() -> None:
+    """`run trainer` after a new image recreates what the trainer depends on, the namespaces'
+    holder among them; a container that shares its pid namespace and is not in that tree is killed
+    with the old holder and stays dead (its restart policy cannot rejoin a removed container), as
+    two engines once did. Mutation: the trainer's dependencies without the engines leave them out."""
+    for engines in (("e0", "e1"), ("e0", "e1", "e2")):
+        services = yaml.safe_load(render(SERVICES, engines))["services"]
+        sharing = {name for name, s in services.items() if s.get("pid") == "service:namespaces"}
+        assert {f"engine-{e}" for e in engines} <= sharing
+        assert sharing <= run_tree(services, "trainer"), sharing - run_tree(services, "trainer")
+
+    trainer = next(s for s in SERVICES if s.name == "trainer")
+    assert trainer.compose is not None
+    without = dataclasses.replace(trainer.compose, after=("router", "weight-server"))
+    changed = tuple(dataclasses.replace(s, compose=without) if s is trainer else s for s in SERVICES)
+    services = yaml.safe_load(render(changed))["services"]
+    assert "engine-e0" not in run_tree(services, "trainer")
