@@ -411,14 +411,18 @@ class Checkpointer:
                     raise
                 if (trouble := host_trouble(exc)) is not None:
                     raise trouble from None
-                if not sb.record.image_id:
+                detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
+                if not sb.record.image_id and isinstance(exc, aiodocker.DockerError) and exc.status == 404:
                     raise ServiceError(
                         "no-image",
                         f"sandbox {name}: no image {req.spec.image!r} on the Docker engine of host"
                         f" {self.config.host_id} (load it there; `python -m"
                         f" belayer_rl.services.checkpointer.image` builds {DEFAULT_IMAGE})",
                     ) from None
-                detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
+                if not sb.record.image_id:
+                    raise ServiceError(
+                        "no-image", f"sandbox {name}: image {req.spec.image!r}: {detail}"
+                    ) from None
                 raise ServiceError(
                     "create-failed", f"sandbox {name} from {req.spec.image!r}: {detail}"
                 ) from None

@@ -378,14 +378,14 @@ class LocalGroup:
         explain it: the cause is the death, not its echo."""
         transport = error.code in ("timeout", "no-responders")
         if not transport and len(self.processes) == 1:
-            return GroupFault("exception", rank, f"{error.code}: {error}")
+            return GroupFault("exception", rank, str(error))
         deadline = time.monotonic() + EXIT_GRACE_S
         while time.monotonic() < deadline:
             for dead, process in enumerate(self.processes):
                 if process.returncode is not None:
                     return GroupFault("exit", dead, exit_cause(process.returncode))
             await asyncio.sleep(WATCH_EVERY_S)
-        return GroupFault("timeout" if transport else "exception", rank, f"{error.code}: {error}")
+        return GroupFault("timeout" if transport else "exception", rank, str(error))
 
     async def watch(self) -> GroupFault:
         """Returns (does not raise) the first fault seen among the running ranks: an exit; a rank

@@ -377,6 +377,9 @@ class Trainer:
             "off_policy": str(s.off_policy),
             "actor": repr(s.actor),
             "grpo": repr(s.grpo),
+            # The ranks' gradients are summed in another order on another world, and an inline
+            # actor keeps its state in another shape: neither resumes the other.
+            "world": "inline" if self.group is None else str(self.group.actor.worker.world),
         }
 
     def load_state(self, state: dict) -> None:

@@ -118,11 +118,16 @@ async def test_learns_answers_publishes_and_cools_down(tmp_path: Path) -> None:
                 answer.samples == 3 and answer.cost_s == 0.5 and answer.rate_per_s == pytest.approx(21 / 620)
             )
 
-        async def learnt() -> PolicyDecision | None:
-            answer = await policy.decide(ask())
-            return answer if counted(answer) else None
+        answers: list[PolicyDecision] = []
 
-        informed = await poll(learnt, timeout_s=30, every_s=0.1)
+        async def learnt() -> PolicyDecision | None:
+            answers.append(await policy.decide(ask()))
+            return answers[-1] if counted(answers[-1]) else None
+
+        try:
+            informed = await poll(learnt, timeout_s=30, every_s=0.1)
+        except TimeoutError:
+            pytest.fail(f"the service never counted every event; its last answer: {answers[-1]}")
         # Every response outlasts a 0.5-s checkpoint started at x = 0: nothing of it is visible.
         assert informed.expected_visible_cost_s == 0.0 and informed.checkpoint, informed.reason
         # C: the 30 s of work the driver reports, and the response running since x = 0, expected to
