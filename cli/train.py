@@ -307,7 +307,14 @@ async def train(
                         "object_store_memory": 200_000_000,
                         "include_dashboard": False,
                     }
-                ray.init(**options)
+                try:
+                    ray.init(**options)
+                except ConnectionError as exc:  # Ray's error runs to a page; its first line says it
+                    raise SystemExit(
+                        f"belayer train: no Ray cluster joined at {config.ray_address or 'a local Ray'}: {str(exc).splitlines()[0]}"
+                        " (a cluster `ray start` made where ~/.ray/auth_token exists wants its token:"
+                        " RAY_AUTH_MODE=token)"
+                    ) from None
             group = GroupBackend.create(config.backend, client, worker, config.out / "actor", faults, metrics)
         sandboxes = None
         if agentic and config.sandbox == "local":

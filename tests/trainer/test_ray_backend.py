@@ -50,10 +50,14 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert binary is not None, "the ray package is installed without its `ray` command"
     port = free_port()
     temp = tmp_path_factory.mktemp("ray")
+    # `ray start` turns token authentication on wherever ~/.ray/auth_token exists (a local ray.init,
+    # `belayer train --backend ray` without an address, writes one), while a driver joins without
+    # the token unless RAY_AUTH_MODE=token: the test's own cluster, on 127.0.0.1, runs without it,
+    # whatever an earlier Ray left in the home folder.
     started = subprocess.run(
         [binary, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
          "--object-store-memory=200000000", "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=120, check=False, env=os.environ | {"RAY_AUTH_MODE": "disabled"},
     )  # fmt: skip
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     address = f"127.0.0.1:{port}"
