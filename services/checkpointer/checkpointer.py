@@ -412,19 +412,17 @@ class Checkpointer:
                 if (trouble := host_trouble(exc)) is not None:
                     raise trouble from None
                 detail = exc.message if isinstance(exc, aiodocker.DockerError) else str(exc)
-                if not sb.record.image_id and isinstance(exc, aiodocker.DockerError) and exc.status == 404:
+                if sb.record.image_id:
                     raise ServiceError(
-                        "no-image",
-                        f"sandbox {name}: no image {req.spec.image!r} on the Docker engine of host"
-                        f" {self.config.host_id} (load it there; `python -m"
-                        f" belayer_rl.services.checkpointer.image` builds {DEFAULT_IMAGE})",
+                        "create-failed", f"sandbox {name} from {req.spec.image!r}: {detail}"
                     ) from None
-                if not sb.record.image_id:
-                    raise ServiceError(
-                        "no-image", f"sandbox {name}: image {req.spec.image!r}: {detail}"
-                    ) from None
+                if isinstance(exc, aiodocker.DockerError) and exc.status == 404:
+                    detail = (
+                        f"not on the Docker engine of host {self.config.host_id} (load it there;"
+                        f" `python -m belayer_rl.services.checkpointer.image` builds {DEFAULT_IMAGE})"
+                    )
                 raise ServiceError(
-                    "create-failed", f"sandbox {name} from {req.spec.image!r}: {detail}"
+                    "no-image", f"sandbox {name}: image {req.spec.image!r}: {detail}"
                 ) from None
             self.save(sb)
         await self.check_idle(sb)  # an engine event that came while it was created was not judged
