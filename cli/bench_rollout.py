@@ -54,8 +54,6 @@ from belayer_rl.shared.protocol import (
     ServiceStats,
     StatsRequest,
     TokenChunk,
-    WorkerChunk,
-    WorkerDone,
 )
 
 PROMPT = "An agent asks for a tool call and then waits for the sandbox to answer. "
@@ -199,15 +197,15 @@ async def straight_to_worker(
 
     async def on_message(msg: Msg) -> None:
         nonlocal tokens, finished
-        item = protocol.decode(decoder, msg.data)
-        if item.request_id not in mine:
-            return
-        if isinstance(item, WorkerChunk):
-            tokens += len(item.tokens)
-        elif isinstance(item, WorkerDone):
-            finished += 1
-            if finished == n:
-                done.set()
+        frame = protocol.decode(decoder, msg.data)
+        for seq in frame.seqs:
+            if seq.request_id not in mine:
+                continue
+            tokens += len(seq.tokens)
+            if seq.finish_reason is not None:
+                finished += 1
+        if finished == n:
+            done.set()
 
     # Workers publish on their engine's stream whatever a dispatch names (the router sees these
     # chunks too, and drops them: requests it does not know).

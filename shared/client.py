@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -67,6 +67,9 @@ class Generation:
     finish_reason: str
     resumes: int
     weight_version: str | None
+    # The logprob of each token (services/worker/sampling.py); [] if the router kept none for some
+    # of them (a request begun in a token log written before logprobs were kept).
+    logprobs: list[float] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -244,13 +247,18 @@ class Client:
     async def generate_all(self, prompt: str | list[int], **kwargs: Any) -> Generation:
         """Run a generation to its end and return every token."""
         tokens: list[int] = []
+        logprobs: list[float] = []
         request_id = ""
         async for item in self.generate(prompt, **kwargs):
             request_id = item.request_id
             if isinstance(item, TokenChunk):
                 tokens.extend(item.tokens)
+                logprobs.extend(item.logprobs)
             else:
-                return Generation(request_id, tokens, item.finish_reason, item.resumes, item.weight_version)
+                whole = logprobs if len(logprobs) == len(tokens) else []
+                return Generation(
+                    request_id, tokens, item.finish_reason, item.resumes, item.weight_version, whole
+                )
         raise AssertionError(f"stream of {request_id} ended without an end message")
 
     @contextlib.asynccontextmanager
@@ -324,5 +332,6 @@ class Client:
                 continue
             fresh = item.tokens[position - item.position :]
             if fresh:
-                yield TokenChunk(request_id=request_id, position=position, tokens=fresh)
+                logprobs = item.logprobs[position - item.position :]
+                yield TokenChunk(request_id=request_id, position=position, tokens=fresh, logprobs=logprobs)
                 position += len(fresh)

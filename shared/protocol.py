@@ -14,7 +14,9 @@ a clear error. So services are upgraded one at a time, readers of a type before 
 workers before the router for `Dispatch`, the router before clients for `GenerateRequest`.
 Version 2 of GenerateRequest, Dispatch and LogStart carries one SamplingParams instead of the
 flat seed/temperature/stop of version 1; a version-1 message is read into the same Struct. Version 3
-adds SamplingParams.min_tokens and GenerateRequest.prompt_tokens.
+adds SamplingParams.min_tokens and GenerateRequest.prompt_tokens. Version 5 of Dispatch alone: the
+worker answers with WorkerFrames that carry logprobs (one per engine step, for every sequence it
+holds), where a worker of version 4 answered with per-request chunks that routers no longer read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ AGENT_TURNS_VERSION = 3
 # The same three: SamplingParams.allowed_tokens, which a reader of version 3 would ignore and then
 # sample outside the set a trainer's policy is defined over.
 ALLOWED_TOKENS_VERSION = 4
+# Dispatch alone: a worker of version 4 would answer in WorkerChunks, which routers no longer read.
+FRAMES_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # larger payloads are rejected before decoding
 MAX_BEAT_ATTEMPTS = 4096  # attempt ids one heartbeat lists
 
@@ -44,6 +48,11 @@ EngineId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}\Z")]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 16)]
 MAX_PROMPT_BYTES = 1 << 16  # = the most tokens a Tokens list holds
 Tokens = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_BYTES)]
+# The log-probability of a generated token under the distribution it was drawn from (temperature
+# and allowed tokens applied; services/worker/sampling.py). Finite: NaN and infinities are refused.
+Logprob = Annotated[float, Meta(ge=-1e30, le=0.0)]
+# Beside a Tokens list, one per token; empty where none were kept (a record older than logprobs).
+Logprobs = Annotated[list[Logprob], Meta(max_length=MAX_PROMPT_BYTES)]
 Position = Annotated[int, Meta(ge=0)]
 Epoch = Annotated[int, Meta(ge=0)]
 Incarnation = Annotated[int, Meta(ge=0, lt=1 << 31)]  # a router lease's; attempt ids start with it
@@ -80,6 +89,12 @@ ErrorCode = Literal[
 # An ErrorCode as it crosses the wire: decoded as text, so a code that a newer version added is not
 # a decode failure for an older reader (nor a stored log end unreadable); raised only from ErrorCode.
 WireCode = Annotated[str, Meta(max_length=64)]
+
+
+def check_logprobs(tokens: list[int], logprobs: list[float]) -> None:
+    """Logprobs are one per token, or none at all (kept nowhere)."""
+    if logprobs and len(logprobs) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} logprobs")
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -174,11 +189,16 @@ class CancelRequest(Message, tag="cancel", frozen=True, kw_only=True):
 
 
 class TokenChunk(Message, tag="chunk", frozen=True, kw_only=True):
-    """Tokens [position, position + len(tokens)) of a request's generated sequence."""
+    """Tokens [position, position + len(tokens)) of a request's generated sequence, with the
+    logprob of each (empty: the token log kept none for them, a request older than logprobs)."""
 
     request_id: RequestId
     position: Position
     tokens: Tokens
+    logprobs: Logprobs = []
+
+    def __post_init__(self) -> None:
+        check_logprobs(self.tokens, self.logprobs)
 
 
 class GenerateEnd(Message, tag="end", frozen=True, kw_only=True):
@@ -240,6 +260,7 @@ class ServiceStats(Message, tag="service_stats", frozen=True, kw_only=True):
 class Dispatch(CarriesSampling, tag="dispatch", frozen=True, kw_only=True):
     """One attempt at a request on one engine. Resumes carry the tokens generated so far."""
 
+    v: int = FRAMES_VERSION
     request_id: RequestId
     attempt: Annotated[int, Meta(ge=1)]
     epoch: Epoch
@@ -248,7 +269,7 @@ class Dispatch(CarriesSampling, tag="dispatch", frozen=True, kw_only=True):
     prefix_tokens: Tokens = []
     max_tokens: Annotated[int, Meta(ge=1, le=65536)]  # what is left of the request's budget
     weight_version: WeightVersion | None = None  # None: whatever the engine serves now
-    reply_to: Subject  # where the worker publishes WorkerChunk / WorkerDone
+    reply_to: Subject  # unused: a worker publishes its WorkerFrames on its engine's own stream
     # The lease incarnation of the router that sent it (services/router/lease.py). A worker refuses
     # any dispatch or cancel from an incarnation below the highest it has seen.
     incarnation: Incarnation = 0
@@ -279,7 +300,14 @@ class HeldAttempt(Message, tag="held_attempt", frozen=True, kw_only=True):
     attempt: int
     incarnation: Incarnation  # of the router that dispatched it
     tokens: Tokens  # every generated token of the request so far: the dispatch's prefix and its own
-    finish_reason: FinishReason | None = None  # ended while no router listened: its WorkerDone unheard
+    finish_reason: FinishReason | None = None  # ended while no router listened: its end unheard
+    # The logprobs of tokens[logprobs_from:], those this attempt generated (a dispatch carries its
+    # prefix's tokens, not their logprobs).
+    logprobs: Logprobs = []
+    logprobs_from: Position = 0
+
+    def __post_init__(self) -> None:
+        check_logprobs(self.tokens[self.logprobs_from :], self.logprobs)
 
 
 class AdoptReply(Message, tag="adopt_reply", frozen=True, kw_only=True):
@@ -289,26 +317,37 @@ class AdoptReply(Message, tag="adopt_reply", frozen=True, kw_only=True):
     attempts: Annotated[list[HeldAttempt], Meta(max_length=MAX_BEAT_ATTEMPTS)]
 
 
-class WorkerChunk(Message, tag="wchunk", frozen=True, kw_only=True):
+class FrameSeq(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's share of a WorkerFrame: its tokens [position, position + len(tokens)) and
+    their logprobs, and its end if it ended in this step. An array on the wire (the hot path):
+    fields are only ever appended."""
+
     request_id: RequestId
     attempt: int
-    epoch: Epoch
-    engine_id: EngineId
     position: Position
     tokens: Tokens
+    logprobs: Logprobs
+    finish_reason: FinishReason | None = None
+    num_tokens: Position = 0  # at an end: the generated tokens in all, prefix included
+    error: Annotated[str, Meta(max_length=1024)] = ""  # at an "error" end: why the engine refused
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.logprobs)} logprobs")
 
 
-class WorkerDone(Message, tag="wdone", frozen=True, kw_only=True):
-    request_id: RequestId
-    attempt: int
+class WorkerFrame(Message, tag="wframe", frozen=True, kw_only=True):
+    """What one engine step produced, for every sequence that moved: a worker publishes one frame
+    per step instead of a message per token per request. The router checks each sequence's
+    attempt against the request's current one, and the frame's (engine, epoch) against the
+    engine's."""
+
     epoch: Epoch
     engine_id: EngineId
-    finish_reason: FinishReason
-    num_tokens: Position
-    error: str = ""
+    seqs: Annotated[list[FrameSeq], Meta(max_length=MAX_BEAT_ATTEMPTS)]
 
 
-WorkerStream = WorkerChunk | WorkerDone
+WorkerStream = WorkerFrame
 
 
 class WorkerRegistration(Message, tag="register", frozen=True, kw_only=True):
@@ -479,6 +518,10 @@ class LogChunk(Message, tag="log_chunk", frozen=True, kw_only=True):
     engine_id: Annotated[str, Meta(max_length=64)] = ""
     epoch: Epoch = 0
     incarnation: Incarnation = 0
+    logprobs: Logprobs = []  # of each token ([] in records written before logprobs were kept)
+
+    def __post_init__(self) -> None:
+        check_logprobs(self.tokens, self.logprobs)
 
 
 class LogEnd(Message, tag="log_end", frozen=True, kw_only=True):

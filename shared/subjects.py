@@ -78,7 +78,7 @@ class Subjects:
         return f"{self.root}.router.keepalive.{client}"
 
     def worker_stream(self, engine_id: str) -> str:
-        """WorkerChunk / WorkerDone of one engine: the router reads the engine from the subject
+        """WorkerFrames of one engine: the router reads the engine from the subject
         (which the bus lets only that engine publish), never from the payload."""
         return f"{self.root}.router.worker_stream.{engine_id}"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from belayer_rl.cli.chaos.workload import Job, reference_tokens  # noqa: F401 - the tests take them from here
+from belayer_rl.cli.chaos.workload import Job, Output, reference_outputs, reference_tokens  # noqa: F401 - the tests take them from here
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.client import Client

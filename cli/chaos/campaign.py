@@ -34,7 +34,7 @@ from belayer_rl.cli.chaos.workload import (
     SETTLE_S,
     Generations,
     Trajectories,
-    reference_tokens,
+    reference_outputs,
 )
 from belayer_rl.cli.cluster import (
     ClusterConfig,
@@ -229,15 +229,19 @@ async def campaign(
             while await injector.requests_in_flight():  # noqa: ASYNC110 - the router's state
                 await asyncio.sleep(0.5)
 
-    finished = dict(generations.tokens)
+    finished = dict(generations.outputs)
     phases.next(f"the reference of {len(finished)} generations")
     expected = await asyncio.to_thread(
-        reference_tokens, [j for j in generations.jobs if j.request_id in finished]
+        reference_outputs, [j for j in generations.jobs if j.request_id in finished]
     )
     violations = [
-        f"{rid}: tokens differ from the reference at {first_difference(tokens, expected[rid])}"
-        for rid, tokens in finished.items()
-        if tokens != expected[rid]
+        f"{rid}: {what} differ from the reference at {first_difference(got, want)}"
+        for rid, output in finished.items()
+        for what, got, want in (
+            ("tokens", output.tokens, expected[rid].tokens),
+            ("logprobs", output.logprobs, expected[rid].logprobs),
+        )
+        if got != want
     ]
     violations += trajectories.violations
     phases.next("the token log check")

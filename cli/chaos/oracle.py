@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from belayer_rl.cli.chaos.workload import Output
 from belayer_rl.cli.cluster import (
     Supervisor,
 )
@@ -26,9 +27,10 @@ END_DURABLE_WAIT_S = 15.0  # for the LogEnds of requests whose clients already h
 
 
 async def check_token_log(
-    js, names: Subjects, finished: dict[str, list[int]], *, end_wait_s: float = END_DURABLE_WAIT_S
+    js, names: Subjects, finished: dict[str, Output], *, end_wait_s: float = END_DURABLE_WAIT_S
 ) -> list[str]:
-    """The log's own invariants, request by request, and the tokens it holds for each finished one.
+    """The log's own invariants, request by request, and the tokens and logprobs it holds for each
+    finished one.
 
     The router tells a request's clients of its end as it queues the LogEnd, so a client may
     finish before its end is in the log. The log is read again, for a bounded time, while a
@@ -41,7 +43,7 @@ async def check_token_log(
         await asyncio.sleep(0.5)
 
 
-async def read_token_log(js, names: Subjects, finished: dict[str, list[int]]) -> tuple[list[str], bool]:
+async def read_token_log(js, names: Subjects, finished: dict[str, Output]) -> tuple[list[str], bool]:
     """One read of the log: its violations, and whether a finished request lacks only its end."""
     violations: list[str] = []
     claimed: dict[str, int] = {}  # request -> highest incarnation that claimed it
@@ -76,16 +78,19 @@ async def read_token_log(js, names: Subjects, finished: dict[str, list[int]]) ->
                 if request_id in logged:
                     logged[request_id].end = record
     unended = False
-    for request_id, tokens in finished.items():
+    for request_id, output in finished.items():
         entry = logged.get(request_id)
         if entry is None:
             violations.append(f"{request_id}: finished, but its log has no start")
         elif entry.end is None:
             unended = True
             violations.append(f"{request_id}: finished, but its log has no end")
-        elif entry.tokens != tokens:
-            violations.append(f"{request_id}: the log holds {len(entry.tokens)} tokens, the client got {len(tokens)} "
-                              "(or other ones)")  # fmt: skip
+        elif entry.tokens != output.tokens:
+            violations.append(f"{request_id}: the log holds {len(entry.tokens)} tokens, the client got "
+                              f"{len(output.tokens)} (or other ones)")  # fmt: skip
+        elif entry.logprobs != output.logprobs:
+            violations.append(f"{request_id}: the log's logprobs differ from the client's at "
+                              f"{first_difference(entry.logprobs, output.logprobs)}")  # fmt: skip
     return violations, unended
 
 
@@ -129,7 +134,7 @@ async def consumers(js) -> set[str]:
     return found
 
 
-def first_difference(got: list[int], want: list[int]) -> str:
+def first_difference(got: list[int] | list[float], want: list[int] | list[float]) -> str:
     at = next(
         (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
     )

@@ -41,7 +41,15 @@ class Job:
     min_tokens: int = 0  # EOS held back until this many are generated
 
 
-def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 0) -> dict[str, list[int]]:
+@dataclass(frozen=True)
+class Output:
+    """What a generation produced: its tokens and the logprob of each."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def reference_outputs(jobs: list[Job], preset: str = "tiny", weights_seed: int = 0) -> dict[str, Output]:
     """What an uninterrupted run produces: the engine in-process, all jobs in one batch."""
     from belayer_rl.services.worker.engine import Engine, EngineConfig, SeqSpec  # torch: only when asked
 
@@ -57,11 +65,17 @@ def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 
             min_new_tokens=job.min_tokens,
         )
         engine.submit(spec)
-    out: dict[str, list[int]] = {job.request_id: [] for job in jobs}
+    out = {job.request_id: Output([], []) for job in jobs}
     while engine.has_work():
         for event in engine.step():
-            out[str(event.key)].extend(event.new_tokens)
+            out[str(event.key)].tokens.extend(event.new_tokens)
+            out[str(event.key)].logprobs.extend(event.new_logprobs)
     return out
+
+
+def reference_tokens(jobs: list[Job], preset: str = "tiny", weights_seed: int = 0) -> dict[str, list[int]]:
+    """The tokens of reference_outputs."""
+    return {rid: output.tokens for rid, output in reference_outputs(jobs, preset, weights_seed).items()}
 
 
 @dataclass
@@ -72,11 +86,11 @@ class Generations:
     seed: int
     max_tokens: int
     jobs: list[Job] = field(default_factory=list)
-    tokens: dict[str, list[int]] = field(default_factory=dict)
+    outputs: dict[str, Output] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> the bound or error that ended it
 
     def in_flight(self) -> str:
-        ended = self.tokens.keys() | self.failed.keys()
+        ended = self.outputs.keys() | self.failed.keys()
         return ", ".join(j.request_id for j in self.jobs if j.request_id not in ended) or "no generation"
 
     async def produce(self, slot: int, stopping: asyncio.Event) -> None:
@@ -92,7 +106,7 @@ class Generations:
                         job.prompt, max_tokens=job.max_tokens, seed=job.seed,
                         temperature=job.temperature, request_id=job.request_id,
                     )  # fmt: skip
-                self.tokens[job.request_id] = result.tokens
+                self.outputs[job.request_id] = Output(result.tokens, result.logprobs)
             except ServiceError as exc:
                 self.failed[job.request_id] = f"{exc.code}: {exc.message}"
             except TimeoutError:

@@ -53,6 +53,7 @@ from belayer_rl.shared.protocol import (
     EngineQuarantined,
     EngineStatus,
     FinishReason,
+    FrameSeq,
     GenerateEnd,
     GenerateError,
     GenerateRequest,
@@ -70,9 +71,8 @@ from belayer_rl.shared.protocol import (
     TokenChunk,
     WeightsList,
     WeightVersions,
-    WorkerChunk,
-    WorkerDone,
     WorkerFailed,
+    WorkerFrame,
     WorkerRegistration,
 )
 from belayer_rl.shared.runtime import Skipped, Spawn
@@ -135,7 +135,7 @@ class Router:
         self.reported_weights: str | None = None  # what workers last said they serve
         self.weight_server_quiet_until = 0.0  # after a timeout, not asked again for a while
         # While a new router adopts its workers' attempts: the worker messages that arrived meanwhile.
-        self.adopting: list[tuple[WorkerChunk | WorkerDone, str]] | None = None
+        self.adopting: list[tuple[WorkerFrame, str]] | None = None
         self.adopting_overflowed = False  # some were dropped: adopted requests are resumed instead
         # Reads of requests from the token log in progress (`owned`), by id and asking client.
         self.loading: dict[tuple[str, str], asyncio.Future[Request | None]] = {}
@@ -221,6 +221,7 @@ class Router:
                 request_id=request.request_id,
                 position=message.from_position,
                 tokens=request.tokens[message.from_position :],
+                logprobs=request.logprobs_of(message.from_position, len(request.tokens)),
             )
             await bus.publish(self.nc, message.reply_to, chunk)
         if request.end is not None and self.end_is_durable(request):
@@ -362,75 +363,90 @@ class Router:
 
     # ------------------------------------------------------------ worker stream
 
-    async def on_worker_stream(self, message: WorkerChunk | WorkerDone, subject: str) -> None:
+    async def on_worker_stream(self, frame: WorkerFrame, subject: str) -> None:
         if self.adopting is not None:  # a new router asking its workers what they hold: wait
             if len(self.adopting) < MAX_HELD_MESSAGES:
-                self.adopting.append((message, subject))
+                self.adopting.append((frame, subject))
             else:
                 self.adopting_overflowed = True
             return
-        await self.handle_worker_message(message, subject)
+        await self.handle_worker_message(frame, subject)
 
-    async def handle_worker_message(self, message: WorkerChunk | WorkerDone, subject: str) -> None:
+    async def handle_worker_message(self, frame: WorkerFrame, subject: str) -> None:
         # The engine is the one the subject names: the bus lets only that engine publish there,
         # while the payload's engine id is whatever its sender wrote.
-        sender = subjects.sender(subject)
-        request = self.requests.get(message.request_id)
+        if not self.lease.held() or frame.engine_id != subjects.sender(subject):
+            self.dropped_chunks += len(frame.seqs)
+            self.metrics.fenced.inc(len(frame.seqs))
+            return
+        for seq in frame.seqs:
+            await self.handle_seq(frame, seq)
+
+    async def handle_seq(self, frame: WorkerFrame, seq: FrameSeq) -> None:
+        request = self.requests.get(seq.request_id)
         if (
-            not self.lease.held()
-            or request is None
-            or message.engine_id != sender
+            request is None
             or request.end is not None
-            or (not self.config.debug_accept_stale and self.stale(request, message))
+            or (not self.config.debug_accept_stale and self.stale(request, frame, seq))
         ):
             self.dropped_chunks += 1  # a stale attempt, epoch or engine: fenced off
             self.metrics.fenced.inc()
             return
-        if isinstance(message, WorkerChunk):
-            await self.accept(request, message)
-        elif message.finish_reason == "error":
-            await self.fail(request, "engine-rejected", message.error)
-        elif message.num_tokens != len(request.tokens) and request.remaining > 0:
-            await self.resume(request, "lost-tokens", f"worker ended at {message.num_tokens}")
-        elif message.num_tokens != len(request.tokens):  # it overran max_tokens: the budget ended it
+        if seq.tokens:
+            await self.accept(request, frame, seq)
+        if seq.finish_reason is None or request.end is not None:
+            return
+        if not self.config.debug_accept_stale and self.stale(request, frame, seq):  # a gap resumed it
+            return
+        if seq.finish_reason == "error":
+            await self.fail(request, "engine-rejected", seq.error)
+        elif seq.num_tokens != len(request.tokens) and request.remaining > 0:
+            await self.resume(request, "lost-tokens", f"worker ended at {seq.num_tokens}")
+        elif seq.num_tokens != len(request.tokens):  # it overran max_tokens: the budget ended it
             await self.finish(request, "length")
         else:
-            await self.finish(request, message.finish_reason)
+            await self.finish(request, seq.finish_reason)
 
     @staticmethod
-    def stale(request: Request, message: WorkerChunk | WorkerDone) -> bool:
-        """Whether the message comes from anything but the request's current attempt."""
-        return (message.engine_id, message.epoch, message.attempt) != (
+    def stale(request: Request, frame: WorkerFrame, seq: FrameSeq) -> bool:
+        """Whether the sequence comes from anything but the request's current attempt."""
+        return (frame.engine_id, frame.epoch, seq.attempt) != (
             request.engine_id,
             request.epoch,
             request.attempt,
         )
 
-    async def accept(self, request: Request, chunk: WorkerChunk) -> None:
+    async def accept(self, request: Request, frame: WorkerFrame, seq: FrameSeq) -> None:
         have = len(request.tokens)
-        if chunk.position > have:
-            await self.resume(request, "gap", f"chunk at {chunk.position}, have {have}")
+        if seq.position > have:
+            await self.resume(request, "gap", f"chunk at {seq.position}, have {have}")
             return
-        fresh = chunk.tokens[have - chunk.position :]
+        skip = have - seq.position
+        fresh, fresh_logprobs = seq.tokens[skip:], seq.logprobs[skip:]
         if len(fresh) > request.remaining:  # never past max_tokens, whatever a worker sends
             log.warning(
                 "%s: %s sent %d tokens past max_tokens; dropped",
-                request.request_id, chunk.engine_id, len(fresh) - request.remaining,
+                request.request_id, frame.engine_id, len(fresh) - request.remaining,
             )  # fmt: skip
-            fresh = fresh[: request.remaining]
-        self.metrics.tokens_accepted.inc(len(chunk.tokens))
-        if len(fresh) < len(chunk.tokens):  # positions it holds already: computed twice
-            self.metrics.tokens_regenerated.inc(len(chunk.tokens) - len(fresh))
+            fresh, fresh_logprobs = fresh[: request.remaining], fresh_logprobs[: request.remaining]
+        self.metrics.tokens_accepted.inc(len(seq.tokens))
+        if len(fresh) < len(seq.tokens):  # positions it holds already: computed twice
+            self.metrics.tokens_regenerated.inc(len(seq.tokens) - len(fresh))
         if not fresh:
             return
         self.observe_next_token(request)
-        request.tokens.extend(fresh)
-        request.source = (chunk.engine_id, chunk.epoch, chunk.attempt)
+        request.extend(fresh, fresh_logprobs)
+        request.source = (frame.engine_id, frame.epoch, seq.attempt)
         request.progress_at = time.monotonic()
         self.metrics.tokens_generated.inc(len(fresh))
         if request.replayed_to is not None:
             self.count_replayed(request)
-        relay = TokenChunk(request_id=request.request_id, position=have, tokens=fresh)
+        relay = TokenChunk(
+            request_id=request.request_id,
+            position=have,
+            tokens=fresh,
+            logprobs=request.logprobs_of(have, have + len(fresh)),
+        )
         await self.tell_clients(request, relay)
         self.log_full_chunks(request)
 
@@ -464,6 +480,7 @@ class Router:
                     index=index,
                     position=index * k,
                     tokens=request.tokens[index * k : (index + 1) * k],
+                    logprobs=request.logprobs_of(index * k, min((index + 1) * k, len(request.tokens))),
                     attempt=attempt,
                     engine_id=engine_id,
                     epoch=epoch,

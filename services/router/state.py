@@ -19,6 +19,9 @@ ATTEMPT_BITS = 32  # an attempt id is incarnation << ATTEMPT_BITS | its number i
 class Request:
     start: LogStart
     tokens: list[int] = field(default_factory=list)
+    # The logprobs of tokens[:len(logprobs)]: every token, unless the request began in a token log
+    # written before logprobs were kept; then they stop where the first record without them is.
+    logprobs: list[float] = field(default_factory=list)
     attempt: int = 0  # 0: not dispatched by this router
     engine_id: str | None = None
     epoch: int = 0
@@ -58,6 +61,15 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.start.max_tokens - len(self.tokens)
+
+    def extend(self, tokens: list[int], logprobs: list[float]) -> None:
+        if len(self.logprobs) == len(self.tokens):
+            self.logprobs.extend(logprobs)
+        self.tokens.extend(tokens)
+
+    def logprobs_of(self, start: int, end: int) -> list[float]:
+        """The logprobs of tokens [start, end), or [] where some of them are not kept."""
+        return self.logprobs[start:end] if end <= len(self.logprobs) else []
 
 
 @dataclass

@@ -42,8 +42,7 @@ from belayer_rl.shared.protocol import (
     HeldAttempt,
     LogTakeover,
     RouterStarted,
-    WorkerChunk,
-    WorkerDone,
+    WorkerFrame,
 )
 from belayer_rl.shared.runtime import Skipped, Spawn
 from belayer_rl.shared.subjects import Subjects
@@ -72,7 +71,7 @@ class RouterSide(Protocol):
     ended: collections.deque[Request]
     engines: dict[str, EngineState]
     next_attempt: int
-    adopting: list[tuple[WorkerChunk | WorkerDone, str]] | None
+    adopting: list[tuple[WorkerFrame, str]] | None
     adopting_overflowed: bool
 
     def enqueue(self, request: Request) -> None: ...
@@ -97,7 +96,7 @@ class RouterSide(Protocol):
 
     async def finish(self, request: Request, reason: FinishReason) -> None: ...
 
-    async def handle_worker_message(self, message: WorkerChunk | WorkerDone, subject: str) -> None: ...
+    async def handle_worker_message(self, frame: WorkerFrame, subject: str) -> None: ...
 
     async def announce_resumed(
         self, request_id: str, attempt: int, on: EngineState | AdoptReply, from_position: int, reason: str
@@ -224,6 +223,11 @@ class Takeover:
             ):
                 self.router.metrics.adopt_refused.labels("not-a-continuation").inc()
                 continue  # another epoch, or not a continuation of the log: resumed from the log
+            if held.logprobs_from > len(request.tokens):
+                # Its dispatch carried tokens the log does not hold, and the worker has no logprobs
+                # for them: resumed from the log, where those tokens are generated again, exactly.
+                self.router.metrics.adopt_refused.labels("logprobs-missing").inc()
+                continue
             adopted[request.request_id] = found
         taken = {(request_id, held.attempt) for request_id, (_, held) in adopted.items()}
         for reply in replies:
@@ -277,7 +281,10 @@ class Takeover:
         and its attempt, whose further chunks are accepted as they come (or its end, when it ended
         while no router listened)."""
         logged = len(request.tokens)
-        request.tokens = list(held.tokens[: request.start.max_tokens])
+        upto = min(len(held.tokens), request.start.max_tokens)
+        request.extend(
+            held.tokens[logged:upto], held.logprobs[logged - held.logprobs_from : upto - held.logprobs_from]
+        )
         request.replayed_to = len(request.tokens)  # what clients had came from these very tokens
         if len(request.tokens) > logged:  # positions new to the router: its first since the failure
             self.router.metrics.tokens_generated.inc(len(request.tokens) - logged)
@@ -306,7 +313,7 @@ class Takeover:
         self.router.log_full_chunks(request)
 
     def rebuilt_running(self, entry: token_log.LoggedRequest) -> Request:
-        request = Request(start=entry.start, tokens=entry.tokens)
+        request = Request(start=entry.start, tokens=entry.tokens, logprobs=entry.logprobs)
         request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
         request.resumes = 1
         request.replayed_to = len(entry.tokens)  # its clients may have had more
@@ -316,7 +323,7 @@ class Takeover:
     def remember_ended(self, entry: token_log.LoggedRequest) -> Request:
         """An ended request read from the log: attachable for --ended-keep from now."""
         assert entry.end is not None
-        request = Request(start=entry.start, tokens=entry.tokens)
+        request = Request(start=entry.start, tokens=entry.tokens, logprobs=entry.logprobs)
         request.logged_chunks = len(entry.tokens) // entry.start.chunk_tokens
         request.resumes = entry.end.resumes
         request.end = end_message(entry.start, entry.end)

@@ -317,6 +317,7 @@ def _full(used: int, bound: int) -> str | None:
 class LoggedRequest:
     start: LogStart
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of tokens[:len(logprobs)] (Request.logprobs)
     end: LogEnd | None = None
     last_sequence: int = 0  # of the last record on its subject, whatever it was
     incarnation: int = 0  # the highest router incarnation that claimed it (LogTakeover)
@@ -329,7 +330,10 @@ class LoggedRequest:
         if chunk.position > len(self.tokens):
             log.warning("%s: gap in token log at %d", chunk.request_id, len(self.tokens))
             return
-        self.tokens.extend(chunk.tokens[len(self.tokens) - chunk.position :])
+        skip = len(self.tokens) - chunk.position
+        if len(self.logprobs) == len(self.tokens) and chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs[skip:])
+        self.tokens.extend(chunk.tokens[skip:])
 
 
 @dataclass

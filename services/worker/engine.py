@@ -29,7 +29,7 @@ import torch
 
 from belayer_rl.services.worker.block_manager import BlockManager
 from belayer_rl.services.worker.kv_cache import PagedKVCache, allocate_arena
-from belayer_rl.services.worker.sampling import sample
+from belayer_rl.services.worker.sampling import Draw, sample
 from belayer_rl.shared.model import ForwardBatch, SeqRows, forward
 from belayer_rl.shared.params import Params, check_params, init_params, load_params, seed_version
 from belayer_rl.shared.presets import PRESETS
@@ -79,6 +79,7 @@ class SeqEvent:
     key: Hashable
     position: int  # index in the generated sequence of new_tokens[0] (0 = first generated)
     new_tokens: list[int]
+    new_logprobs: list[float]  # of each new token, as sample() drew it
     finished: FinishReason | None
 
 
@@ -191,7 +192,7 @@ class Engine:
         reason = self._finish_reason(seq, n_new=len(seq.generated))
         if reason is not None:
             # The earlier attempt already ended the request: nothing to compute.
-            self._done_events.append(SeqEvent(spec.key, len(seq.generated), [], reason))
+            self._done_events.append(SeqEvent(spec.key, len(seq.generated), [], [], reason))
             return
         self._waiting.append(seq)
 
@@ -324,8 +325,7 @@ class Engine:
                 if len(s.generated) < s.spec.min_new_tokens:
                     row_logits = row_logits.clone()
                     row_logits[EOS_TOKEN] = -math.inf
-                token = sample(row_logits, s.spec.seed, pos, s.spec.temperature)
-                events.append(self._append(s, token))
+                events.append(self._append(s, sample(row_logits, s.spec.seed, pos, s.spec.temperature)))
         return events
 
     def _pack(self, plan: list[tuple[_Seq, int]]) -> tuple[ForwardBatch, list[_Seq]]:
@@ -357,7 +357,8 @@ class Engine:
         )
         return batch, sampled
 
-    def _append(self, s: _Seq, token: int) -> SeqEvent:
+    def _append(self, s: _Seq, draw: Draw) -> SeqEvent:
+        token = draw.token
         position = len(s.generated)
         s.generated.append(token)
         s.tokens.append(token)
@@ -366,7 +367,7 @@ class Engine:
         if reason is not None:
             del self._running[s.spec.key]
             self._release(s)
-        return SeqEvent(s.spec.key, position, [token], reason)
+        return SeqEvent(s.spec.key, position, [token], [draw.logprob], reason)
 
     @staticmethod
     def _finish_reason(s: _Seq, n_new: int) -> FinishReason | None:

@@ -8,6 +8,8 @@ Knows nothing about models or scheduling.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from belayer_rl.shared.tokenizer import VOCAB_SIZE
@@ -28,7 +30,15 @@ def draw_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
 
-def sample(logits_row: torch.Tensor, seed: int, position: int, temperature: float) -> int:
+class Draw(NamedTuple):
+    token: int
+    # log p(token) under the distribution it was drawn from: softmax(logits / T) over the ids the
+    # caller left finite (its mask). At T = 0 the draw is an argmax, and the log-probability is
+    # that of softmax(logits), T = 1: a point mass would say 0 for every token.
+    logprob: float
+
+
+def sample(logits_row: torch.Tensor, seed: int, position: int, temperature: float) -> Draw:
     """Pick the token for `position` from logits_row [vocab] (padded vocab allowed).
 
     Ids >= VOCAB_SIZE are padding and never chosen. temperature 0 is argmax; otherwise the
@@ -38,8 +48,12 @@ def sample(logits_row: torch.Tensor, seed: int, position: int, temperature: floa
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = logits_row[:VOCAB_SIZE].float()  # [257]: padding ids dropped, not just masked
     if temperature == 0:
-        return int(torch.argmax(logits))
-    gen = torch.Generator().manual_seed(draw_seed(seed, position))
-    noise = torch.empty(VOCAB_SIZE).exponential_(generator=gen)  # [257], E_i ~ Exp(1)
-    # log p_i - log E_i, with log p_i = logits / T up to a constant.
-    return int(torch.argmax(logits / temperature - noise.log()))
+        token = int(torch.argmax(logits))
+        scaled = logits
+    else:
+        scaled = logits / temperature  # [257]
+        gen = torch.Generator().manual_seed(draw_seed(seed, position))
+        noise = torch.empty(VOCAB_SIZE).exponential_(generator=gen)  # [257], E_i ~ Exp(1)
+        # log p_i - log E_i, with log p_i = logits / T up to a constant.
+        token = int(torch.argmax(scaled - noise.log()))
+    return Draw(token, float(torch.log_softmax(scaled, dim=0)[token]))

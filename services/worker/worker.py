@@ -3,7 +3,7 @@
 Owns: the engine (weights, KV arena, scheduler) and the attempts it is running.
 Listens: `belayer.<cluster>.worker.<engine>.dispatch` (Dispatch), `belayer.<cluster>.worker.<engine>.cancel`,
 and routers' start events (RouterStarted), for the newest router incarnation.
-Publishes: WorkerChunk / WorkerDone on its engine's stream `belayer.<cluster>.router.worker_stream.
+Publishes: a WorkerFrame per engine step, for every sequence that moved, on its engine's stream `belayer.<cluster>.router.worker_stream.
 <engine>` (the only stream its credential may publish on, whatever a dispatch names), a Heartbeat on
 `belayer.<cluster>.evt.heartbeat.<engine>` every interval, a WorkerRegistration once it serves.
 
@@ -45,8 +45,7 @@ from belayer_rl.shared.protocol import (
     Heartbeat,
     HeldAttempt,
     RouterStarted,
-    WorkerChunk,
-    WorkerDone,
+    WorkerFrame,
     WorkerRegistration,
 )
 
@@ -56,6 +55,8 @@ ENDED_KEPT_S = 30.0  # how long an ended attempt stays adoptable
 # An adopt answer's size, well under NATS's 1 MiB payload: tokens travel as JSON numbers.
 ADOPT_REPLY_BYTES = 768 << 10
 BYTES_PER_TOKEN = 6
+BYTES_PER_LOGPROB = 25  # a float64 in JSON at its longest: -1.2345678901234567e-123,
+FRAME_SEQS = 512  # sequences per WorkerFrame, well under a NATS payload even at the longest tokens
 HELD_OVERHEAD_BYTES = 256
 
 
@@ -68,6 +69,7 @@ class Attempt:
     dispatch: Dispatch
     key: tuple[str, int] = field(init=False)
     tokens: list[int] = field(init=False)  # every generated token of the request: prefix and its own
+    logprobs: list[float] = field(default_factory=list)  # of its own tokens, tokens[len(prefix):]
 
     def __post_init__(self) -> None:
         self.key = (self.dispatch.request_id, self.dispatch.attempt)
@@ -80,6 +82,8 @@ class Attempt:
             incarnation=self.dispatch.incarnation,
             tokens=list(self.tokens),
             finish_reason=finish_reason,
+            logprobs=list(self.logprobs),
+            logprobs_from=len(self.dispatch.prefix_tokens),
         )
 
 
@@ -119,7 +123,7 @@ class Worker:
         self.router_incarnation = 0  # the highest router incarnation seen; lower ones are refused
         self.router_holder = ""  # the first router of that incarnation heard from ("": none yet)
         # Attempts that ended, kept ENDED_KEPT_S for a router that takes over to adopt: their
-        # WorkerDone may have gone to a router that was dead by then. Request id -> what it made.
+        # end may have gone to a router that was dead by then. Request id -> what it made.
         self.ended: dict[str, Ended] = {}
         self.ops: list[Callable[[], None]] = []  # engine calls queued for the gap between steps
         self.rejected: list[tuple[Attempt, str]] = []  # submits the engine refused, to report
@@ -162,7 +166,11 @@ class Worker:
             found = attempt.held() if attempt is not None else ended.held if ended is not None else None
             if found is None:
                 continue
-            budget -= HELD_OVERHEAD_BYTES + BYTES_PER_TOKEN * len(found.tokens)
+            budget -= (
+                HELD_OVERHEAD_BYTES
+                + BYTES_PER_TOKEN * len(found.tokens)
+                + BYTES_PER_LOGPROB * len(found.logprobs)
+            )
             if budget < 0:
                 break
             held.append(found)
@@ -263,8 +271,7 @@ class Worker:
                 queued = {a.dispatch.weight_version for a in self.attempts.values()}
                 self.pins.release_unused(keep={v for v in queued if v is not None})
             rejected, self.rejected = self.rejected, []
-            for attempt, why in rejected:
-                await self._publish_done(attempt, "error", len(attempt.dispatch.prefix_tokens), why)
+            await self._publish_frame([self._refusal(attempt, why) for attempt, why in rejected])
             if not self.engine.has_work():
                 self.wake.clear()
                 if not self.ops:
@@ -274,47 +281,52 @@ class Worker:
             started = time.perf_counter()
             events = await asyncio.to_thread(self.engine.step)
             self.metrics.step.observe(time.perf_counter() - started)
-            for event in events:
-                await self._publish_event(event)
+            await self._publish_frame(
+                [seq for event in events if (seq := self._frame_seq(event)) is not None]
+            )
 
-    async def _publish_event(self, event: SeqEvent) -> None:
+    def _frame_seq(self, event: SeqEvent) -> protocol.FrameSeq | None:
+        """What `event` adds to its attempt, for this step's frame; None if the attempt was cancelled
+        or superseded while the step ran, or nothing happened to it."""
         request_id, attempt_id = typing.cast(tuple[str, int], event.key)  # an Attempt's key
         attempt = self.attempts.get(request_id)
         if attempt is None or attempt.dispatch.attempt != attempt_id:
-            return  # cancelled or superseded while the step ran
+            return None
         if event.new_tokens:
             del attempt.tokens[event.position :]
+            del attempt.logprobs[max(0, event.position - len(attempt.dispatch.prefix_tokens)) :]
             attempt.tokens.extend(event.new_tokens)
-            chunk = WorkerChunk(
-                request_id=request_id,
-                attempt=attempt_id,
-                epoch=self.epoch,
-                engine_id=self.config.engine_id,
-                position=event.position,
-                tokens=event.new_tokens,
-            )
-            await bus.publish(self.nc, self.stream, chunk)
+            attempt.logprobs.extend(event.new_logprobs)
             self.metrics.tokens.inc(len(event.new_tokens))
         if event.finished is not None:
             del self.attempts[request_id]
             self.ended.pop(request_id, None)  # (re-inserted last: the dict stays in end order)
             self.ended[request_id] = Ended(attempt.held(event.finished), time.monotonic())
             self.forget_ended()
-            await self._publish_done(attempt, event.finished, event.position + len(event.new_tokens), "")
-
-    async def _publish_done(
-        self, attempt: Attempt, reason: protocol.FinishReason, num_tokens: int, error: str
-    ) -> None:
-        done = WorkerDone(
-            request_id=attempt.dispatch.request_id,
-            attempt=attempt.dispatch.attempt,
-            epoch=self.epoch,
-            engine_id=self.config.engine_id,
-            finish_reason=reason,
-            num_tokens=num_tokens,
-            error=error,
+        elif not event.new_tokens:
+            return None
+        return protocol.FrameSeq(
+            request_id,
+            attempt_id,
+            event.position,
+            event.new_tokens,
+            event.new_logprobs,
+            event.finished,
+            event.position + len(event.new_tokens),
         )
-        await bus.publish(self.nc, self.stream, done)
+
+    def _refusal(self, attempt: Attempt, why: str) -> protocol.FrameSeq:
+        prefix = len(attempt.dispatch.prefix_tokens)
+        return protocol.FrameSeq(
+            attempt.dispatch.request_id, attempt.dispatch.attempt, prefix, [], [], "error", prefix, why[:1024]
+        )
+
+    async def _publish_frame(self, seqs: list[protocol.FrameSeq]) -> None:
+        for start in range(0, len(seqs), FRAME_SEQS):
+            frame = WorkerFrame(
+                epoch=self.epoch, engine_id=self.config.engine_id, seqs=seqs[start : start + FRAME_SEQS]
+            )
+            await bus.publish(self.nc, self.stream, frame)
 
     # ------------------------------------------------------------ heartbeat
 

@@ -30,12 +30,13 @@ from belayer_rl.shared.client import Client
 from belayer_rl.shared.params import init_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.protocol import (
+    FrameSeq,
     Heartbeat,
     ServiceStats,
     StatsRequest,
     StatusRequest,
     TokenChunk,
-    WorkerChunk,
+    WorkerFrame,
 )
 from tests.support import Job, poll, reference_tokens
 
@@ -176,7 +177,7 @@ async def test_a_wrong_role_is_refused_by_the_server_and_the_cluster_keeps_servi
 ) -> None:
     subjects = forbidden_publishes(cluster)[role]
     payload = protocol.encode(
-        WorkerChunk(request_id="forged", attempt=1, epoch=1, engine_id="e1", position=0, tokens=[1, 2, 3])
+        WorkerFrame(epoch=1, engine_id="e1", seqs=[FrameSeq("forged", 1, 0, [1, 2, 3], [-0.5, -0.5, -0.5])])
     )
     async with connected(cluster.nats_url, cluster.access(role)) as (nc, refusals):
         for subject in subjects:
@@ -358,13 +359,10 @@ async def test_a_chunk_claiming_another_engine_is_fenced_off(tmp_path: Path) -> 
                     held = now
                 victim = engines[held.engine_id]
                 forger = "e0" if victim.engine_id == "e1" else "e1"
-                chunk = WorkerChunk(
-                    request_id=held.request_id,
-                    attempt=held.attempt,
+                chunk = WorkerFrame(
                     epoch=victim.epoch,
                     engine_id=victim.engine_id,
-                    position=held.num_tokens,
-                    tokens=[7] * 8,
+                    seqs=[FrameSeq(held.request_id, held.attempt, held.num_tokens, [7] * 8, [-0.1] * 8)],
                 )
                 async with connected(cluster.nats_url, cluster.access(f"engine-{forger}")) as (nc, refusals):
                     await nc.publish(cluster.subjects.worker_stream(forger), protocol.encode(chunk))

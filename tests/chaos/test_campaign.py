@@ -20,13 +20,21 @@ import pytest
 from belayer_rl.cli.chaos.campaign import render, run_campaign
 from belayer_rl.cli.chaos.config import FAULT_KINDS, ChaosConfig
 from belayer_rl.cli.chaos.oracle import check_token_log
-from belayer_rl.cli.chaos.workload import TRAJECTORY_DEADLINE_S
+from belayer_rl.cli.chaos.workload import TRAJECTORY_DEADLINE_S, Output, reference_outputs
 from belayer_rl.services.router import token_log
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.protocol import LogChunk, LogEnd, LogStart, RequestResumed, SamplingParams, WorkerChunk
+from belayer_rl.shared.protocol import (
+    FrameSeq,
+    LogChunk,
+    LogEnd,
+    LogStart,
+    RequestResumed,
+    SamplingParams,
+    WorkerFrame,
+)
 from tests.rollout.test_worker_faults import make_job, run
-from tests.support import NAMES, EventLog, busy_requests, kill, poll, reference_tokens, running_cluster
+from tests.support import NAMES, EventLog, busy_requests, kill, poll, running_cluster
 
 MIN_HITS = 3  # in-flight requests or trajectories each fault kind must strike over the campaign
 # Acknowledged checkpoints that CRIU would not restore were the campaign's most frequent finding:
@@ -110,7 +118,7 @@ async def test_the_oracle_catches_a_router_that_accepts_a_stale_attempt(
     options = {"chunk_tokens": 16, "heartbeat_timeout_s": 1.0, "debug_accept_stale": accept_stale}
     # EOS held back past where the late chunk goes: a request that ends first leaves it no room
     jobs = [make_job(rng, f"stale-{i}", max_tokens=400, min_tokens=300) for i in range(4)]
-    expected = reference_tokens(jobs)
+    expected = reference_outputs(jobs)
     async with running_cluster(nats_server, tmp_path, engines=2, **options) as cluster:
         resumed = await EventLog.start(cluster.client, "request_resumed")
         running = [asyncio.create_task(run(cluster.client, job)) for job in jobs]
@@ -126,11 +134,13 @@ async def test_the_oracle_catches_a_router_that_accepts_a_stale_attempt(
         b = await cluster.engine_pid(moved.engine_id)
         kill(b, signal.SIGSTOP)
         have = await settled_count(cluster.client, first.request_id)
-        late = WorkerChunk(
-            request_id=first.request_id, attempt=first.attempt, epoch=a.epoch, engine_id=a.engine_id,
-            position=have, tokens=expected[first.request_id][have : have + 40],
-        )  # fmt: skip
-        assert len(late.tokens) >= 2 * options["chunk_tokens"], "the late chunk must complete a whole chunk"
+        want = expected[first.request_id]
+        late = WorkerFrame(epoch=a.epoch, engine_id=a.engine_id, seqs=[FrameSeq(
+            first.request_id, first.attempt, have, want.tokens[have : have + 40], want.logprobs[have : have + 40]
+        )])  # fmt: skip
+        assert len(late.seqs[0].tokens) >= 2 * options["chunk_tokens"], (
+            "the late chunk must complete a whole chunk"
+        )
         await bus.publish(cluster.client.nc, NAMES.worker_stream(a.engine_id), late)
         await asyncio.sleep(0.2)
         took = next(
@@ -139,10 +149,13 @@ async def test_the_oracle_catches_a_router_that_accepts_a_stale_attempt(
         kill(a.pid, signal.SIGCONT)
         kill(b, signal.SIGCONT)
         results = await asyncio.gather(*running)
-        finished = {job.request_id: result.tokens for job, result in zip(jobs, results, strict=True)}
+        finished = {
+            job.request_id: Output(result.tokens, result.logprobs)
+            for job, result in zip(jobs, results, strict=True)
+        }
         violations = await check_token_log(cluster.client.nc.jetstream(), NAMES, finished)
 
-    assert finished == expected  # the tokens alone cannot tell
+    assert finished == expected  # the tokens and logprobs alone cannot tell
     if accept_stale:
         caught = [v for v in violations if f"{first.request_id} chunk" in v and "dispatched to" in v]
         assert caught, (f"late chunk at {have}, router then at {took}", violations)
@@ -172,16 +185,17 @@ async def test_the_oracle_waits_for_an_end_told_before_it_was_durable_but_not_fo
     try:
         js = nc.jetstream()
         await bus.declare_jetstream(js, NAMES)
-        tokens = [3, 1, 4, 1, 5]
+        output = Output([3, 1, 4, 1, 5], [-0.5, -1.0, -2.0, -0.25, -3.0])
         after = {}
         for request_id in ("late-end", "no-end"):
             start = LogStart(request_id=request_id, prompt_tokens=[1], max_tokens=5, sampling=SamplingParams(),
                              chunk_tokens=8)  # fmt: skip
-            chunk = LogChunk(request_id=request_id, index=0, position=0, tokens=tokens, attempt=1)
+            chunk = LogChunk(request_id=request_id, index=0, position=0, tokens=output.tokens,
+                             logprobs=output.logprobs, attempt=1)  # fmt: skip
             started = await token_log.append(js, NAMES, start, 0, incarnation=0)
             after[request_id] = await token_log.append(js, NAMES, chunk, started, incarnation=0)
-        finished = {"late-end": tokens, "no-end": tokens}
-        end = LogEnd(request_id="late-end", finish_reason="length", num_tokens=len(tokens))
+        finished = {"late-end": output, "no-end": output}
+        end = LogEnd(request_id="late-end", finish_reason="length", num_tokens=len(output.tokens))
 
         async def end_later() -> None:
             await asyncio.sleep(1.5)
@@ -194,5 +208,10 @@ async def test_the_oracle_waits_for_an_end_told_before_it_was_durable_but_not_fo
         with_wait = await check_token_log(js, NAMES, finished, end_wait_s=4)
         await ending
         assert with_wait == ["no-end: finished, but its log has no end"]
+        # Mutation: a client that got one logprob other than the log holds.
+        changed = Output(output.tokens, [*output.logprobs[:3], -0.2500001, output.logprobs[4]])
+        assert await check_token_log(js, NAMES, {"late-end": changed}, end_wait_s=0) == [
+            "late-end: the log's logprobs differ from the client's at position 3 (got 5 tokens, want 5)"
+        ]
     finally:
         await nc.close()

@@ -47,8 +47,8 @@ VALID = {
         reply_to=INBOX,
     ),
     NAMES.worker_cancel("e0"): protocol.CancelDispatch(request_id="fz"),
-    NAMES.worker_stream("e0"): protocol.WorkerChunk(
-        request_id="fz", attempt=1, epoch=1, engine_id="e0", position=0, tokens=[1]
+    NAMES.worker_stream("e0"): protocol.WorkerFrame(
+        epoch=1, engine_id="e0", seqs=[protocol.FrameSeq("fz", 1, 0, [1], [-0.5], "length", 1)]
     ),
     NAMES.event("heartbeat", "e0"): protocol.Heartbeat(
         engine_id="e0", epoch=99, pid=1, running=0, waiting=0, outstanding_tokens=0

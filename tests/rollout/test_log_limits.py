@@ -57,10 +57,10 @@ async def test_no_token_is_accepted_past_max_tokens(nats_server, tmp_path) -> No
             dispatch = protocol.decode(protocol.decoder_for(protocol.Dispatch), msg.data)
             if dispatch.request_id != "overrun":
                 return
-            chunk = protocol.WorkerChunk(
-                request_id=dispatch.request_id, attempt=dispatch.attempt, epoch=dispatch.epoch,
-                engine_id=dispatch.engine_id, position=0, tokens=[65] * (dispatch.max_tokens + 40),
-            )  # fmt: skip
+            n = dispatch.max_tokens + 40
+            chunk = protocol.WorkerFrame(epoch=dispatch.epoch, engine_id=dispatch.engine_id, seqs=[
+                protocol.FrameSeq(dispatch.request_id, dispatch.attempt, 0, [65] * n, [-0.5] * n)
+            ])  # fmt: skip
             await bus.publish(nc, NAMES.worker_stream(dispatch.engine_id), chunk)
             overran.set()
 

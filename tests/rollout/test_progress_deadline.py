@@ -1,10 +1,10 @@
-"""A lost WorkerDone does not leave a followed request hung: each attempt has a progress deadline,
-past which the router resumes the request from the tokens it has.
+"""A lost end of an attempt does not leave a followed request hung: each attempt has a progress
+deadline, past which the router resumes the request from the tokens it has.
 
 A lost core-NATS message cannot be made on demand, so the engine here is a stand-in that speaks the
 worker's protocol on the real bus, registered in the real registry, beside a real router: its
 first attempt streams two tokens, keeps listing the attempt in its heartbeats for a while (as a
-worker does for an attempt still queued or decoding), then drops it without a WorkerDone: its end
+worker does for an attempt still queued or decoding), then drops it without telling its end: its end
 was lost. The deadline counts only from then. This is the one fake, and it
 stands for the fault alone. Mutation check: with the deadline's resume removed from the watchdog,
 the generation never ends and the test fails at its timeout.
@@ -19,10 +19,10 @@ from belayer_rl.shared import bus, protocol, registry
 from belayer_rl.shared.protocol import (
     Ack,
     Dispatch,
+    FrameSeq,
     Heartbeat,
     RequestResumed,
-    WorkerChunk,
-    WorkerDone,
+    WorkerFrame,
     WorkerRegistration,
 )
 from tests.support import EventLog, running_cluster
@@ -55,14 +55,14 @@ async def test_an_attempt_whose_end_was_lost_is_resumed_past_its_progress_deadli
             stream = subjects.worker_stream(ENGINE)
             have = len(dispatch.prefix_tokens)
             upto = 2 if len(dispatches) == 1 else len(TOKENS)
-            chunk = WorkerChunk(request_id=dispatch.request_id, attempt=dispatch.attempt, epoch=epoch,
-                                engine_id=ENGINE, position=have, tokens=TOKENS[have:upto])  # fmt: skip
-            await bus.publish(nc, stream, chunk)
+            seq = FrameSeq(
+                dispatch.request_id, dispatch.attempt, have, TOKENS[have:upto], [-1.0] * (upto - have)
+            )
+            await bus.publish(nc, stream, WorkerFrame(epoch=epoch, engine_id=ENGINE, seqs=[seq]))
             if len(dispatches) == 1:
-                return  # its WorkerDone is "lost"
-            done = WorkerDone(request_id=dispatch.request_id, attempt=dispatch.attempt, epoch=epoch,
-                              engine_id=ENGINE, finish_reason="length", num_tokens=len(TOKENS))  # fmt: skip
-            await bus.publish(nc, stream, done)
+                return  # its end is "lost"
+            done = FrameSeq(dispatch.request_id, dispatch.attempt, upto, [], [], "length", len(TOKENS))
+            await bus.publish(nc, stream, WorkerFrame(epoch=epoch, engine_id=ENGINE, seqs=[done]))
 
         await nc.subscribe(subjects.worker_dispatch(ENGINE), cb=on_dispatch)
 

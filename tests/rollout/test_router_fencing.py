@@ -33,7 +33,7 @@ from belayer_rl.shared.protocol import (
     SamplingParams,
 )
 from tests.rollout.test_worker_faults import make_job, run
-from tests.support import EventLog, Job, kill, poll, reference_tokens, running_cluster
+from tests.support import EventLog, Job, Output, kill, poll, reference_outputs, running_cluster
 
 K = 16
 TTL_S = 1.0
@@ -114,9 +114,9 @@ async def test_a_router_stopped_past_its_lease_is_fenced_and_requests_stay_exact
     log_text = (tmp_path / "logs" / f"{old_name}.log").read_text()
     assert f"router incarnation {old} lost its lease" in log_text
 
-    expected = reference_tokens(jobs)
+    expected = reference_outputs(jobs)
     for job, result in zip(jobs, results, strict=True):
-        assert result.tokens == expected[job.request_id], job.request_id
+        assert Output(result.tokens, result.logprobs) == expected[job.request_id], job.request_id
 
     # Nothing the old incarnation wrote follows a successor's claim on the same subject.
     for request_id, entries in records.items():
@@ -163,9 +163,9 @@ async def test_a_killed_router_whose_supervisor_reports_its_exit_is_replaced_at_
         assert isinstance(successor, RouterStarted) and successor.router_pid != holder.pid
         results = await asyncio.gather(*running)
 
-    expected = reference_tokens(jobs)
+    expected = reference_outputs(jobs)
     for job, result in zip(jobs, results, strict=True):
-        assert result.tokens == expected[job.request_id], job.request_id
+        assert Output(result.tokens, result.logprobs) == expected[job.request_id], job.request_id
 
 
 async def mid_stream(client) -> bool | None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ import pytest
 
 from belayer_rl.shared.protocol import RequestResumed, RouterStarted
 from tests.rollout.test_worker_faults import make_job, run
-from tests.support import EventLog, Job, kill, reference_tokens, running_cluster
+from tests.support import EventLog, Job, Output, kill, reference_outputs, running_cluster
 
 K = 16
 
@@ -45,9 +45,9 @@ async def test_router_stopped_midstream_resumes_token_exact(nats_server, tmp_pat
     assert cluster.pid_of("router") != router_pid
     assert isinstance(restart, RouterStarted)
     assert restart.resumed_requests >= 1
-    expected = reference_tokens(jobs)
+    expected = reference_outputs(jobs)
     for job, result in zip(jobs, results, strict=True):
-        assert result.tokens == expected[job.request_id], job.request_id
+        assert Output(result.tokens, result.logprobs) == expected[job.request_id], job.request_id
     for request_id, had in seen_at_kill.items():
         resumes = [e for e in resumed.events if isinstance(e, RequestResumed) and e.request_id == request_id]
         if not resumes:

@@ -15,7 +15,7 @@ import pytest
 
 from belayer_rl.shared.client import Client, Generation
 from belayer_rl.shared.protocol import RequestResumed, WorkerFailed
-from tests.support import EventLog, Job, kill, reference_tokens, running_cluster
+from tests.support import EventLog, Job, Output, kill, reference_outputs, running_cluster
 
 WORDS = "rope anchor belay carabiner crux ledge pitch summit traverse chalk".split()
 
@@ -81,10 +81,13 @@ class Traffic:
         await asyncio.gather(*self.producers)
 
     def wrong(self) -> list[str]:
-        """The jobs whose tokens differ from their fault-free reference."""
-        expected = reference_tokens(self.jobs)
+        """The jobs whose tokens or logprobs differ from their fault-free reference."""
+        expected = reference_outputs(self.jobs)
         return [
-            j.request_id for j in self.jobs if self.results[j.request_id].tokens != expected[j.request_id]
+            j.request_id
+            for j in self.jobs
+            if Output(self.results[j.request_id].tokens, self.results[j.request_id].logprobs)
+            != expected[j.request_id]
         ]
 
 
@@ -163,6 +166,6 @@ async def test_sigstop_worker_detected_by_heartbeat_and_fenced(nats_server, tmp_
     failed = next(e for e in failures.events if isinstance(e, WorkerFailed) and e.pid == pid)
     assert failed.reason == "heartbeat-timeout"
     assert sum(r.resumes for r in results) >= 1
-    expected = reference_tokens(jobs)
+    expected = reference_outputs(jobs)
     for job, result in zip(jobs, results, strict=True):
-        assert result.tokens == expected[job.request_id], job.request_id
+        assert Output(result.tokens, result.logprobs) == expected[job.request_id], job.request_id
