@@ -116,6 +116,9 @@ class ClusterConfig:
     max_restart_backoff_s: float = setting(5.0, "longest wait between restarts of a process")
     shadows: bool = setting(True, "workers under the shadow supervisor, with weight and KV servers")
     sandboxes: bool = setting(True, "start the checkpointer when a Docker engine answers")
+    gateway: bool = setting(
+        False, "start the HTTP gateway (on --gateway-port; its API key: <state>/creds/api-key-default)"
+    )
     services: Any = nested(UpSettings)  # an UpSettings (a class made from the declarations)
 
     def __post_init__(self) -> None:
@@ -169,6 +172,7 @@ class UpDeployment:
         self.state_dir, self.shadows, self.standby_routers = c.state_dir, c.shadows, c.standby_routers
         self.engines = tuple(f"e{i}" for i in range(c.engines))
         self.sandboxes = supervisor.sandboxes()
+        self.gateway = c.gateway
         self.shm_prefix, self.creds_dir = supervisor.shm_prefix, supervisor.creds_dir
 
     def settings(self, cls: type[ServiceConfig], role: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from belayer_rl.cli.target import cluster_id_of
 from belayer_rl.cli.up import pid_alive, read_cluster
 from belayer_rl.services import SERVICES
+from belayer_rl.shared.access import AccessError
 from belayer_rl.shared.roles import Credentials, compose_owners
 from belayer_rl.shared.subjects import DEFAULT_CLUSTER, Subjects, cluster_id_ok
 
@@ -36,7 +37,14 @@ def cmd_creds(args: argparse.Namespace) -> int:
             f"belayer creds: client names are lowercase letters, digits, - and _: {clients}", file=sys.stderr
         )
         return 2
-    written = Credentials.generate(SERVICES, Subjects(cluster_id), engines, clients).write(args.out)
+    api_keys = tuple(k for k in args.api_keys.split(",") if k)
+    try:
+        written = Credentials.generate(SERVICES, Subjects(cluster_id), engines, clients, api_keys).write(
+            args.out
+        )
+    except AccessError as exc:
+        print(f"belayer creds: {exc}", file=sys.stderr)
+        return 2
     print(f"cluster {cluster_id}: {args.out / 'auth.conf'} (include it from the nats-server config)")
     for name, path in written.items():
         print(f"  {name:<24} {path}")
@@ -107,6 +115,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="",
         help="names of further rollout-side users (cli-<name>.creds): each follows and cancels only"
         " the requests it started (default: one, cli)",
+    )
+    creds.add_argument(
+        "--api-keys",
+        default="default",
+        help="names of the gateway's API keys (api-key-<name>; the gateway reads only their digests,"
+        " api-keys.json); a name that has a key keeps it (default: default)",
     )
     creds.add_argument(
         "--compose-owners",

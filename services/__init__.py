@@ -5,6 +5,7 @@ and `belayer status` are made from."""
 from __future__ import annotations
 
 from belayer_rl.services.checkpointer.declaration import CHECKPOINTER
+from belayer_rl.services.gateway.declaration import GATEWAY
 from belayer_rl.services.kv_server.declaration import KV_SERVER
 from belayer_rl.services.policy.declaration import POLICY
 from belayer_rl.services.router.declaration import ROUTER
@@ -24,6 +25,7 @@ SERVICES: tuple[Service, ...] = (
     SHADOW_SUPERVISOR,
     CHECKPOINTER,
     POLICY,
+    GATEWAY,
     TRAINER_GROUP,
     TRAINER,
 )

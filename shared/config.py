@@ -673,6 +673,39 @@ class PolicyConfig(ServiceConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatewayConfig(ServiceConfig):
+    """The HTTP gateway (services/gateway): OpenAI- and SGLang-shaped endpoints over the router."""
+
+    http_host: str = setting("127.0.0.1", "address the HTTP API listens on")
+    http_port: int = setting(8000, "port of the HTTP API (0: a free one, printed when it serves)")
+    api_keys: Path | None = setting(
+        None, "the API keys' digests, api-keys.json (`belayer creds` writes it); required"
+    )
+    model_name: str = setting("belayer", "the model's name in the API: a request naming another gets a 404")
+    preset: str = same_as(WorkerConfig, "preset")  # its context bounds a prompt with its max_tokens
+    max_concurrent: int = setting(64, "requests one API key may have running at once (past it: 429)")
+    max_body_kb: int = setting(1024, "the largest request body taken, in KiB (past it: 413)")
+    stream_patience_s: float = setting(
+        30.0, "how long a request waits for a router that does not answer (a failover) before it fails"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.api_keys is None:
+            raise ConfigError(
+                "--api-keys names the file of API key digests (`belayer creds` writes api-keys.json)"
+            )
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"--http-port must be a port or 0, got {self.http_port}")
+        if self.preset not in PRESETS:
+            raise ConfigError(f"--preset {self.preset!r} unknown; one of {list(PRESETS)}")
+        for flag, value in (("--max-concurrent", self.max_concurrent), ("--max-body-kb", self.max_body_kb)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        positive("--stream-patience", self.stream_patience_s)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerGroupConfig(ServiceConfig):
     """One worker of a trainer group (services/trainer_group), started by the trainer's fault
     manager: rank `rank` of `world` in a gloo process group formed through `rendezvous`."""

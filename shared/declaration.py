@@ -108,6 +108,7 @@ class Deployment(Protocol):
     engines: tuple[str, ...]
     shadows: bool  # workers run under the shadow supervisor, beside the weight and KV servers
     sandboxes: bool  # sandboxes wanted, and a Docker engine answered
+    gateway: bool  # the HTTP gateway wanted (`belayer up --gateway`)
     standby_routers: int
     shm_prefix: str  # this cluster's shared-memory segment names start with it
     creds_dir: Path | None  # each role's credentials; None: the bus is open

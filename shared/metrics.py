@@ -407,6 +407,33 @@ class PolicyMetrics:
         )
 
 
+class GatewayMetrics:
+    """The HTTP gateway's: its requests, its errors by code and the tokens it streamed."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.requests = m.counter(
+            "belayer_gateway_requests_total",
+            "HTTP requests, by endpoint and status code.",
+            ["endpoint", "status"],
+        )
+        self.errors = m.counter(
+            "belayer_gateway_errors_total",
+            "Requests answered with an error, by its code (invalid_json, model_not_found, ...).",
+            ["code"],
+        )
+        self.tokens = m.counter("belayer_gateway_tokens_total", "Generated tokens sent to HTTP clients.")
+        self.resumed_streams = m.counter(
+            "belayer_gateway_resumed_streams_total",
+            "Streams a client took up again (Last-Event-ID, or a request id and position).",
+        )
+        self.running = m.gauge("belayer_gateway_running_requests", "Requests the gateway follows now.")
+        self.first_token = m.histogram(
+            "belayer_gateway_time_to_first_token_seconds",
+            "From a generation's arrival to its first token sent.",
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+
+
 class TrainerMetrics:
     """The trainer's (`belayer train --metrics-port`): its steps and the fault manager's work."""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import nkeys
 
 from belayer_rl.shared import files
-from belayer_rl.shared.access import inbox_prefix, public_key
+from belayer_rl.shared.access import inbox_prefix, public_key, write_api_keys
 from belayer_rl.shared.declaration import PERMISSION_SCOPE, Service, Subject, kv_stream
 from belayer_rl.shared.subjects import Subjects
 
@@ -189,6 +189,7 @@ class Credentials:
     subjects: Subjects
     engines: tuple[str, ...]
     users: list[User] = field(default_factory=list)
+    api_keys: tuple[str, ...] = ("default",)  # the gateway's API keys, by name (shared/access.py)
 
     @property
     def table(self) -> dict[str, Role]:
@@ -201,8 +202,9 @@ class Credentials:
         subjects: Subjects,
         engines: tuple[str, ...],
         clients: tuple[str, ...] = (),
+        api_keys: tuple[str, ...] = ("default",),
     ) -> Credentials:
-        creds = cls(tuple(services), subjects, engines)
+        creds = cls(tuple(services), subjects, engines, api_keys=api_keys)
         for name, role in creds.table.items():
             if role.named_clients:
                 creds.users += [User(f"{name}-{c}", name, new_seed()) for c in clients]
@@ -243,9 +245,10 @@ class Credentials:
         return authorization(self)
 
     def write(self, folder: Path) -> dict[str, Path]:
-        """auth.conf, one `<user>.creds` seed file per user and the checkpointers' shared
-        checkpoint.key, all mode 0600; returns the seeds' paths. An existing checkpoint.key is kept:
-        a new one would disown every checkpoint signed with it."""
+        """auth.conf, one `<user>.creds` seed file per user, the checkpointers' shared
+        checkpoint.key and the gateway's API keys, all mode 0600; returns the paths of the seeds
+        and of the new API keys. An existing checkpoint.key is kept (a new one would disown every
+        checkpoint signed with it), and so is an existing API key."""
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
         paths = {}
@@ -254,6 +257,7 @@ class Credentials:
         private_file(folder / "auth.conf", self.authorization())
         if not (folder / CHECKPOINT_KEY_FILE).exists():
             private_file(folder / CHECKPOINT_KEY_FILE, secrets.token_hex(32) + "\n")
+        paths |= {f"api key {name}": path for name, path in write_api_keys(folder, self.api_keys).items()}
         return paths
 
 

@@ -34,6 +34,14 @@ def sender(subject: str) -> str:
     return subject.rsplit(".", 1)[1]
 
 
+def caller(subject: str) -> str:
+    """Who called the router on `belayer.<cluster>.router.<call>.<client>`: the tokens past the
+    call. A client is one token (its credential's name), or, for the gateway, `gateway.<key>`: the
+    bus lets the gateway's credential alone publish under `gateway.`, and each API key owns what
+    it starts."""
+    return subject.split(".", 4)[4]
+
+
 def event_kind(subject: str) -> str:
     """The kind of an event subject, `belayer.<cluster>.evt.<kind>...` ("" for any other subject)."""
     tokens = subject.split(".")

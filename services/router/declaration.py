@@ -47,12 +47,13 @@ ROUTER = Service(
         "worker_failed": on_event("worker_failed"),
         "quarantined": on_event("engine_quarantined"),
         "process": on_event("process"),  # a standby takes a lease whose holder exited at once
-        # from the clients, once it holds the lease: each call names its client last
-        "generate": Listen(lambda s, x: s.router_generate(ANY), p.GenerateRequest, p.Ack, with_subject=True),
-        "attach": Listen(lambda s, x: s.router_attach(ANY), p.AttachRequest, p.Ack, with_subject=True),
-        "cancel": Listen(lambda s, x: s.router_cancel(ANY), p.CancelRequest, p.Ack, with_subject=True),
+        # from the clients, once it holds the lease: each call names its client last (one token, or
+        # two for a key of the gateway: subjects.caller)
+        "generate": Listen(lambda s, x: s.router_generate(">"), p.GenerateRequest, p.Ack, with_subject=True),
+        "attach": Listen(lambda s, x: s.router_attach(">"), p.AttachRequest, p.Ack, with_subject=True),
+        "cancel": Listen(lambda s, x: s.router_cancel(">"), p.CancelRequest, p.Ack, with_subject=True),
         "status": Listen(lambda s, x: s.router_status, p.StatusRequest, p.RouterStatus),
-        "keepalive": Listen(lambda s, x: s.router_keepalive(ANY), p.ClientKeepAlive, with_subject=True),
+        "keepalive": Listen(lambda s, x: s.router_keepalive(">"), p.ClientKeepAlive, with_subject=True),
     },
     publishes=(
         lambda s, x: s.worker_dispatch(ANY),

@@ -996,7 +996,7 @@ class Router:
 
 def client_of(subject: str) -> str:
     """The client a call came from (Subjects.router_generate)."""
-    return subjects.sender(subject)
+    return subjects.caller(subject)
 
 
 def check_inbox(reply_to: str) -> None:
