@@ -34,3 +34,6 @@ def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) ->
     from belayer_rl.cli import bench_takeover
 
     bench_takeover.add_parser(kinds)
+    from belayer_rl.cli import bench_gateway
+
+    bench_gateway.add_parser(kinds)

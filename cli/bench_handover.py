@@ -35,6 +35,7 @@ from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.declaration import Planned
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
+from belayer_rl.shared.processes import cpu_seconds
 from belayer_rl.shared.protocol import Handover, TokenChunk, WorkerRegistration
 
 
@@ -218,11 +219,6 @@ async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: 
             process.terminate()
             await process.wait()
     return {"time_to_ready": percentiles(times)}
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memory_kb(pid: int) -> dict[str, int]:

@@ -47,6 +47,7 @@ from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.client import Client
 from belayer_rl.shared.config import RouterConfig
 from belayer_rl.shared.metrics import Metrics, RouterMetrics
+from belayer_rl.shared.processes import cpu_seconds
 from belayer_rl.shared.protocol import (
     Dispatch,
     LogChunk,
@@ -518,17 +519,6 @@ async def restart_router(client: Client, supervisor: Supervisor, argv: list[str]
 async def router_stats(client: Client) -> ServiceStats:
     subject = client.subjects.service_stats("router")
     return await bus.request_struct(client.nc, subject, StatsRequest(), ServiceStats, 2.0)
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, every thread) that process `pid` has used. Linux's per-process CPU
-    clock, the one clock_getcpuclockid(3) names, reads it in nanoseconds; /proc/<pid>/stat counts
-    clock ticks (10 ms), too coarse for a round of a few seconds, and is the fallback."""
-    try:
-        return time.clock_gettime(((~pid) << 3) | 2)  # the kernel's MAKE_PROCESS_CPUCLOCK(pid, SCHED)
-    except OSError:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def generated_tokens(port: int) -> float:
