@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 from belayer_rl.cli.chaos.workload import Job, Output, reference_outputs, reference_tokens  # noqa: F401 - the tests take them from here
@@ -131,3 +134,14 @@ async def busy_requests(client: Client, low: int, high: int) -> list[protocol.Re
     status = await client.status()
     found = [r for r in status.requests if r.engine_id and low < r.num_tokens < high]
     return found or None
+
+
+def load_example(name: str, path: Path) -> ModuleType:
+    """An example module (examples/) by its file: a folder named verl/ or slime/ on sys.path would
+    shadow the frameworks themselves, which is also why the examples are not a package."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -13,6 +13,7 @@ signature implemented here, from volcengine/verl, verl/experimental/agent_loop/a
         prompt_ids: list[int]
         response_ids: list[int]
         response_mask: list[int]
+        response_logprobs: Optional[list[float]] = None
         reward_score: Optional[float] = None
         num_turns: int = 0
         metrics: AgentLoopMetrics
@@ -38,7 +39,14 @@ What the adapter does with a sample:
 
 Token ids are those of the Belayer cluster (its byte-level tokenizer here): the policy verl trains must
 be the one Belayer's router serves. `sampling_params["temperature"]` is honoured; verl's other sampling
-parameters (top_p, repetition_penalty, logprobs) are not forwarded, and no log-probs are returned.
+parameters (top_p, repetition_penalty) are not forwarded. `response_logprobs` holds each model
+token's log-probability as it was generated (the rollout policy's, which verl's off-policy
+correction reads) and 0.0 on observation tokens, which the mask leaves out anyway; a recovered
+trajectory's are those of its failure-free run.
+
+For verl's own agent loops, belayer_server.py offers the other seam: `BelayerServerClient` is a
+`server_manager` whose `generate(request_id, prompt_ids=..., sampling_params=...)` returns verl's
+TokenOutput through Belayer's HTTP gateway.
 
 The framework-neutral parts (the connection to the cluster, the prompt's text, the Task a sample names)
 come from belayer_rl.services.rollout.adapter; the mask is the result's own `loss_mask`.
@@ -148,13 +156,16 @@ class BelayerAgentLoop(AgentLoopBase):  # type: ignore[misc,valid-type]
         prompt_ids = tokenizer.encode(task.prompt)
         response_ids = result.context_tokens[result.prompt_len :]
         mask = [0] * len(response_ids) if aborted else list(result.loss_mask)
+        logprobs = list(result.logprobs) if len(result.logprobs) == len(response_ids) else None
         limit = self.response_limit()
         if limit is not None and len(response_ids) > limit:
             response_ids, mask = response_ids[:limit], mask[:limit]
+            logprobs = logprobs[:limit] if logprobs is not None else None
         return self.output_type(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             response_mask=mask,
+            response_logprobs=logprobs,
             reward_score=0.0 if aborted else result.reward,
             # verl counts messages: the prompt, then a response and an observation a step (the setup
             # step has no response), so 2 a step; a math task is a prompt and one response

@@ -147,6 +147,9 @@ class TrajectoryResult(msgspec.Struct, kw_only=True):
     context_tokens: list[int]  # the prompt, then each step's response and observation
     prompt_len: int  # context_tokens[:prompt_len] is the prompt
     loss_mask: list[int]  # over context_tokens[prompt_len:]: 1 on the model's tokens, 0 on observations
+    # Over context_tokens[prompt_len:]: each of the model's tokens' logprob as it was generated, 0.0
+    # on observations; [] where the router kept none (a request older than logprobs).
+    logprobs: list[float] = []
     # The token sets the turns drew from (Choice.allowed), each once, in order of first use; and
     # over context_tokens[prompt_len:], the 1-based set each token was drawn from (0: any token,
     # and every observation token).
@@ -182,6 +185,15 @@ class StepRecord:
     exit_code: int = 0  # the action's, and what a check's verdict is read from
     timed_out: bool = False
     output: str = ""  # its stdout's tail (OBSERVATION_LIMIT)
+    response_logprobs: list[float] = field(default_factory=list)  # of the response's tokens, as generated
+
+
+@dataclass(frozen=True)
+class Response:
+    """A model's turn: its tokens and the logprob of each."""
+
+    tokens: list[int]
+    logprobs: list[float]
 
 
 @dataclass(frozen=True)
@@ -190,7 +202,7 @@ class KeptResponse:
 
     k: int
     context: list[int]  # L_k, the exact prompt it answered
-    tokens: list[int]
+    response: Response
 
 
 @dataclass
@@ -234,6 +246,7 @@ class Trajectory:
     checkpoint: asyncio.Task[CheckpointResult | None] | None = None
     checkpoint_k: int = -1  # the step the checkpoint in flight captures
     kept: KeptResponse | None = None  # the response to the ready checkpoint's L_k
+    math_logprobs: list[float] = field(default_factory=list)  # a task without a sandbox: its one response's
     turns: int = 0
     failures: int = 0
     recoveries: int = 0
@@ -310,6 +323,7 @@ class Trajectory:
             context_tokens=self.context,
             prompt_len=self.prompt_len,
             loss_mask=self.loss_mask(),
+            logprobs=self.logprobs(),
             turn_sets=[list(allowed) for allowed in self.turn_sets()],
             token_sets=self.token_sets(),
             turns=self.turns,
@@ -355,6 +369,15 @@ class Trajectory:
             return [1] * (len(self.context) - self.prompt_len)
         return [bit for s in self.steps for bit in [1] * s.response_len + [0] * s.observation_len]
 
+    def logprobs(self) -> list[float]:
+        """Parallel to the loss mask: the model's tokens' logprobs, 0.0 on observations; [] if one
+        of its responses came without them."""
+        if not self.task.needs_sandbox:
+            return list(self.math_logprobs)
+        if any(len(s.response_logprobs) != s.response_len for s in self.steps):
+            return []
+        return [x for s in self.steps for x in [*s.response_logprobs, *[0.0] * s.observation_len]]
+
     def turn_sets(self) -> list[tuple[int, ...]]:
         return list(dict.fromkeys(s.allowed for s in self.steps if s.allowed))
 
@@ -372,8 +395,9 @@ class Trajectory:
     async def run_math(self) -> float:
         self.context = tokenizer.encode(self.task.prompt)
         response, _ = await self.generate(overlap_checkpoints=False)
-        self.context = self.context + response
-        return math_reward(self.task, response)
+        self.context = self.context + response.tokens
+        self.math_logprobs = response.logprobs
+        return math_reward(self.task, response.tokens)
 
     async def run_shell(self) -> float:
         try:
@@ -398,7 +422,7 @@ class Trajectory:
                 # Folders have no checkpoints: no policy to consult while the response runs.
                 overlap = not isinstance(self.services.sandboxes, LocalSandboxes)
                 response, llm_s = await self.generate(overlap_checkpoints=overlap, choice=choice)
-                await self.act(self.action_for(response, last), llm_s, response, choice)
+                await self.act(self.action_for(response.tokens, last), llm_s, response, choice)
             except ServiceError as exc:
                 if exc.code not in ENV_FAILURES:
                     raise InfraError(str(exc)) from None
@@ -431,12 +455,12 @@ class Trajectory:
 
     async def generate(
         self, overlap_checkpoints: bool, choice: Choice | None = None
-    ) -> tuple[list[int], float]:
+    ) -> tuple[Response, float]:
         """The response to the context; with `overlap_checkpoints`, the policy is consulted while it
         is generated and a checkpoint of this boundary may start. A `choice` fixes the response's
         length and the tokens it draws from."""
         if overlap_checkpoints and self.kept is not None and self.keeps_response():
-            return list(self.kept.tokens), 0.0  # just restored to checkpoint k: its response stands
+            return self.kept.response, 0.0  # just restored to checkpoint k: its response stands
         kwargs: dict[str, Any] = {
             "seed": turn_seed(self.seed, self.k),
             "temperature": self.settings.temperature,
@@ -488,7 +512,7 @@ class Trajectory:
                 trajectory=self.trajectory_id, seconds=seconds, tokens=len(generation.tokens)
             )
             await self.tell(self.services.policy.report_response(response))
-            return generation.tokens, seconds
+            return Response(generation.tokens, generation.logprobs), seconds
         raise AssertionError("unreachable")
 
     async def consult_while(self, request: asyncio.Future[Any], started: float) -> None:
@@ -613,7 +637,7 @@ class Trajectory:
         self,
         command: str,
         llm_s: float,
-        response: list[int] | None = None,
+        response: Response | None = None,
         choice: Choice | None = None,
         seen: bool = True,
     ) -> ExecResult:
@@ -621,7 +645,7 @@ class Trajectory:
         failure raises before anything is appended."""
         await self.settle_checkpoint()
         if response is not None and self.ready_k == self.k:  # `response` answered this checkpoint's L_k
-            self.kept = KeptResponse(self.k, list(self.context), list(response))
+            self.kept = KeptResponse(self.k, list(self.context), response)
         step = self.k + 1
         if self.on_action is not None:
             self.on_action(self, step)
@@ -651,14 +675,16 @@ class Trajectory:
         else:
             text = observation(command, result.exit_code, result.stdout, result.stderr, result.timed_out)
         seen_tokens = tokenizer.encode(text)
+        tokens = response.tokens if response is not None else []
         record = StepRecord(
-            command, text, llm_s, env_s, len(response or []), len(seen_tokens),
+            command, text, llm_s, env_s, len(tokens), len(seen_tokens),
+            response_logprobs=response.logprobs if response is not None else [],
             allowed=choice.allowed if choice is not None else (),
             exit_code=result.exit_code, timed_out=result.timed_out,
             output=result.stdout[-OBSERVATION_LIMIT:],
         )  # fmt: skip
         self.steps.append(record)
-        self.context = self.context + (response or []) + seen_tokens
+        self.context = self.context + tokens + seen_tokens
         self.mark("action", started, command, step=step)
         done = EnvStep(
             trajectory=self.trajectory_id,

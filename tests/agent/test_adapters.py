@@ -1,11 +1,14 @@
 """The verl and slime examples (examples/verl, examples/slime) driven exactly as those frameworks call
-them, on a real cluster (tests/agent/conftest.py), with neither framework installed: the stand-ins
-below mirror only what the quoted signatures take and return.
+them, on a real cluster (tests/agent/conftest.py). verl is the real package (0.9.1, the `verl`
+extra): its AgentLoopBase, its registry, its AgentLoopOutput (a pydantic model that checks what it
+is given) and its config wrappers. slime is not in the package registry (another package owns the
+name), so its Sample is a stand-in that mirrors only what the quoted signature takes and returns.
 
 - verl: an instance of BelayerAgentLoop built with the keywords verl's hydra passes, then
   `await loop.run(sampling_params, **dataset_row)`; the output's response ids are the context tokens
   after the prompt of a direct Trajectory(...).run() of the same task and seed, the response mask is 0
-  on exactly the observation tokens, and the reward is propagated.
+  on exactly the observation tokens, the response logprobs are the trajectory's, and the reward is
+  propagated.
 - slime: `await generate(args, sample, sampling_params)`; the same comparison on Sample's tokens,
   response, response_length, loss_mask, reward and status.
 - An infrastructure error (an action OOM-killed, no recovery allowed) is verl's aborted output (fully
@@ -15,24 +18,28 @@ below mirror only what the quoted signatures take and return.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 import time
 import uuid
 from argparse import Namespace
-from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import (
+    AgentLoopOutput,
+    DictConfigWrap,
+    ToolListWrap,
+    _agent_loop_registry,
+)
 
 from belayer_rl.services.rollout.adapter import close_clients
 from belayer_rl.services.rollout.agent import RolloutSettings, Trajectory, TrajectoryResult
 from belayer_rl.services.rollout.workloads import response_tokens, shell_tasks
 from belayer_rl.shared import tokenizer
 from tests.agent.conftest import AgentCluster
+from tests.support import load_example
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600)]
 
@@ -52,43 +59,11 @@ HOG = {**SPEC, "task_id": "hog", "menu": ["memhold 400"]}  # every action past t
 OOM_SETTINGS = {"max_recoveries": 0, "memory_mb": 64}
 
 
-def load(name: str, path: Path) -> ModuleType:
-    """An example module by its file: a folder named verl/ or slime/ on sys.path would shadow the
-    frameworks themselves, which is also why the examples are not a package."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+verl_example = load_example("belayer_example_verl", EXAMPLES / "verl" / "belayer_agent_loop.py")
+slime_example = load_example("belayer_example_slime", EXAMPLES / "slime" / "belayer_rollout.py")
 
 
-verl_example = load("belayer_example_verl", EXAMPLES / "verl" / "belayer_agent_loop.py")
-slime_example = load("belayer_example_slime", EXAMPLES / "slime" / "belayer_rollout.py")
-
-
-# ---------------------------------------------------------------- stand-ins for the frameworks' types
-
-
-@dataclass
-class AgentLoopOutput:
-    """verl's AgentLoopOutput (a pydantic model there): the fields an agent loop returns."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    metrics: dict[str, float]
-    response_logprobs: list[float] | None = None
-    reward_score: float | None = None
-    num_turns: int = 0
-    extra_fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class DictConfigWrap:
-    """verl wraps its config so hydra does not resolve it; the loop reads `.config`."""
-
-    config: Any
+# ---------------------------------------------------------------- a stand-in for slime's type
 
 
 class Sample:
@@ -111,20 +86,20 @@ class Sample:
         self.remove_sample = False
 
 
-class VerlLoop(verl_example.BelayerAgentLoop):  # type: ignore[misc,name-defined]
-    output_type = AgentLoopOutput  # what verl's own import provides inside verl
-
-
 def verl_loop(ac: AgentCluster, **settings: object) -> Any:
-    """The loop as verl's hydra builds it: verl's keywords, then agent_loop.yaml's."""
-    config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(response_length=8192)))
-    return VerlLoop(
-        trainer_config=DictConfigWrap(config),
+    """The loop as verl 0.9.1's hydra builds it (AgentLoopWorker): verl's keywords, then
+    agent_loop.yaml's. It is registered in verl's own registry under its name."""
+    assert "belayer" in _agent_loop_registry
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 8192}}})
+    return verl_example.BelayerAgentLoop(
+        trainer_config=DictConfigWrap(config=config),
         server_manager=None,
         tokenizer=None,
         processor=None,
+        hf_model_type=None,
         dataset_cls=None,
-        dataset_config=DictConfigWrap({}),
+        data_config=DictConfigWrap(OmegaConf.create({})),
+        tools=ToolListWrap([]),
         name="belayer",
         belayer_url=ac.cluster.nats.url,
         host_id=ac.host_id,
@@ -197,10 +172,11 @@ async def test_verl_and_slime_adapters_run_belayer_trajectories(agent_cluster: A
         # ---- verl: AgentLoopBase.run(sampling_params, **kwargs) -> AgentLoopOutput
         sampling = {"temperature": TEMPERATURE, "top_p": 1.0, "repetition_penalty": 1.0, "logprobs": False}
         out = await verl_loop(ac).run(sampling_params=sampling, **verl_row(SPEC))
-        assert isinstance(out, AgentLoopOutput)
+        assert isinstance(out, AgentLoopOutput)  # verl's own, a pydantic model that checks its fields
         assert out.prompt_ids == prompt_ids
         assert out.response_ids == response
         assert out.response_mask == mask
+        assert out.response_logprobs == reference.logprobs and len(out.response_logprobs) == len(response)
         assert out.reward_score == reference.reward
         assert out.num_turns == 2 * len(reference.observations)
         assert out.extra_fields["rollout_status"] == "completed" and out.extra_fields["belayer_error"] == ""

@@ -43,10 +43,11 @@ SEED = 12345  # the trajectory's sampling seed: its turns draw the same tokens i
 
 
 def same_trajectory(a: TrajectoryResult, b: TrajectoryResult) -> bool:
-    return (a.actions, a.observations, a.context_tokens, a.reward) == (
+    return (a.actions, a.observations, a.context_tokens, a.logprobs, a.reward) == (
         b.actions,
         b.observations,
         b.context_tokens,
+        b.logprobs,
         b.reward,
     )
 
@@ -161,6 +162,10 @@ async def test_failures_leave_the_trajectory_unchanged(agent_cluster: AgentClust
     assert len(reference.loss_mask) == len(reference.context_tokens) - reference.prompt_len
     assert reference.loss_mask.count(0) == sum(len(tokenizer.encode(o)) for o in reference.observations)
     assert restored.loss_mask == reference.loss_mask
+    # The logprobs: one per token of the model's, 0.0 on the observations', the same after a recovery.
+    assert len(reference.logprobs) == len(reference.loss_mask)
+    assert all(x == 0.0 for x, bit in zip(reference.logprobs, reference.loss_mask, strict=True) if not bit)
+    assert all(x <= 0.0 for x in reference.logprobs) and min(reference.logprobs) < 0.0
 
     # A kill mid-action 5 restores checkpoint 4 and keeps the response that answered L_4: no
     # response is generated twice (a recovery that generated it again would add a turn).
