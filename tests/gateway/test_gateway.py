@@ -67,6 +67,13 @@ def max_difference(got: list[float], want: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
 
 
+async def at_least(cluster: Cluster, request_id: str, tokens: int) -> bool | None:
+    status = await cluster.client.status()
+    return (
+        True if any(r.request_id == request_id and r.num_tokens >= tokens for r in status.requests) else None
+    )
+
+
 async def serving_engine_pid(cluster: Cluster, request_id: str) -> int:
     status = await cluster.client.status()
     engine = next(r.engine_id for r in status.requests if r.request_id == request_id)
@@ -99,6 +106,21 @@ async def test_the_openai_client_gets_exact_tokens_and_logprobs_across_a_worker_
         assert (
             completion.model_extra is not None and completion.model_extra["weight_version"] == "seed:0:tiny"
         )
+
+        # Whole again, 300 tokens, and the worker serving it is SIGKILLed while it generates.
+        long = Job("gw-whole-kill", "A longer answer, please.", max_tokens=300, seed=12, min_tokens=300)
+        asked = asyncio.create_task(api.completions.create(
+            model=MODEL, prompt=long.prompt, max_tokens=300, seed=12, temperature=0.8, logprobs=0,
+            extra_body={"return_token_ids": True, "request_id": long.request_id, "min_tokens": 300},
+        ))  # fmt: skip
+        whole_kill_at = rng.randrange(20, 250)
+        await poll(lambda: at_least(cluster, long.request_id, whole_kill_at))
+        kill(await serving_engine_pid(cluster, long.request_id), signal.SIGKILL)
+        answer = (await asked).choices[0]
+        want = reference_outputs([long])[long.request_id]
+        assert answer.token_ids == want.tokens
+        assert answer.logprobs is not None and answer.logprobs.token_logprobs == want.logprobs
+        await cluster.client.wait_for_engines(2, 60)  # the supervisor restarted it
 
         # A chat stream of 300 tokens; the worker serving it is SIGKILLed at a seeded position, and
         # then the active router (its warm standby takes over).
@@ -217,7 +239,7 @@ async def test_streams_survive_a_dropped_connection_and_a_gateway_kill_and_keys_
         cut = rng.randrange(10, 150)
         print(f"seed {seed}: the gateway dies once the client has {cut} tokens")
         reader = asyncio.create_task(read(jobs[1], mine, 10**9))
-        await poll(lambda: busy(cluster, jobs[1].request_id, cut))
+        await poll(lambda: at_least(cluster, jobs[1].request_id, cut))
         kill(gateway, signal.SIGKILL)
         with pytest.raises(aiohttp.ClientError):
             await reader
