@@ -249,7 +249,11 @@ async def follow(
     streams: dict[int, Stream],
     progress: asyncio.Event | None = None,
 ) -> None:
-    async for item in client.generate(PROMPT, max_tokens=max_tokens, seed=seed, temperature=0.8):
+    # EOS held back: random weights end some requests early, before the failover point.
+    stream_items = client.generate(
+        PROMPT, max_tokens=max_tokens, min_tokens=max_tokens, seed=seed, temperature=0.8
+    )
+    async for item in stream_items:
         if isinstance(item, TokenChunk):
             stream = streams.setdefault(seed, Stream(item.request_id, [], []))
             stream.tokens.extend(item.tokens)

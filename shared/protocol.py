@@ -267,6 +267,9 @@ class Dispatch(CarriesSampling, tag="dispatch", frozen=True, kw_only=True):
     engine_id: EngineId
     prompt_tokens: Tokens
     prefix_tokens: Tokens = []
+    # Their logprobs, for the worker to hand back with the attempt (AdoptRequest); [] when the
+    # router sends none (a prefix too long for one message): such an attempt is resumed, not adopted.
+    prefix_logprobs: Logprobs = []
     max_tokens: Annotated[int, Meta(ge=1, le=65536)]  # what is left of the request's budget
     weight_version: WeightVersion | None = None  # None: whatever the engine serves now
     reply_to: Subject  # unused: a worker publishes its WorkerFrames on its engine's own stream
@@ -276,6 +279,10 @@ class Dispatch(CarriesSampling, tag="dispatch", frozen=True, kw_only=True):
     # Which router of that incarnation sent it (its lease's `holder`): if a lease revision is lost
     # (a power cut) two routers may hold one incarnation, and a worker takes only the first it saw.
     holder: Annotated[str, Meta(max_length=64)] = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_logprobs(self.prefix_tokens, self.prefix_logprobs)
 
 
 class CancelDispatch(Message, tag="cancel_dispatch", frozen=True, kw_only=True):
@@ -301,8 +308,8 @@ class HeldAttempt(Message, tag="held_attempt", frozen=True, kw_only=True):
     incarnation: Incarnation  # of the router that dispatched it
     tokens: Tokens  # every generated token of the request so far: the dispatch's prefix and its own
     finish_reason: FinishReason | None = None  # ended while no router listened: its end unheard
-    # The logprobs of tokens[logprobs_from:], those this attempt generated (a dispatch carries its
-    # prefix's tokens, not their logprobs).
+    # The logprobs of tokens[logprobs_from:]: every token's (0) when its dispatch carried the prefix's
+    # logprobs, else those this attempt generated.
     logprobs: Logprobs = []
     logprobs_from: Position = 0
 

@@ -130,9 +130,10 @@ class BelayerServerClient:
             )
         choice = reply["choices"][0]
         version = reply["weight_version"]
+        logprobs = choice["logprobs"]["token_logprobs"]  # None entries: a request older than logprobs
         return TokenOutput(
             token_ids=choice["token_ids"],
-            log_probs=choice["logprobs"]["token_logprobs"],
+            log_probs=None if None in logprobs else logprobs,
             stop_reason="aborted" if choice["finish_reason"] == "abort" else "completed",
             extra_fields={
                 "weight_version": version,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from belayer_rl.shared.access import API_KEYS_FILE, write_api_keys
 from belayer_rl.shared.config import GatewayConfig
-from belayer_rl.shared.declaration import Compose, Deployment, Planned, Service, event
+from belayer_rl.shared.declaration import Compose, Deployment, Planned, Service, Variable, event
 
 DEFAULT_KEY = "default"
 
@@ -50,6 +50,9 @@ api-key-<name> for the callers and their digests, api-keys.json, which this read
         args=("--http-host", "0.0.0.0", "--api-keys", f"/run/secrets/{API_KEYS_FILE}"),
         secrets={API_KEYS_FILE: API_KEYS_FILE},
         after=("router",),
-        keys={"ports": ["${BELAYER_GATEWAY_PORT:-8000}:8000"]},
+        variables={
+            "BELAYER_GATEWAY_PORT": Variable("8000", "the gateway's HTTP port, published on 127.0.0.1 only")
+        },
+        keys={"ports": ["127.0.0.1:$BELAYER_GATEWAY_PORT:8000"]},
     ),
 )

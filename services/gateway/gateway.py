@@ -17,6 +17,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import itertools
 import logging
 import re
 import time
@@ -259,7 +260,9 @@ class Gateway:
     async def serve(self, request: web.Request, key: str, job: Job) -> web.StreamResponse:
         self.check(job)
         resume = self.resumed_at(request)
-        if resume is None and not self.live_engines:
+        # Only when the router said so: one that does not answer may be failing over, which a
+        # request rides out (--stream-patience).
+        if resume is None and self.live_engines == 0:
             raise ApiError(503, "service_unavailable", "no_engine", f"no engine serves now: {self.why_not}")
         with self.admitted(key):
             if resume is not None:
@@ -345,7 +348,8 @@ class Gateway:
             if response is None:
                 raise
             self.metrics.errors.labels(exc.code).inc()
-            await send(response, exc.body(), f"{request_id}:{position}")
+            with contextlib.suppress(ConnectionError):  # told, if the client is still there
+                await send(response, exc.body(), f"{request_id}:{position}")
         except ConnectionError:  # the client went away: the router keeps the request for its return
             log.info("%s: the client left at %d", request_id, position)
             return response or web.Response(status=499)
@@ -377,6 +381,7 @@ class Shape:
     def __init__(self, job: Job, request_id: str, created: int) -> None:
         self.job, self.request_id, self.created = job, request_id, created
         self.sent_any = False
+        self.text_offset = 0  # characters of the token strings sent so far (a stream's text_offset)
 
     def head(self, kind: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.job.model}
@@ -385,7 +390,8 @@ class Shape:
         if not self.job.logprobs:
             return None
         texts = [token_text(t) for t in tokens]
-        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=self.text_offset))
+        self.text_offset += sum(len(t) for t in texts)
         return {
             "tokens": texts,
             "token_logprobs": known(tokens, logprobs),

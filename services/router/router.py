@@ -88,6 +88,10 @@ MAX_HELD_MESSAGES = 100_000  # worker messages kept while a new router adopts at
 END_RETRY_MAX_S = 5.0  # the longest pause before a LogEnd the writer gave up on is queued again
 END_DURABLE_S = 2.0  # a cancel waits this long for its LogEnd to be appended, then says so
 MAX_WATCHERS = 8  # inboxes one request streams to at once: the newest that attached
+# A resumed dispatch carries its prefix's logprobs up to this many tokens (about 20 bytes each on
+# the wire), so that its worker can hand them back to a router that adopts the attempt; a longer
+# prefix goes without, and such an attempt is resumed, not adopted.
+PREFIX_LOGPROBS_MAX = 16384
 # The resume cause of an engine's failure, by WorkerFailed.reason.
 FAILURE_CAUSE: dict[str, ResumeCause] = {"exit": "worker-exit", "heartbeat-timeout": "heartbeat-timeout"}
 
@@ -651,6 +655,11 @@ class Router:
                     engine_id=engine.engine_id,
                     prompt_tokens=request.start.prompt_tokens,
                     prefix_tokens=list(request.tokens),
+                    prefix_logprobs=(
+                        request.logprobs_of(0, len(request.tokens))
+                        if len(request.tokens) <= PREFIX_LOGPROBS_MAX
+                        else []
+                    ),
                     max_tokens=request.start.max_tokens,
                     sampling=request.start.sampling,
                     weight_version=request.start.weight_version,

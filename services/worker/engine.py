@@ -219,6 +219,10 @@ class Engine:
         bad = [t for t in spec.allowed_tokens if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise EngineRejected(f"allowed_tokens outside [0, {VOCAB_SIZE}): {bad[:5]}")
+        if set(spec.allowed_tokens) == {EOS_TOKEN} and spec.min_new_tokens > len(spec.prefix_tokens):
+            raise EngineRejected(
+                "allowed_tokens holds only EOS, which min_tokens masks: nothing could be drawn"
+            )
         if spec.max_new_tokens <= 0:
             raise EngineRejected(f"max_new_tokens must be positive, got {spec.max_new_tokens}")
         if len(spec.prefix_tokens) > spec.max_new_tokens:

@@ -15,6 +15,7 @@ import torch
 from belayer_rl.shared.tokenizer import VOCAB_SIZE
 
 _MASK64 = (1 << 64) - 1
+LOGPROB_FLOOR = -1e30  # protocol.Logprob's bound: NaN or -inf would not cross the wire
 
 
 def _splitmix64(x: int) -> int:
@@ -49,11 +50,13 @@ def sample(logits_row: torch.Tensor, seed: int, position: int, temperature: floa
     logits = logits_row[:VOCAB_SIZE].float()  # [257]: padding ids dropped, not just masked
     if temperature == 0:
         token = int(torch.argmax(logits))
-        scaled = logits
     else:
-        scaled = logits / temperature  # [257]
         gen = torch.Generator().manual_seed(draw_seed(seed, position))
         noise = torch.empty(VOCAB_SIZE).exponential_(generator=gen)  # [257], E_i ~ Exp(1)
         # log p_i - log E_i, with log p_i = logits / T up to a constant.
-        token = int(torch.argmax(scaled - noise.log()))
-    return Draw(token, float(torch.log_softmax(scaled, dim=0)[token]))
+        token = int(torch.argmax(logits / temperature - noise.log()))
+    # In float64, where logits / T stays finite even for a tiny temperature; a value below the
+    # floor (or NaN, from a temperature so small that it overflows even there) is the floor.
+    scaled = logits.double() / (temperature or 1.0)  # [257]
+    logprob = float(torch.log_softmax(scaled, dim=0)[token])
+    return Draw(token, logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR)

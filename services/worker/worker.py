@@ -69,11 +69,14 @@ class Attempt:
     dispatch: Dispatch
     key: tuple[str, int] = field(init=False)
     tokens: list[int] = field(init=False)  # every generated token of the request: prefix and its own
-    logprobs: list[float] = field(default_factory=list)  # of its own tokens, tokens[len(prefix):]
+    logprobs: list[float] = field(init=False)  # of tokens[logprobs_from:]
+    logprobs_from: int = field(init=False)  # 0 when the dispatch carried the prefix's logprobs
 
     def __post_init__(self) -> None:
         self.key = (self.dispatch.request_id, self.dispatch.attempt)
         self.tokens = list(self.dispatch.prefix_tokens)
+        self.logprobs = list(self.dispatch.prefix_logprobs)
+        self.logprobs_from = len(self.tokens) - len(self.logprobs)
 
     def held(self, finish_reason: protocol.FinishReason | None = None) -> HeldAttempt:
         return HeldAttempt(
@@ -83,7 +86,7 @@ class Attempt:
             tokens=list(self.tokens),
             finish_reason=finish_reason,
             logprobs=list(self.logprobs),
-            logprobs_from=len(self.dispatch.prefix_tokens),
+            logprobs_from=self.logprobs_from,
         )
 
 
@@ -294,7 +297,7 @@ class Worker:
             return None
         if event.new_tokens:
             del attempt.tokens[event.position :]
-            del attempt.logprobs[max(0, event.position - len(attempt.dispatch.prefix_tokens)) :]
+            del attempt.logprobs[max(0, event.position - attempt.logprobs_from) :]
             attempt.tokens.extend(event.new_tokens)
             attempt.logprobs.extend(event.new_logprobs)
             self.metrics.tokens.inc(len(event.new_tokens))

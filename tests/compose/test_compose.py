@@ -34,6 +34,7 @@ from pathlib import Path
 import aiodocker
 import msgspec
 import nats
+import openai
 import pytest
 
 from belayer_rl.services.checkpointer.image import DEFAULT_IMAGE, ensure_image
@@ -131,6 +132,7 @@ class Stack:
     creds: Path
     cluster_id: str
     nats_port: int
+    gateway_port: int
     host_id: str
 
     @property
@@ -228,6 +230,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         creds=creds,
         cluster_id=cluster_id,
         nats_port=free_port(),
+        gateway_port=free_port(),
         host_id=f"compose-{token}",
     )
     stack.env = {
@@ -240,6 +243,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "BELAYER_CLUSTER_ID": cluster_id,
         "BELAYER_MODEL": "tiny",
         "BELAYER_NATS_PORT": str(stack.nats_port),
+        "BELAYER_GATEWAY_PORT": str(stack.gateway_port),
         "BELAYER_HOST_ID": stack.host_id,
         "BELAYER_ALLOW_ROOT_USER": "true",  # the sandbox test leaves a process running across a checkpoint
         # Only the test's own SIGKILLs should hand over: a 2-core host busy with seven containers
@@ -382,6 +386,7 @@ async def test_every_service_healthy_and_only_nats_published_on_localhost(stack:
         "kv-server",
         "checkpointer",
         "policy",
+        "gateway",
     }
     assert set(services) == expected | {f"engine-{e}" for e in ENGINES}
     for name, row in services.items():
@@ -396,9 +401,10 @@ async def test_every_service_healthy_and_only_nats_published_on_localhost(stack:
         ]
         for name in services
     }
-    assert {name for name, found in bindings.items() if found} == {"nats"}, bindings
-    assert {b["HostIp"] for b in bindings["nats"]} == {"127.0.0.1"}
+    assert {name for name, found in bindings.items() if found} == {"nats", "gateway"}, bindings
+    assert {b["HostIp"] for b in bindings["nats"] + bindings["gateway"]} == {"127.0.0.1"}
     assert {int(b["HostPort"]) for b in bindings["nats"]} == {stack.nats_port}
+    assert {int(b["HostPort"]) for b in bindings["gateway"]} == {stack.gateway_port}
     # NATS monitoring, which has no authentication, answers inside its own container only: not on
     # the host, and not to another container on the compose network.
     inside = "/bin/busybox wget -q -O - http://127.0.0.1:8222/healthz?js-enabled-only=true"
@@ -633,6 +639,31 @@ async def test_policy_in_its_container_answers_the_rollout_side(stack: Stack) ->
         assert decision.checkpoint and decision.policy == "every-1" and decision.source == "service"
         adaptive = await policy.decide(msgspec.structs.replace(request, policy=""))
         assert adaptive.policy == "adaptive" and adaptive.reason.startswith("guard min-step")
+
+
+async def test_the_gateway_in_its_container_answers_the_openai_client_as_the_bus_does(stack: Stack) -> None:
+    """The published gateway with the key `belayer creds` wrote: the same tokens as `belayer
+    generate` over the bus for the same seed, with their logprobs; a wrong key gets a 401."""
+    key = (stack.creds / "api-key-default").read_text().strip()
+    url = f"http://127.0.0.1:{stack.gateway_port}/v1"
+    api = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+    completion = await poll(lambda: _completion(api), timeout_s=60, every_s=0.5)
+    choice = completion.choices[0]
+    over_the_bus = json.loads(stack.belayer(*generate_args(7)))
+    assert choice.token_ids == over_the_bus["tokens"]
+    assert choice.logprobs is not None and len(choice.logprobs.token_logprobs) == len(choice.token_ids)
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=url, api_key="bk-wrong", max_retries=0).models.list()
+
+
+async def _completion(api: openai.AsyncOpenAI) -> openai.types.Completion | None:
+    try:
+        return await api.completions.create(
+            model="belayer", prompt=PROMPT, max_tokens=MAX_TOKENS, seed=7, temperature=TEMPERATURE,
+            logprobs=0, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+    except openai.APIConnectionError:  # published, but not answering yet
+        return None
 
 
 async def _answer(policy: PolicyClient, request: PolicyDecide) -> PolicyDecision | None:

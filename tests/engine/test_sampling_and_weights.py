@@ -115,3 +115,20 @@ def test_engine_logprobs_equal_the_trainers_old_logp_and_survive_a_resume(tiny_p
         for event in resumed.step():
             tail += event.new_logprobs
     assert tail == logprobs[5:]
+
+
+def test_a_logprob_is_always_one_the_wire_carries():
+    """A temperature so small that logits / T overflows in float32, and a row whose every logit is
+    masked: the logprob is finite and within the wire's bound, never NaN (which would cost a
+    worker's whole frame at the router). Mutation check: without the floor, the masked row's -inf
+    is refused by the frame's decoder."""
+    from belayer_rl.shared import protocol
+
+    logits = _logits(3)
+    masked = torch.full_like(logits, -math.inf)
+    for row, temperature in ((logits, 1e-39), (logits, 1e-300), (masked, 0.7), (masked, 0.0)):
+        draw = sample(row, seed=1, position=2, temperature=temperature)
+        frame = protocol.FrameSeq("r", 1, 0, [draw.token], [draw.logprob])
+        again = protocol.decode(protocol.decoder_for(protocol.WorkerFrame),
+                                protocol.encode(protocol.WorkerFrame(epoch=1, engine_id="e0", seqs=[frame])))  # fmt: skip
+        assert math.isfinite(draw.logprob) and again.seqs[0].logprobs == [draw.logprob], (temperature, draw)

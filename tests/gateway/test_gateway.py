@@ -5,7 +5,9 @@ Every answer is checked against a reference computed in-process by the engine wi
 
 Mutation checks, each run by hand: with the gateway's resume skipping nothing (`skip = 0`), the
 reconnected stream repeats tokens and the Last-Event-ID test fails; with the router's owner check
-off (`owned` taking any client), the other key's attach is answered 200 and the access test fails.
+off (`owned` taking any client), the other key's attach is answered 200 and the access test fails;
+with the router's dispatches carrying no prefix logprobs, the successor router resumes the chat
+stream from position 0 instead of adopting it, and the openai test fails.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from belayer_rl.services.gateway.api import rendered_chat
+from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import tokenizer
 from belayer_rl.shared.access import api_key_path, write_api_keys
 from belayer_rl.shared.processes import free_port
-from tests.support import Cluster, Job, Output, kill, poll, reference_outputs, running_cluster
+from belayer_rl.shared.protocol import RequestResumed
+from tests.support import Cluster, EventLog, Job, Output, kill, poll, reference_outputs, running_cluster
 
 MODEL = "belayer"
 
@@ -113,7 +117,7 @@ async def test_the_openai_client_gets_exact_tokens_and_logprobs_across_a_worker_
             model=MODEL, prompt=long.prompt, max_tokens=300, seed=12, temperature=0.8, logprobs=0,
             extra_body={"return_token_ids": True, "request_id": long.request_id, "min_tokens": 300},
         ))  # fmt: skip
-        whole_kill_at = rng.randrange(20, 250)
+        whole_kill_at = rng.randrange(20, 150)  # well before its end: the kill must find it running
         await poll(lambda: at_least(cluster, long.request_id, whole_kill_at))
         kill(await serving_engine_pid(cluster, long.request_id), signal.SIGKILL)
         answer = (await asked).choices[0]
@@ -122,22 +126,23 @@ async def test_the_openai_client_gets_exact_tokens_and_logprobs_across_a_worker_
         assert answer.logprobs is not None and answer.logprobs.token_logprobs == want.logprobs
         await cluster.client.wait_for_engines(2, 60)  # the supervisor restarted it
 
-        # A chat stream of 300 tokens; the worker serving it is SIGKILLed at a seeded position, and
+        resumed = await EventLog.start(cluster.client, "request_resumed")
+        # A chat stream of 400 tokens; the worker serving it is SIGKILLed at a seeded position, and
         # then the active router (its warm standby takes over).
         messages = [
             {"role": "system", "content": "You are terse."},
             {"role": "user", "content": "List files."},
         ]
         prompt = rendered_chat([openai_message(m) for m in messages])
-        chat = Job("gw-chat", prompt, max_tokens=300, seed=23, min_tokens=300)
+        chat = Job("gw-chat", prompt, max_tokens=400, seed=23, min_tokens=400)
         kill_at = rng.randrange(20, 150)
-        router_kill_at = kill_at + rng.randrange(20, 100)
+        router_kill_at = kill_at + rng.randrange(10, 60)  # counted by the router, ahead of the client
         print(
-            f"seed {seed}: the worker dies at {kill_at} tokens the client has, the router at {router_kill_at}"
+            f"seed {seed}: the worker dies at {kill_at} tokens the client has, the router at {router_kill_at} it has"
         )
         stream = await api.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=300, seed=23, temperature=0.8, stream=True, logprobs=True,
-            extra_body={"return_token_ids": True, "request_id": chat.request_id, "min_tokens": 300},
+            model=MODEL, messages=messages, max_tokens=400, seed=23, temperature=0.8, stream=True, logprobs=True,
+            extra_body={"return_token_ids": True, "request_id": chat.request_id, "min_tokens": 400},
         )  # fmt: skip
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -151,22 +156,35 @@ async def test_the_openai_client_gets_exact_tokens_and_logprobs_across_a_worker_
             if first_seen_at_router < 0:  # the first event came while the router still generated
                 status = await cluster.client.status()
                 first_seen_at_router = next(
-                    r.num_tokens for r in status.requests if r.request_id == chat.request_id
+                    (r.num_tokens for r in status.requests if r.request_id == chat.request_id), 0
                 )
             if killed is None and len(tokens) >= kill_at:
                 killed = await serving_engine_pid(cluster, chat.request_id)
                 kill(killed, signal.SIGKILL)
-            if router is None and len(tokens) >= router_kill_at:
-                router = cluster.pid_of("router")
+            if (
+                killed is not None
+                and router is None
+                and await at_least(cluster, chat.request_id, router_kill_at)
+            ):
+                lease = await lease_holder(cluster.client.nc.jetstream(), cluster.client.subjects)
+                assert lease is not None
+                router = lease.pid  # the active router, whichever of the two took the lease
                 kill(router, signal.SIGKILL)
             if piece.finish_reason is not None:
                 ends.append(event)
         want = reference_outputs([chat])[chat.request_id]
-        router_now = cluster.pid_of("router")
+        assert router is not None, "the stream ended before the router kill"
+        # The successor adopted what the worker held, though that attempt began as a resume: its
+        # dispatch carried the prefix's logprobs, which the worker handed back.
+        try:
+            adopted = await resumed.wait_for(lambda e: isinstance(e, RequestResumed) and e.request_id == chat.request_id
+                                             and e.reason == "adopt", timeout_s=10)  # fmt: skip
+        except TimeoutError:
+            raise AssertionError(f"no adoption; resumes: {resumed.events}") from None
+        assert isinstance(adopted, RequestResumed) and adopted.from_position > 0
 
-    assert router_now != router, "the router was not replaced"
     assert killed is not None and router is not None, "the stream ended before the kills"
-    assert 0 < first_seen_at_router < 300
+    assert 0 < first_seen_at_router < 400
     assert len(ends) == 1 and ends[0].choices[0].finish_reason == "length"
     assert ends[0].model_extra is not None and ends[0].model_extra["resumes"] >= 1
     assert tokens == want.tokens
@@ -243,7 +261,7 @@ async def test_streams_survive_a_dropped_connection_and_a_gateway_kill_and_keys_
         kill(gateway, signal.SIGKILL)
         with pytest.raises(aiohttp.ClientError):
             await reader
-        await poll(lambda: restarted(cluster, gateway))
+        await poll(lambda: restarted(cluster, "gateway", gateway))
         await ready(port)
         rest, _ = await read(jobs[1], mine, 10**9, query=f"?resume={jobs[1].request_id}:0")
         assert rest == want[jobs[1].request_id]
@@ -260,8 +278,8 @@ async def busy(cluster: Cluster, request_id: str, at_least: int) -> bool | None:
     )
 
 
-async def restarted(cluster: Cluster, old_pid: int) -> bool | None:
-    child = cluster.supervisor.children["gateway"]
+async def restarted(cluster: Cluster, name: str, old_pid: int) -> bool | None:
+    child = cluster.supervisor.children[name]
     return True if child.pid not in (0, old_pid) else None
 
 
