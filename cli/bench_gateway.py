@@ -25,7 +25,7 @@ import aiohttp
 import msgspec
 import uvloop
 
-from belayer_rl.cli.bench_report import Report, emit
+from belayer_rl.cli.bench_report import Report, emit, percentiles
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster
 from belayer_rl.shared.access import api_key_path
 from belayer_rl.shared.client import Client
@@ -149,24 +149,19 @@ async def direct(client: Client, args: argparse.Namespace, round_: int) -> tuple
     return sum(t for t, _ in results), [f for _, f in results]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def report(rounds: dict[str, list[Round]], args: argparse.Namespace) -> Report:
     out: Report = {"preset": args.preset, "requests": args.requests, "max_tokens": args.max_tokens,
                    "rounds": args.rounds}  # fmt: skip
     for path, done in rounds.items():
         rates = [r.tokens / r.seconds for r in done]
-        firsts = [f for r in done for f in r.first_token_s]
+        first = percentiles([f for r in done for f in r.first_token_s])
         tokens = sum(r.tokens for r in done)
         out[path] = {
             "tokens": tokens,
             "tokens_per_s": round(statistics.median(rates), 1),
             "tokens_per_s_spread": [round(min(rates), 1), round(max(rates), 1)],
-            "first_token_p50_ms": round(1000 * percentile(firsts, 0.5), 1),
-            "first_token_p95_ms": round(1000 * percentile(firsts, 0.95), 1),
+            "first_token_p50_ms": first["p50_ms"],
+            "first_token_p95_ms": first["p95_ms"],
             "router_cpu_us_per_token": round(1e6 * sum(r.router_cpu_s for r in done) / tokens, 1),
         }
     gateway = rounds["gateway"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import uvloop
 
-from belayer_rl.cli.bench_report import Report, emit
+from belayer_rl.cli.bench_report import Report, emit, percentiles
 from belayer_rl.cli.bench_rollout import PROMPT, through_router
 from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_cluster, service_child
 from belayer_rl.services.worker.declaration import WORKER
@@ -56,16 +56,6 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return emit(uvloop.run(bench(args)), args.json, print_table)
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {
-        "p50_ms": round(1000 * statistics.median(ordered), 1),
-        "p95_ms": round(1000 * p95, 1),
-        "n": len(ordered),
-    }
 
 
 async def bench(args: argparse.Namespace) -> Report:

@@ -58,7 +58,6 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort
 ROUTER_ERRORS = {
     "no-workers": (503, "service_unavailable", "no_engine"),
     "unknown-request": (404, "invalid_request_error", "request_not_found"),
-    "duplicate-request": (409, "invalid_request_error", "duplicate_request"),
     "log-full": (503, "service_unavailable", "log_full"),
     "bad-request": (400, "invalid_request_error", "invalid_request"),
     "unknown-weight-version": (400, "invalid_request_error", "unknown_weight_version"),
