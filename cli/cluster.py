@@ -174,6 +174,7 @@ class UpDeployment:
         self.sandboxes = supervisor.sandboxes()
         self.gateway = c.gateway
         self.shm_prefix, self.creds_dir = supervisor.shm_prefix, supervisor.creds_dir
+        self.engine_kind = c.services.kind
 
     def settings(self, cls: type[ServiceConfig], role: str) -> dict[str, Any]:
         return passed_on(self.supervisor.config.services, cls) | self.supervisor.bus(role)

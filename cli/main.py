@@ -1,5 +1,5 @@
 """The `belayer` command: its global flags and its subcommands, each from a module of its own (up,
-status, events, calls, creds, demo, chaos, policy, rollout, train, bench, sandbox).
+status, events, calls, creds, demo, chaos, policy, rollout, train, bench, sandbox, model).
 
 Global flags (--state-dir, --nats) are accepted before or after the subcommand. Commands that only
 talk to the bus (status, events, generate, down, --version) never import torch."""
@@ -63,6 +63,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
         module.add_parser(commands)
 
     from belayer_rl.cli import bench, demo
+    from belayer_rl.cli import model as model_cli
     from belayer_rl.cli import policy as policy_cli
     from belayer_rl.cli import rollout as rollout_cli
     from belayer_rl.cli import train as train_cli
@@ -78,6 +79,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
     sandbox_cli.add_parser(commands)
     compose_file.add_parser(commands)
+    model_cli.add_parser(commands)
     return parser
 
 

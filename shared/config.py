@@ -394,12 +394,27 @@ class RouterConfig(ServiceConfig):
             raise ConfigError(f"--handover-grace must be >= 0, got {self.handover_grace_s}")
 
 
+def check_model_path(kind: str, model_path: Path | None) -> None:
+    """A vLLM engine serves a model folder; the built-in engine takes none."""
+    if kind == "vllm" and model_path is None:
+        raise ConfigError("--engine vllm needs --model-path (a Hugging Face model folder)")
+    if kind != "vllm" and model_path is not None:
+        raise ConfigError(f"--model-path is for --engine vllm; the {kind} engine takes --model and --weights")
+    if model_path is not None and not (model_path / "config.json").is_file():
+        raise ConfigError(f"--model-path {model_path} is not a model folder: it has no config.json")
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(ServiceConfig):
     engine_id: str = setting(help="engine this worker serves")
     # Which program serves the engine: one of the worker declaration's kinds (main() checks).
-    kind: str = setting("builtin", "the engine behind this worker: builtin (Belayer's own torch engine)")
+    kind: str = setting(
+        "builtin", "the engine behind this worker: builtin (Belayer's own torch engine) or vllm"
+    )
     preset: str = setting("tiny", "model size preset")
+    model_path: Path | None = setting(None, "vllm: a Hugging Face model folder (belayer model make-tiny)")
+    max_model_len: int = setting(1024, "vllm: the longest prompt plus generation, in tokens")
+    vllm_kv_cache_gib: int = setting(1, "vllm: its KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE)")
     weights_seed: int = setting(0, "seed of the random weights")
     weights_path: Path | None = setting(None, "weights file (overrides --weights-seed)", flag="--weights")
     num_blocks: int = setting(512, "KV arena size in blocks")
@@ -423,6 +438,9 @@ class WorkerConfig(ServiceConfig):
         positive("--heartbeat-interval", self.heartbeat_interval_s)
         if self.weights_path is not None and not self.weights_path.is_file():
             raise ConfigError(f"--weights {self.weights_path} is not a file")
+        check_model_path(self.kind, self.model_path)
+        positive("--max-model-len", self.max_model_len)
+        positive("--vllm-kv-cache-gib", self.vllm_kv_cache_gib)
         if self.role == "shadow" and (self.watch_pid <= 0 or self.watch_file is None):
             raise ConfigError("--role shadow needs --watch-pid and --watch-file")
         positive("--hang-timeout", self.hang_timeout_s)
@@ -434,6 +452,7 @@ class ShadowSupervisorConfig(ServiceConfig):
     state_dir: Path = setting(help="heartbeat files and worker logs")
     kind: str = same_as(WorkerConfig, "kind")
     preset: str = same_as(WorkerConfig, "preset")
+    model_path: Path | None = same_as(WorkerConfig, "model_path")
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
     num_blocks: int = same_as(WorkerConfig, "num_blocks")
     hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")
@@ -456,6 +475,7 @@ class ShadowSupervisorConfig(ServiceConfig):
         super().__post_init__()
         if not self.engines:
             raise ConfigError("--engines must name at least one engine")
+        check_model_path(self.kind, self.model_path)
         if self.nats_creds is not None and self.engine_creds is None:
             # Its own credential would not let the workers publish their engine's chunks.
             raise ConfigError(

@@ -107,6 +107,7 @@ class Deployment(Protocol):
     state_dir: Path  # the cluster's state: a service keeps its own under it
     engines: tuple[str, ...]
     shadows: bool  # workers run under the shadow supervisor, beside the weight and KV servers
+    engine_kind: str  # the engines' kind (WorkerConfig.kind): only "builtin" maps from those servers
     sandboxes: bool  # sandboxes wanted, and a Docker engine answered
     gateway: bool  # the HTTP gateway wanted (`belayer up --gateway`)
     standby_routers: int

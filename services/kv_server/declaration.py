@@ -9,7 +9,7 @@ from belayer_rl.shared.declaration import Compose, Deployment, Listen, Planned, 
 
 
 def up(cluster: Deployment) -> list[Planned]:
-    if not cluster.shadows:  # the workers keep their own caches
+    if not cluster.shadows or cluster.engine_kind != "builtin":  # the workers keep their own caches
         return []
     settings = cluster.settings(KvServerConfig, "kv-server") | {"shm_prefix": cluster.shm_prefix}
     return [Planned("kv-server", KvServerConfig(**settings))]

@@ -215,6 +215,9 @@ class ShadowSupervisor:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
         self.quarantining = asyncio.Lock()  # quarantines and unquarantines, one at a time
+        # Built-in workers map weights and KV arena from the servers, which a handover checks and
+        # flushes; a vLLM worker holds its own copies of both, so there is nothing to check.
+        self.maps_servers = config.kind == "builtin"
         config.state_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -234,11 +237,12 @@ class ShadowSupervisor:
             engine_id=slot.engine_id,
             kind=c.kind,
             preset=c.preset,
+            model_path=c.model_path,
             weights_seed=c.weights_seed,
             num_blocks=c.num_blocks,
             role="main" if role == "cold" else role,
             heartbeat_file=heartbeat_file,
-            shared_memory=role != "cold",
+            shared_memory=role != "cold" and self.maps_servers,
             follow_versions=role == "cold",  # a trainer's versions, once the weight server answers
             watch_pid=watch.pid if watch is not None else 0,
             watch_file=watch.heartbeat_file if watch is not None else None,
@@ -487,9 +491,10 @@ class ShadowSupervisor:
                 backoff_s = min(2.0 ** (slot.streak - bound), MAX_BACKOFF_S)
                 cold.append(("unstable", f"failed {slot.streak} times in a row; the last healthy engine"))
                 await self.alert_unstable(slot, backoff_s)
-        cold += await self.servers_unfit(shadow)
+        if self.maps_servers:
+            cold += await self.servers_unfit(shadow)
         phase("servers_checked")
-        if not cold:
+        if not cold and self.maps_servers:
             try:  # for the dead main's epoch: the KV server refuses it for any other
                 dead = await self.entry(slot.engine_id)
                 flush = KvFlush(engine_id=slot.engine_id, epoch=dead.epoch if dead is not None else 0)

@@ -20,7 +20,7 @@ from belayer_rl.shared.declaration import (
 
 
 def up(cluster: Deployment) -> list[Planned]:
-    if not cluster.shadows:  # the workers load their own weights
+    if not cluster.shadows or cluster.engine_kind != "builtin":  # the workers load their own weights
         return []
     settings = cluster.settings(WeightServerConfig, "weight-server") | {"shm_prefix": cluster.shm_prefix}
     return [Planned("weight-server", WeightServerConfig(**settings))]

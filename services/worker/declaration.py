@@ -70,13 +70,18 @@ WORKER = Service(
     # worker stuck waiting for a server must still go when its supervisor goes.
     signals_during_setup=False,
     up=up,
-    up_settings=("kind", "preset", "weights_seed", "num_blocks", "hang_timeout_s"),
+    up_settings=("kind", "preset", "model_path", "weights_seed", "num_blocks", "hang_timeout_s"),
     up_flags={"kind": "--engine", "preset": "--model"},
     kinds=(
         Kind(
             "builtin",
             "belayer_rl.services.worker.service:setup",
             "Belayer's own torch engine (paged KV cache)",
+        ),
+        Kind(
+            "vllm",
+            "belayer_rl.services.worker.vllm_service:setup",
+            "vLLM's engine, sampled by Belayer (a model folder, vLLM in its own virtualenv)",
         ),
     ),
 )

@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -81,6 +81,21 @@ class SeqEvent:
     new_tokens: list[int]
     new_logprobs: list[float]  # of each new token, as sample() drew it
     finished: FinishReason | None
+
+
+class ServingEngine(Protocol):
+    """What a worker drives (services/worker/worker.py): the built-in Engine, or the vLLM engine
+    (vllm_engine.py). Not thread-safe: submit, cancel and step run one at a time, between steps."""
+
+    weight_version: str  # what a spec without one runs on
+    weights: Mapping[str, object]  # the versions held
+    device: torch.device
+
+    def submit(self, spec: SeqSpec) -> None: ...
+    def cancel(self, key: Hashable) -> bool: ...
+    def step(self) -> list[SeqEvent]: ...
+    def has_work(self) -> bool: ...
+    def load(self) -> tuple[int, int, int]: ...
 
 
 class EngineRejected(ValueError):
@@ -204,44 +219,14 @@ class Engine:
         return mask
 
     def _validate(self, spec: SeqSpec) -> None:
-        mc = self.model_config
         if self._known(spec.key):
             raise EngineRejected(f"key {spec.key!r} is already queued or running")
         if spec.weight_version is not None and spec.weight_version not in self.weights:
             raise EngineRejected(
                 f"weight version {spec.weight_version} is not held; have {list(self.weights)}"
             )
-        if not spec.prompt_tokens:
-            raise EngineRejected("prompt_tokens is empty")
-        bad = [t for t in (*spec.prompt_tokens, *spec.prefix_tokens) if not 0 <= t < VOCAB_SIZE]
-        if bad:
-            raise EngineRejected(f"token ids outside [0, {VOCAB_SIZE}): {bad[:5]}")
-        bad = [t for t in spec.allowed_tokens if not 0 <= t < VOCAB_SIZE]
-        if bad:
-            raise EngineRejected(f"allowed_tokens outside [0, {VOCAB_SIZE}): {bad[:5]}")
-        if set(spec.allowed_tokens) == {EOS_TOKEN} and spec.min_new_tokens > len(spec.prefix_tokens):
-            raise EngineRejected(
-                "allowed_tokens holds only EOS, which min_tokens masks: nothing could be drawn"
-            )
-        if spec.max_new_tokens <= 0:
-            raise EngineRejected(f"max_new_tokens must be positive, got {spec.max_new_tokens}")
-        if len(spec.prefix_tokens) > spec.max_new_tokens:
-            raise EngineRejected(
-                f"prefix_tokens ({len(spec.prefix_tokens)}) exceed max_new_tokens ({spec.max_new_tokens})"
-            )
-        if EOS_TOKEN in spec.prefix_tokens[:-1]:
-            # An earlier attempt stops at its first EOS; tokens after one cannot be its output.
-            raise EngineRejected("prefix_tokens hold EOS before their last token")
-        if not spec.temperature >= 0:
-            raise EngineRejected(f"temperature must be >= 0, got {spec.temperature}")
-        if any(not s for s in spec.stop):
-            raise EngineRejected("stop strings must be non-empty")
+        check_spec(spec, VOCAB_SIZE, self.model_config.max_seq_len)
         total = len(spec.prompt_tokens) + spec.max_new_tokens
-        if total > mc.max_seq_len:
-            raise EngineRejected(
-                f"prompt ({len(spec.prompt_tokens)}) + max_new_tokens ({spec.max_new_tokens}) = "
-                f"{total} exceeds the model's max_seq_len {mc.max_seq_len}"
-            )
         if not self.blocks.fits_at_all(total):
             raise EngineRejected(
                 f"{total} tokens need {self.blocks.blocks_needed(total)} blocks, the whole arena "
@@ -375,18 +360,61 @@ class Engine:
 
     @staticmethod
     def _finish_reason(s: _Seq, n_new: int) -> FinishReason | None:
-        """Why `s` is finished after its last `n_new` generated tokens, if it is."""
-        if s.generated and s.generated[-1] == EOS_TOKEN:
-            return "eos"
-        if s.stops and n_new:
-            # A new match must end inside the new tokens' bytes (one byte per token at most).
-            longest = max(len(b) for b in s.stops)
-            window = bytes(s.text[-(longest + n_new - 1) :])
-            if any(b in window for b in s.stops):
-                return "stop"
-        if len(s.generated) >= s.spec.max_new_tokens:
-            return "length"
-        return None
+        return finish_reason(s.generated, s.text, s.stops, s.spec.max_new_tokens, n_new)
+
+
+# ---------------------------------------------------------------------------- rules of any engine
+
+
+def check_spec(spec: SeqSpec, vocab_size: int, max_seq_len: int) -> None:
+    """Raise EngineRejected if `spec` can never run on a model of `vocab_size` and `max_seq_len`."""
+    if not spec.prompt_tokens:
+        raise EngineRejected("prompt_tokens is empty")
+    bad = [t for t in (*spec.prompt_tokens, *spec.prefix_tokens) if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineRejected(f"token ids outside [0, {vocab_size}): {bad[:5]}")
+    bad = [t for t in spec.allowed_tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineRejected(f"allowed_tokens outside [0, {vocab_size}): {bad[:5]}")
+    if set(spec.allowed_tokens) == {EOS_TOKEN} and spec.min_new_tokens > len(spec.prefix_tokens):
+        raise EngineRejected("allowed_tokens holds only EOS, which min_tokens masks: nothing could be drawn")
+    if spec.max_new_tokens <= 0:
+        raise EngineRejected(f"max_new_tokens must be positive, got {spec.max_new_tokens}")
+    if len(spec.prefix_tokens) > spec.max_new_tokens:
+        raise EngineRejected(
+            f"prefix_tokens ({len(spec.prefix_tokens)}) exceed max_new_tokens ({spec.max_new_tokens})"
+        )
+    if EOS_TOKEN in spec.prefix_tokens[:-1]:
+        # An earlier attempt stops at its first EOS; tokens after one cannot be its output.
+        raise EngineRejected("prefix_tokens hold EOS before their last token")
+    if not spec.temperature >= 0:
+        raise EngineRejected(f"temperature must be >= 0, got {spec.temperature}")
+    if any(not s for s in spec.stop):
+        raise EngineRejected("stop strings must be non-empty")
+    total = len(spec.prompt_tokens) + spec.max_new_tokens
+    if total > max_seq_len:
+        raise EngineRejected(
+            f"prompt ({len(spec.prompt_tokens)}) + max_new_tokens ({spec.max_new_tokens}) = "
+            f"{total} exceeds the model's max_seq_len {max_seq_len}"
+        )
+
+
+def finish_reason(
+    generated: list[int], text: bytearray, stops: tuple[bytes, ...], max_new_tokens: int, n_new: int
+) -> FinishReason | None:
+    """Why a sequence is finished after its last `n_new` generated tokens, if it is. `text` is
+    the bytes of `generated`, `stops` the stop strings' bytes."""
+    if generated and generated[-1] == EOS_TOKEN:
+        return "eos"
+    if stops and n_new:
+        # A new match must end inside the new tokens' bytes (one byte per token at most).
+        longest = max(len(b) for b in stops)
+        window = bytes(text[-(longest + n_new - 1) :])
+        if any(b in window for b in stops):
+            return "stop"
+    if len(generated) >= max_new_tokens:
+        return "length"
+    return None
 
 
 # ---------------------------------------------------------------------------- benchmark

@@ -39,24 +39,26 @@ class Draw(NamedTuple):
     logprob: float
 
 
-def sample(logits_row: torch.Tensor, seed: int, position: int, temperature: float) -> Draw:
+def sample(
+    logits_row: torch.Tensor, seed: int, position: int, temperature: float, vocab_size: int = VOCAB_SIZE
+) -> Draw:
     """Pick the token for `position` from logits_row [vocab] (padded vocab allowed).
 
-    Ids >= VOCAB_SIZE are padding and never chosen. temperature 0 is argmax; otherwise the
+    Ids >= vocab_size are padding and never chosen. temperature 0 is argmax; otherwise the
     exponential race argmax(p_i / E_i), E_i ~ Exp(1), which draws from softmax(logits / T).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    logits = logits_row[:VOCAB_SIZE].float()  # [257]: padding ids dropped, not just masked
+    logits = logits_row[:vocab_size].float()  # [vocab]: padding ids dropped, not just masked
     if temperature == 0:
         token = int(torch.argmax(logits))
     else:
         gen = torch.Generator().manual_seed(draw_seed(seed, position))
-        noise = torch.empty(VOCAB_SIZE).exponential_(generator=gen)  # [257], E_i ~ Exp(1)
+        noise = torch.empty(vocab_size).exponential_(generator=gen)  # [vocab], E_i ~ Exp(1)
         # log p_i - log E_i, with log p_i = logits / T up to a constant.
         token = int(torch.argmax(logits / temperature - noise.log()))
     # In float64, where logits / T stays finite even for a tiny temperature; a value below the
     # floor (or NaN, from a temperature so small that it overflows even there) is the floor.
-    scaled = logits.double() / (temperature or 1.0)  # [257]
+    scaled = logits.double() / (temperature or 1.0)  # [vocab]
     logprob = float(torch.log_softmax(scaled, dim=0)[token])
     return Draw(token, logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR)

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 
 from belayer_rl.services.worker import shadow
 from belayer_rl.services.worker.declaration import WORKER
-from belayer_rl.services.worker.engine import Engine, EngineConfig
+from belayer_rl.services.worker.engine import Engine, EngineConfig, ServingEngine
 from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.services.worker.worker import Worker
 from belayer_rl.shared import bus, registry, segments
@@ -96,11 +96,25 @@ async def build_engine(config: WorkerConfig, nc: NATS) -> tuple[Engine, WorkerId
 
 
 async def setup(rt: Runtime, config: WorkerConfig) -> None:
+    """The built-in engine's worker (kind "builtin")."""
     # Until the engine is built SIGTERM keeps its default action (run() is told so): there is
     # nothing to drain, and a worker stuck waiting for a server must still go when its supervisor goes.
     nc = await rt.connect()
-    kv = await bus.engine_registry(nc.jetstream(), rt.subjects)
     engine, owners, pins = await build_engine(config, nc)
+    await serve(rt, config, nc, engine, owners, pins)
+
+
+async def serve(
+    rt: Runtime,
+    config: WorkerConfig,
+    nc: NATS,
+    engine: ServingEngine,
+    owners: WorkerIdle,
+    pins: PinnedWeights | None,
+) -> None:
+    """Serve a built engine of any kind: a shadow first stands by, then the worker installs its
+    epoch, listens and runs the engine."""
+    kv = await bus.engine_registry(nc.jetstream(), rt.subjects)
     if pins is not None:  # the shadow follows new versions too, so it holds no stale pin
         rt.on_close(pins.close)
         await rt.serve(*WORKER.endpoints(rt.subjects, config, weights_published=pins.follow))

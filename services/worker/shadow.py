@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from belayer_rl.services.worker.engine import Engine
+from belayer_rl.services.worker.engine import ServingEngine
 from belayer_rl.shared.config import WorkerConfig
 from belayer_rl.shared.protocol import (
     BadMessage,
@@ -136,11 +136,11 @@ async def stand_by(config: WorkerConfig, stopping: asyncio.Event, owners: Worker
         transport.close()
 
 
-def device_check(engine: Engine) -> tuple[bool, str]:
+def device_check(engine: ServingEngine) -> tuple[bool, str]:
     """A small real operation on the engine's device (a kernel on a GPU), checked exactly."""
     if (fault := os.environ.get(INJECT_DEVICE_FAULT_ENV)) and Path(fault).exists():
         return False, "injected device fault"
-    device = engine.cache.arena.device
+    device = engine.device
     try:
         x = torch.arange(1, 65, dtype=torch.float32, device=device).reshape(8, 8)
         total = float((x @ torch.ones(8, 1, device=device)).sum().item())

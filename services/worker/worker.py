@@ -1,4 +1,4 @@
-"""The rollout worker: one process serving one engine id with the built-in engine.
+"""The rollout worker: one process serving one engine id, with the built-in engine or vLLM.
 
 Owns: the engine (weights, KV arena, scheduler) and the attempts it is running.
 Listens: `belayer.<cluster>.worker.<engine>.dispatch` (Dispatch), `belayer.<cluster>.worker.<engine>.cancel`,
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from nats.aio.client import Client as NATS
 
-from belayer_rl.services.worker.engine import Engine, EngineRejected, SeqEvent, SeqSpec
+from belayer_rl.services.worker.engine import EngineRejected, SeqEvent, SeqSpec, ServingEngine
 from belayer_rl.services.worker.weights import PinnedWeights
 from belayer_rl.shared import bus, protocol
 from belayer_rl.shared.bus import ServiceError
@@ -106,7 +106,7 @@ class Worker:
         self,
         config: WorkerConfig,
         nc: NATS,
-        engine: Engine,
+        engine: ServingEngine,
         epoch: int,
         stopping: asyncio.Event,
         pins: PinnedWeights | None = None,  # None: the engine owns its one weight version
