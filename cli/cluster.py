@@ -158,7 +158,7 @@ def python_module(module: str, *args: str) -> list[str]:
 def service_child(planned: Planned, module: str) -> Child:
     """A service process started from its config; stopping it waits out its drain timeout."""
     config = planned.config
-    argv = python_module(module, *flags.to_argv(config))
+    argv = [str(planned.python or sys.executable), "-m", module, *flags.to_argv(config)]
     engine = planned.engine or None
     return Child(planned.name, argv, engine_id=engine, stop_grace_s=config.drain_timeout_s + STOP_MARGIN_S)
 

@@ -415,6 +415,11 @@ class WorkerConfig(ServiceConfig):
     model_path: Path | None = setting(None, "vllm: a Hugging Face model folder (belayer model make-tiny)")
     max_model_len: int = setting(1024, "vllm: the longest prompt plus generation, in tokens")
     vllm_kv_cache_gib: int = setting(1, "vllm: its KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    # Read by whoever starts the worker (belayer up, the shadow supervisor): vLLM and the trainer's
+    # packages often cannot share one environment (verl and vLLM pin different transformers).
+    engine_python: Path | None = setting(
+        None, "the Python that runs the engine's workers (default: this one), e.g. a vLLM virtualenv's"
+    )
     weights_seed: int = setting(0, "seed of the random weights")
     weights_path: Path | None = setting(None, "weights file (overrides --weights-seed)", flag="--weights")
     num_blocks: int = setting(512, "KV arena size in blocks")
@@ -453,6 +458,7 @@ class ShadowSupervisorConfig(ServiceConfig):
     kind: str = same_as(WorkerConfig, "kind")
     preset: str = same_as(WorkerConfig, "preset")
     model_path: Path | None = same_as(WorkerConfig, "model_path")
+    engine_python: Path | None = same_as(WorkerConfig, "engine_python")
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
     num_blocks: int = same_as(WorkerConfig, "num_blocks")
     hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")

@@ -126,6 +126,7 @@ class Planned:
     name: str
     config: ServiceConfig
     engine: str = ""  # the engine it is, for a bare worker: its exit fails that engine's requests
+    python: Path | None = None  # the interpreter that runs it; None: the one running `belayer up`
 
 
 @dataclass(frozen=True)

@@ -238,6 +238,7 @@ class ShadowSupervisor:
             kind=c.kind,
             preset=c.preset,
             model_path=c.model_path,
+            engine_python=c.engine_python,
             weights_seed=c.weights_seed,
             num_blocks=c.num_blocks,
             role="main" if role == "cold" else role,
@@ -250,7 +251,8 @@ class ShadowSupervisor:
         )
         if c.engine_creds is not None:  # the engine's own credential: its subjects only
             worker = dataclasses.replace(worker, nats_creds=c.engine_creds / f"engine-{slot.engine_id}.creds")
-        return [sys.executable, "-m", "belayer_rl.services.worker", *to_argv(worker)]
+        python = str(c.engine_python or sys.executable)
+        return [python, "-m", "belayer_rl.services.worker", *to_argv(worker)]
 
     async def start_worker(
         self, slot: EngineSlot, role: SlotRole, watch: WorkerProcess | None = None

@@ -26,12 +26,11 @@ def up(cluster: Deployment) -> list[Planned]:
     """A bare worker per engine, where no shadow supervisor runs them."""
     if cluster.shadows:
         return []
-    return [
-        Planned(
-            f"worker-{e}", WorkerConfig(**cluster.settings(WorkerConfig, f"engine-{e}") | {"engine_id": e}), e
-        )
-        for e in cluster.engines
-    ]
+    planned = []
+    for e in cluster.engines:
+        config = WorkerConfig(**cluster.settings(WorkerConfig, f"engine-{e}") | {"engine_id": e})
+        planned.append(Planned(f"worker-{e}", config, e, python=config.engine_python))
+    return planned
 
 
 WORKER = Service(
@@ -70,7 +69,15 @@ WORKER = Service(
     # worker stuck waiting for a server must still go when its supervisor goes.
     signals_during_setup=False,
     up=up,
-    up_settings=("kind", "preset", "model_path", "weights_seed", "num_blocks", "hang_timeout_s"),
+    up_settings=(
+        "kind",
+        "preset",
+        "model_path",
+        "engine_python",
+        "weights_seed",
+        "num_blocks",
+        "hang_timeout_s",
+    ),
     up_flags={"kind": "--engine", "preset": "--model"},
     kinds=(
         Kind(

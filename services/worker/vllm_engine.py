@@ -186,7 +186,10 @@ class VllmEngine:
             enable_prefix_caching=config.prefix_caching,
             disable_log_stats=True,
         )
-        self.llm = LLMEngine.from_engine_args(args)
+        try:
+            self.llm = LLMEngine.from_engine_args(args)
+        except Exception as exc:  # vLLM raises many kinds; the worker reports one
+            raise ModelFolderError(f"vLLM could not start on {config.model_path}: {exc}") from exc
         model_config = self.llm.vllm_config.model_config
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_seq_len: int = model_config.max_model_len
