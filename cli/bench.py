@@ -37,3 +37,6 @@ def add_parser(commands: argparse._SubParsersAction, with_kinds: bool = True) ->
     from belayer_rl.cli import bench_gateway
 
     bench_gateway.add_parser(kinds)
+    from belayer_rl.cli import bench_vllm_resume
+
+    bench_vllm_resume.add_parser(kinds)

@@ -31,7 +31,7 @@ from belayer_rl.cli.cluster import ClusterConfig, Supervisor, UpSettings, local_
 from belayer_rl.services.worker.declaration import WORKER
 from belayer_rl.shared import bus
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import WorkerConfig
+from belayer_rl.shared.config import ConfigError, WorkerConfig
 from belayer_rl.shared.declaration import Planned
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
@@ -50,6 +50,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     handover.add_argument("--requests", type=int, default=8, help="concurrent requests for tokens/s")
     handover.add_argument("--max-tokens", type=int, default=48, help="tokens per request for tokens/s")
     handover.add_argument("--rounds", type=int, default=3, help="alternated rounds with/without shadow")
+    handover.add_argument("--engine", choices=("builtin", "vllm"), default="builtin", help="the engine kind")
+    handover.add_argument(
+        "--model-path", type=Path, help="--engine vllm: the model folder (it replaces --presets)"
+    )
+    handover.add_argument("--engine-python", type=Path, help="--engine vllm: the Python of vLLM's virtualenv")
     handover.add_argument("--json", action="store_true", help="print one JSON object")
     handover.set_defaults(run=run)
 
@@ -59,12 +64,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def bench(args: argparse.Namespace) -> Report:
-    report: Report = {"host_cpus": os.cpu_count(), "presets": {}}
-    for preset in args.presets.split(","):
+    report: Report = {"host_cpus": os.cpu_count(), "engine": args.engine, "presets": {}}
+    vllm = args.engine == "vllm"
+    if vllm and args.model_path is None:
+        raise ConfigError("--engine vllm needs --model-path")
+    for preset in ["vllm"] if vllm else args.presets.split(","):
+        engine = (
+            {"kind": "vllm", "model_path": args.model_path, "engine_python": args.engine_python}
+            if vllm
+            else {}
+        )
         with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
             config = ClusterConfig(
                 state_dir=Path(state), engines=1, sandboxes=False,
-                services=UpSettings(preset=preset, failure_window_s=0.001),
+                services=UpSettings(preset="tiny" if vllm else preset, failure_window_s=0.001, **engine),
             )  # fmt: skip
             async with local_cluster(config) as supervisor:
                 async with await Client.connect(supervisor.target(), "bench") as client:
@@ -76,7 +89,7 @@ async def bench(args: argparse.Namespace) -> Report:
                         "first_resumed_token": await resumed_token(
                             client, engines_file, args.prompt_tokens, killed
                         ),
-                        "cold_restart": await cold_restarts(client, supervisor, preset, args.cold_starts),
+                        "cold_restart": await cold_restarts(client, supervisor, preset, args),
                         "shadow_cost": await shadow_cost(client, engines_file, args, killed),
                     }
         hand, cold = figures["handover"]["time_to_ready"], figures["cold_restart"]["time_to_ready"]
@@ -180,23 +193,34 @@ async def resumed_token(
     raise RuntimeError("no generation ran past the kill")
 
 
-async def cold_restarts(client: Client, supervisor: Supervisor, preset: str, n: int) -> Report:
-    """A worker from scratch for a spare engine id: spawn to registration, weights from a file.
+async def cold_restarts(
+    client: Client, supervisor: Supervisor, preset: str, args: argparse.Namespace
+) -> Report:
+    """A worker from scratch for a spare engine id: spawn to registration, weights from a file
+    (a vLLM worker: its model folder, loaded and warmed up as a shadow would be).
 
     The cluster's credentials name only its own engines, so the spare one connects as `admin`."""
+    n = args.cold_starts
     watch = Watch()
     await watch.start(client)
     times = []
     with tempfile.TemporaryDirectory(prefix="belayer-weights-") as folder:
         weights = Path(folder) / f"{preset}.pt"
-        await asyncio.to_thread(save_params, init_params(PRESETS[preset], 0), weights)
+        if args.engine == "builtin":
+            await asyncio.to_thread(save_params, init_params(PRESETS[preset], 0), weights)
         for i in range(n):
-            config = WorkerConfig(
-                **supervisor.bus("admin"), engine_id=f"cold{i}", preset=preset, weights_path=weights
-            )
+            if args.engine == "vllm":
+                config = WorkerConfig(
+                    **supervisor.bus("admin"), engine_id=f"cold{i}", kind="vllm", model_path=args.model_path,
+                    engine_python=args.engine_python,
+                )  # fmt: skip
+            else:
+                config = WorkerConfig(
+                    **supervisor.bus("admin"), engine_id=f"cold{i}", preset=preset, weights_path=weights
+                )
             started = time.time()
             process = await asyncio.create_subprocess_exec(
-                *service_child(Planned(f"cold{i}", config), WORKER.module).argv,
+                *service_child(Planned(f"cold{i}", config, python=config.engine_python), WORKER.module).argv,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
             )
