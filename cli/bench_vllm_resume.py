@@ -91,20 +91,20 @@ def bench(args: argparse.Namespace) -> Report:
             cut = {job.key: rng.randrange(1, args.max_tokens) for job in jobs}
             resumed_specs = [
                 SeqSpec(
-                    key=(job.key[0], 2),
+                    key=(f"t{round_}-{i}", 2),
                     prompt_tokens=job.prompt_tokens,
                     prefix_tokens=twins[job.key][0][: cut[job.key]],
-                    max_new_tokens=job.max_tokens,
+                    max_new_tokens=job.max_new_tokens,
                     seed=job.seed,
                     temperature=temperature,
                     min_new_tokens=job.min_new_tokens,
                 )
-                for job in jobs
+                for i, job in enumerate(jobs)
             ]
             resumed = run_all(resumed_specs)
-            for job in jobs:
+            for job, again in zip(jobs, resumed_specs, strict=True):
                 twin_tokens, twin_logprobs = twins[job.key]
-                got_tokens, got_logprobs = resumed[(job.key[0], 2)]
+                got_tokens, got_logprobs = resumed[again.key]
                 twins_all.append((job.prompt_tokens, twin_tokens))
                 resumes += 1
                 if got_tokens == twin_tokens:

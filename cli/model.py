@@ -70,10 +70,9 @@ def make_tiny(folder: Path, seed: int = 0, layers: int = 2, max_len: int = 1024)
         bos_token_id=EOS_TOKEN,
         pad_token_id=EOS_TOKEN,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32: torch's default dtype
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)

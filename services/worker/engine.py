@@ -88,8 +88,10 @@ class ServingEngine(Protocol):
     (vllm_engine.py). Not thread-safe: submit, cancel and step run one at a time, between steps."""
 
     weight_version: str  # what a spec without one runs on
-    weights: Mapping[str, object]  # the versions held
     device: torch.device
+
+    @property
+    def weights(self) -> Mapping[str, object]: ...  # the versions held, by name
 
     def submit(self, spec: SeqSpec) -> None: ...
     def cancel(self, key: Hashable) -> bool: ...
