@@ -45,7 +45,7 @@ from belayer_rl.services.router import token_log
 from belayer_rl.services.router.lease import lease_holder
 from belayer_rl.shared import bus, protocol, registry, tokenizer
 from belayer_rl.shared.client import Client
-from belayer_rl.shared.config import RouterConfig
+from belayer_rl.shared.config import ConfigError, RouterConfig
 from belayer_rl.shared.metrics import Metrics, RouterMetrics
 from belayer_rl.shared.processes import cpu_seconds
 from belayer_rl.shared.protocol import (
@@ -82,6 +82,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     rollout.add_argument(
         "--lease-ttl", type=float, default=RouterConfig.lease_ttl_s, help="the router lease's TTL (s)"
     )
+    rollout.add_argument("--engine", choices=("builtin", "vllm"), default="builtin", help="the engine kind")
+    rollout.add_argument(
+        "--model-path", type=Path, help="--engine vllm: the model folder (it replaces --presets)"
+    )
+    rollout.add_argument("--engine-python", type=Path, help="--engine vllm: the Python of vLLM's virtualenv")
     rollout.add_argument("--json", action="store_true", help="print one JSON object")
     rollout.set_defaults(run=run)
 
@@ -91,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def bench(args: argparse.Namespace) -> Report:
-    report: Report = {"host_cpus": os.cpu_count(), "presets": {}}
-    for n, preset in enumerate(args.presets.split(",")):
+    report: Report = {"host_cpus": os.cpu_count(), "engine": args.engine, "presets": {}}
+    if args.engine == "vllm" and args.model_path is None:
+        raise ConfigError("--engine vllm needs --model-path")
+    for n, preset in enumerate(["vllm"] if args.engine == "vllm" else args.presets.split(",")):
         # A warm standby router, as the production shape has it: a router kill is a failover.
         async with bench_cluster(args, preset, standby_routers=1) as (supervisor, client):
             report["presets"][preset] = {
@@ -125,6 +132,10 @@ async def bench_cluster(
     args: argparse.Namespace, preset: str, *, standby_routers: int
 ) -> AsyncIterator[tuple[Supervisor, Client]]:
     """Two engines with workers started directly (no shadows): the router's own recovery."""
+    engine: dict[str, object] = {}
+    if args.engine == "vllm":
+        engine = {"kind": "vllm", "model_path": args.model_path, "engine_python": args.engine_python}
+        preset = "tiny"  # the built-in engine's preset: unused by vLLM workers
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as state:
         config = ClusterConfig(
             state_dir=Path(state),
@@ -132,7 +143,9 @@ async def bench_cluster(
             shadows=False,
             sandboxes=False,
             standby_routers=standby_routers,
-            services=UpSettings(preset=preset, chunk_tokens=args.chunk_tokens, lease_ttl_s=args.lease_ttl),
+            services=UpSettings(
+                preset=preset, chunk_tokens=args.chunk_tokens, lease_ttl_s=args.lease_ttl, **engine
+            ),
         )
         async with local_cluster(config) as supervisor:
             client = await Client.connect(supervisor.target(), "bench")

@@ -1,5 +1,6 @@
 """`belayer model make-tiny DIR`: a Hugging Face model folder made on this machine, for the vLLM
 engine kind (`belayer up --engine vllm --model-path DIR`) and its tests. Nothing comes from a hub.
+`belayer model publish DIR`: new weights for the running vLLM engines.
 
 The folder holds:
 - a Llama config with a head size of 64 (vLLM's CPU attention refuses smaller heads);
@@ -14,6 +15,7 @@ The folder holds:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from belayer_rl.shared.tokenizer import EOS_TOKEN, VOCAB_SIZE
@@ -85,6 +87,38 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_publish(args: argparse.Namespace) -> int:
+    """Tell the vLLM engines (main and shadow workers, and the shadow supervisor for the workers it
+    starts later) to load the folder's weights as a new version."""
+    import uvloop
+
+    from belayer_rl.cli.target import resolve_target
+    from belayer_rl.services.worker.model_folder import ModelFolderError, check_model_folder, folder_version
+    from belayer_rl.shared import bus
+    from belayer_rl.shared.protocol import ModelPublished
+
+    folder = args.folder.resolve()
+    try:
+        check_model_folder(folder)
+    except ModelFolderError as exc:
+        print(f"belayer model publish: {exc}", file=sys.stderr)
+        return 2
+    published = ModelPublished(version=folder_version(folder), path=str(folder))
+    target = resolve_target(args)
+
+    async def publish() -> None:
+        nc = await target.connect("belayer-model")
+        try:
+            await bus.publish(nc, target.subjects.event("model_published", published.version), published)
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    uvloop.run(publish())
+    print(f"published weight version {published.version} ({folder})")
+    return 0
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     model = commands.add_parser("model", help="make a local model folder for the vLLM engine")
     kinds = model.add_subparsers(dest="model_command", required=True)
@@ -93,3 +127,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--layers", type=int, default=2, help="decoder layers")
     tiny.set_defaults(run=run_make_tiny)
+    publish = kinds.add_parser("publish", help="new weights for the running vLLM engines, replaced in place")
+    publish.add_argument("folder", type=Path, help="a model folder on the engines' host")
+    publish.set_defaults(run=run_publish)

@@ -1194,6 +1194,15 @@ class Reschedule(Message, tag="reschedule", frozen=True, kw_only=True):
     cause: str
 
 
+class ModelPublished(Message, tag="model_published", frozen=True, kw_only=True):
+    """Event `belayer.<cluster>.evt.model_published.<version>`: a model folder of new weights for the
+    vLLM engines (`belayer model publish`). `path` is on the engines' host; `version` names the
+    folder's weights (the SHA-256 of its safetensors files, as the workers compute it)."""
+
+    version: WeightVersion
+    path: Annotated[str, Meta(min_length=2, max_length=4096, pattern=r"^/")]
+
+
 EVENT_TYPES: dict[str, type[Message]] = {
     "heartbeat": Heartbeat,
     "worker_registered": WorkerRegistration,
@@ -1208,6 +1217,7 @@ EVENT_TYPES: dict[str, type[Message]] = {
     "record_skipped": RecordSkipped,
     "trajectory_ended": TrajectoryEnded,
     "weights_published": WeightsPublished,
+    "model_published": ModelPublished,
     "checkpoint_ready": CheckpointReady,
     "env_failure": EnvFailure,
     "sandbox_restored": SandboxRestored,
@@ -1245,6 +1255,7 @@ AnyEvent = (
     | EngineUnstable
     | RecordSkipped
     | WeightsPublished
+    | ModelPublished
     | CheckpointReady
     | EnvFailure
     | SandboxRestored

@@ -153,6 +153,7 @@ def role_table(services: Sequence[Service], s: Subjects) -> dict[str, Role]:
                 s.weights_list,
                 s.weights_handles,
                 s.weights_publish,
+                s.event("model_published", "*"),  # `belayer model publish`: new weights for vLLM engines
                 s.engine_unquarantine("*"),  # `belayer engines unquarantine`: the operator's call
                 # every service's stats (`belayer status`): a name, or a family's tokens
                 f"{r}.svc.*.stats",

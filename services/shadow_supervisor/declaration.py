@@ -20,6 +20,7 @@ from belayer_rl.shared.declaration import (
     event,
     kv_put,
     kv_stream,
+    on_event,
 )
 
 
@@ -52,6 +53,7 @@ SHADOW_SUPERVISOR = Service(
             p.EngineRestarted,
             with_subject=True,
         ),
+        "model_published": on_event("model_published"),  # vllm: later workers start from it
     },
     publishes=(
         lambda s, x: s.kv_flush(x.engine),
@@ -61,6 +63,7 @@ SHADOW_SUPERVISOR = Service(
         event("engine_quarantined", lambda x: x.engine),
         event("engine_unstable", lambda x: x.engine),
         event("record_skipped"),
+        event("model_published"),  # said again to a worker that started while it was published
         event("process", lambda x: f"worker-{x.engine}-main"),  # its workers' starts and exits
         event("process", lambda x: f"worker-{x.engine}-shadow"),
         lambda s, x: kv_put(s.engine_registry_bucket, x.engine),  # quarantines the engine it runs, no other

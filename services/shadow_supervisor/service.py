@@ -27,7 +27,11 @@ async def setup(rt: Runtime, config: ShadowSupervisorConfig) -> None:
     await supervisor.start()
     await rt.serve(
         *SHADOW_SUPERVISOR.endpoints(
-            rt.subjects, config, restart=supervisor.on_restart, unquarantine=supervisor.on_unquarantine
+            rt.subjects,
+            config,
+            restart=supervisor.on_restart,
+            unquarantine=supervisor.on_unquarantine,
+            model_published=supervisor.on_model_published,
         )
     )
     rt.ready(f"engines {', '.join(config.engines)}, each with a main and a shadow")

@@ -66,6 +66,7 @@ from belayer_rl.shared.protocol import (
     KvFlush,
     KvServerAlive,
     MainFailed,
+    ModelPublished,
     PoisonedRecord,
     ProcessEvent,
     PromoteShadow,
@@ -218,6 +219,10 @@ class ShadowSupervisor:
         # Built-in workers map weights and KV arena from the servers, which a handover checks and
         # flushes; a vLLM worker holds its own copies of both, so there is nothing to check.
         self.maps_servers = config.kind == "builtin"
+        # vllm: the newest published model folder, which every worker started from now on loads
+        # (a running one replaces its weights in place; services/worker/vllm_service.py).
+        self.model_path = config.model_path
+        self.newest_model: ModelPublished | None = None  # the last publication, told again (below)
         config.state_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -237,7 +242,7 @@ class ShadowSupervisor:
             engine_id=slot.engine_id,
             kind=c.kind,
             preset=c.preset,
-            model_path=c.model_path,
+            model_path=self.model_path,
             engine_python=c.engine_python,
             weights_seed=c.weights_seed,
             num_blocks=c.num_blocks,
@@ -259,6 +264,7 @@ class ShadowSupervisor:
     ) -> WorkerProcess:
         """Start a worker; return once it serves (main, cold) or idles ready to take over (shadow)."""
         slot.generation += 1
+        started_from = self.model_path
         heartbeat_file = self.config.state_dir / f"{slot.engine_id}.{slot.generation}.heartbeat"
         log_path = self.config.state_dir / f"worker-{slot.engine_id}.log"
         with log_path.open("ab") as err:
@@ -286,6 +292,11 @@ class ShadowSupervisor:
         except (StartFailed, TimeoutError):
             await worker.kill_confirmed(self.config.death_timeout_s)
             raise
+        if self.newest_model is not None and self.model_path != started_from:
+            # Published while it started, perhaps before it listened: said again now that it does
+            # (a worker that holds the version already lets it pass).
+            subject = self.subjects.event("model_published", self.newest_model.version)
+            await bus.publish(self.nc, subject, self.newest_model)
         return worker
 
     async def start(self) -> None:
@@ -390,6 +401,14 @@ class ShadowSupervisor:
                 if not waiter.done():
                     waiter.set_result(None)
             slot.restart_waiters = []
+
+    async def on_model_published(self, published: ModelPublished) -> None:
+        if self.config.kind == "vllm":
+            log.info(
+                "workers started from now on load weight version %s (%s)", published.version, published.path
+            )
+            self.model_path = Path(published.path)
+            self.newest_model = published
 
     async def on_restart(self, request: EngineRestart, subject: str) -> EngineRestarted:
         """Restart the engine the subject names by the cold path; answer once its new worker

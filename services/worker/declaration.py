@@ -46,6 +46,7 @@ WORKER = Service(
         "adopt": Listen(lambda s, x: s.worker_adopt(x.engine), p.AdoptRequest, p.AdoptReply),
         "router_started": on_event("router_started"),  # a new router incarnation: fence the older ones
         "weights_published": on_event("weights_published"),  # follow the newest version
+        "model_published": on_event("model_published"),  # vllm: new weights, replaced in place
     },
     publishes=(
         lambda s, x: s.worker_stream(x.engine),

