@@ -36,7 +36,7 @@ from belayer_rl.shared.declaration import Planned
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.processes import cpu_seconds
-from belayer_rl.shared.protocol import Handover, TokenChunk, WorkerRegistration
+from belayer_rl.shared.protocol import Handover, ModelPublished, TokenChunk, WorkerRegistration
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -55,6 +55,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
         "--model-path", type=Path, help="--engine vllm: the model folder (it replaces --presets)"
     )
     handover.add_argument("--engine-python", type=Path, help="--engine vllm: the Python of vLLM's virtualenv")
+    handover.add_argument("--weight-updates", type=int, default=5, help="--engine vllm: versions published")
     handover.add_argument("--json", action="store_true", help="print one JSON object")
     handover.set_defaults(run=run)
 
@@ -92,8 +93,13 @@ async def bench(args: argparse.Namespace) -> Report:
                         "cold_restart": await cold_restarts(client, supervisor, preset, args),
                         "shadow_cost": await shadow_cost(client, engines_file, args, killed),
                     }
+                    if vllm:
+                        figures["weight_update"] = await weight_updates(client, args.weight_updates)
         hand, cold = figures["handover"]["time_to_ready"], figures["cold_restart"]["time_to_ready"]
         figures["ratio_cold_vs_handover_p50"] = round(cold["p50_ms"] / hand["p50_ms"], 1)
+        if vllm:
+            update = figures["weight_update"]["publish_to_first_token"]
+            figures["ratio_cold_vs_weight_update_p50"] = round(cold["p50_ms"] / update["p50_ms"], 1)
         report["presets"][preset] = figures
     return report
 
@@ -233,6 +239,31 @@ async def cold_restarts(
             process.terminate()
             await process.wait()
     return {"time_to_ready": percentiles(times)}
+
+
+async def weight_updates(client: Client, n: int) -> Report:
+    """vLLM: `n` new versions published (each a new folder of seeded weights), each timed from the
+    publication to the first token of a request on it, the weights replaced in place (main and
+    shadow load each from the folder). The time includes the worker's next heartbeat (0.2 s
+    apart), which tells the router that the engine holds the version."""
+    from belayer_rl.cli.model import make_tiny
+    from belayer_rl.services.worker.model_folder import folder_version
+
+    times = []
+    with tempfile.TemporaryDirectory(prefix="belayer-versions-") as folder:
+        for i in range(n):
+            new = await asyncio.to_thread(make_tiny, Path(folder) / f"v{i}", 100 + i)
+            version = folder_version(new)
+            published_at = time.time()
+            event = ModelPublished(version=version, path=str(new))
+            await bus.publish(client.nc, client.subjects.event("model_published", version), event)
+            while not [e for e in (await client.status()).engines if e.weight_version == version]:  # noqa: ASYNC110 - the router's state
+                await asyncio.sleep(0.01)  # the worker reports the newest it holds in its heartbeat
+            async for item in client.generate(PROMPT, max_tokens=4, weight_version=version):
+                if isinstance(item, TokenChunk):
+                    times.append(time.time() - published_at)
+                    break
+    return {"publish_to_first_token": percentiles(times)}
 
 
 def memory_kb(pid: int) -> dict[str, int]:

@@ -307,7 +307,7 @@ def test_a_new_engine_is_a_kind_of_the_worker_with_no_other_edit(tmp_path: Path)
 
     assert worker.setup_of(WorkerConfig(engine_id="e0", kind="probe")) == probe.setup
     assert WORKER.setup_of(WorkerConfig(engine_id="e0")) == WORKER.setup
-    with pytest.raises(ConfigError, match=r"worker comes in builtin$"):
+    with pytest.raises(ConfigError, match=r"worker comes in builtin, vllm$"):
         WORKER.setup_of(WorkerConfig(engine_id="e0", kind="probe"))
     with pytest.raises(TypeError, match="first kind is its setup"):
         dataclasses.replace(WORKER, kinds=(probe, *WORKER.kinds))

@@ -137,6 +137,10 @@ SAMPLES: dict[str, tuple[str, protocol.Message]] = {
         "v2",
         protocol.WeightsPublished(version="v2", segment="belayer.w.v2", size=4096, previous="v1"),
     ),
+    "model_published": (
+        "hf-0123456789abcdef",
+        protocol.ModelPublished(version="hf-0123456789abcdef", path="/models/step-1"),
+    ),
     "checkpoint_ready": (
         "t1",
         protocol.CheckpointReady(
