@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -36,7 +37,13 @@ from belayer_rl.shared.declaration import Planned
 from belayer_rl.shared.params import init_params, save_params
 from belayer_rl.shared.presets import PRESETS
 from belayer_rl.shared.processes import cpu_seconds
-from belayer_rl.shared.protocol import Handover, ModelPublished, TokenChunk, WorkerRegistration
+from belayer_rl.shared.protocol import (
+    Handover,
+    ModelPublished,
+    RequestResumed,
+    TokenChunk,
+    WorkerRegistration,
+)
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -175,23 +182,33 @@ async def kills(client: Client, engines_file: Path, n: int, killed: set[int]) ->
 async def resumed_token(
     client: Client, engines_file: Path, prompt_tokens: int, killed: set[int]
 ) -> dict[str, float]:
-    """Kill the main mid-decode of a request with a prompt of `prompt_tokens`; time to its next token."""
+    """Kill the main mid-decode of a request with a prompt of `prompt_tokens`; time to its next
+    token from the resumed attempt. Tokens the main published before it died can still arrive
+    after the kill: only those after the router's `request_resumed` event count."""
     prompt = (PROMPT * (prompt_tokens // len(PROMPT) + 1))[:prompt_tokens]
+    resumed_at: dict[str, float] = {}
+
+    async def on_resumed(event: RequestResumed) -> None:
+        resumed_at.setdefault(event.request_id, time.time())
+
+    await bus.listen(client.nc, client.subjects.event("request_resumed", "*"), RequestResumed, on_resumed)
     for seed in range(100):  # random weights end some generations early: retry until one runs on
         pids = await engine_pids(engines_file, killed)
         await asyncio.sleep(0.3)
         arrivals: list[float] = []
         killed_at = 0.0
+        request_id = ""
         async for item in client.generate(prompt, max_tokens=128, seed=seed, temperature=0.8):
             if not isinstance(item, TokenChunk):
                 break
+            request_id = item.request_id
             arrivals.append(time.time())
             if not killed_at and item.position + len(item.tokens) >= 4:
                 killed_at = time.time()
                 os.kill(pids["main"], signal.SIGKILL)
                 killed.add(pids["main"])
-        after = [t for t in arrivals if t > killed_at]
-        if killed_at and after:
+        after = [t for t in arrivals if killed_at and t > resumed_at.get(request_id, math.inf)]
+        if after:
             return {
                 "prompt_tokens": prompt_tokens,
                 "kill_to_next_token_ms": round(1000 * (after[0] - killed_at), 1),
@@ -247,7 +264,7 @@ async def weight_updates(client: Client, n: int) -> Report:
     shadow load each from the folder). The time includes the worker's next heartbeat (0.2 s
     apart), which tells the router that the engine holds the version."""
     from belayer_rl.cli.model import make_tiny
-    from belayer_rl.services.worker.model_folder import folder_version
+    from belayer_rl.shared.model_folder import folder_version
 
     times = []
     with tempfile.TemporaryDirectory(prefix="belayer-versions-") as folder:

@@ -93,8 +93,8 @@ def run_publish(args: argparse.Namespace) -> int:
     import uvloop
 
     from belayer_rl.cli.target import resolve_target
-    from belayer_rl.services.worker.model_folder import ModelFolderError, check_model_folder, folder_version
     from belayer_rl.shared import bus
+    from belayer_rl.shared.model_folder import ModelFolderError, check_model_folder, folder_version
     from belayer_rl.shared.protocol import ModelPublished
 
     folder = args.folder.resolve()

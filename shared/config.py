@@ -459,6 +459,8 @@ class ShadowSupervisorConfig(ServiceConfig):
     preset: str = same_as(WorkerConfig, "preset")
     model_path: Path | None = same_as(WorkerConfig, "model_path")
     engine_python: Path | None = same_as(WorkerConfig, "engine_python")
+    max_model_len: int = same_as(WorkerConfig, "max_model_len")
+    vllm_kv_cache_gib: int = same_as(WorkerConfig, "vllm_kv_cache_gib")
     weights_seed: int = same_as(WorkerConfig, "weights_seed")
     num_blocks: int = same_as(WorkerConfig, "num_blocks")
     hang_timeout_s: float = same_as(WorkerConfig, "hang_timeout_s")

@@ -52,6 +52,7 @@ from nats.js.kv import KeyValue
 from belayer_rl.shared import bus, files, registry
 from belayer_rl.shared.config import ShadowSupervisorConfig, WorkerConfig, to_argv
 from belayer_rl.shared.metrics import ColdReason, Metrics, SupervisorMetrics
+from belayer_rl.shared.model_folder import ModelFolderError, check_same_model
 from belayer_rl.shared.processes import STOP_GRACE_S, dies_with_parent, kill_process
 from belayer_rl.shared.protocol import (
     BadMessage,
@@ -243,6 +244,8 @@ class ShadowSupervisor:
             kind=c.kind,
             preset=c.preset,
             model_path=self.model_path,
+            max_model_len=c.max_model_len,
+            vllm_kv_cache_gib=c.vllm_kv_cache_gib,
             engine_python=c.engine_python,
             weights_seed=c.weights_seed,
             num_blocks=c.num_blocks,
@@ -403,12 +406,17 @@ class ShadowSupervisor:
             slot.restart_waiters = []
 
     async def on_model_published(self, published: ModelPublished) -> None:
-        if self.config.kind == "vllm":
-            log.info(
-                "workers started from now on load weight version %s (%s)", published.version, published.path
-            )
-            self.model_path = Path(published.path)
-            self.newest_model = published
+        if self.config.kind != "vllm" or self.model_path is None:
+            return
+        folder = Path(published.path)
+        try:  # a folder the workers refuse must not become what every later worker starts from
+            await asyncio.to_thread(check_same_model, self.model_path, folder)
+        except (OSError, ModelFolderError) as exc:
+            log.error("weight version %s not adopted for later workers: %s", published.version, exc)
+            return
+        log.info("workers started from now on load weight version %s (%s)", published.version, folder)
+        self.model_path = folder
+        self.newest_model = published
 
     async def on_restart(self, request: EngineRestart, subject: str) -> EngineRestarted:
         """Restart the engine the subject names by the cold path; answer once its new worker

@@ -75,6 +75,8 @@ WORKER = Service(
         "preset",
         "model_path",
         "engine_python",
+        "max_model_len",
+        "vllm_kv_cache_gib",
         "weights_seed",
         "num_blocks",
         "hang_timeout_s",

@@ -112,7 +112,7 @@ async def serve(
     engine: ServingEngine,
     owners: WorkerIdle,
     pins: PinnedWeights | None,
-    before_serving: Callable[[], Awaitable[None]] | None = None,
+    on_worker: Callable[[Worker], Awaitable[None]] | None = None,
 ) -> None:
     """Serve a built engine of any kind: a shadow first stands by, then the worker installs its
     epoch, listens and runs the engine."""
@@ -135,13 +135,13 @@ async def serve(
             shadow.report_unhealthy(why)
             rt.stopping.set()
             return
-    if before_serving is not None:
-        await before_serving()
     epoch, replaced = await registry.install_worker(kv, config.engine_id, os.getpid())
     if replaced is not None:  # an entry that did not decode: overwritten under a safe epoch
         await rt.record_skipped(replaced)
     metrics = WorkerMetrics(rt.metrics, config.engine_id)
     worker = Worker(config, nc, engine, epoch, rt.stopping, pins, metrics)
+    if on_worker is not None:  # before it serves: from here on only the worker steps the engine
+        await on_worker(worker)
     await rt.serve(
         *WORKER.endpoints(
             rt.subjects,

@@ -47,8 +47,8 @@ from belayer_rl.services.worker.engine import (
     check_spec,
     finish_reason,
 )
-from belayer_rl.services.worker.model_folder import ModelFolderError, check_model_folder, folder_version
 from belayer_rl.services.worker.sampling import sample
+from belayer_rl.shared.model_folder import ModelFolderError, check_model_folder, folder_version
 from belayer_rl.shared.tokenizer import EOS_TOKEN, decode_bytes
 
 SAMPLING_ARG = "belayer"  # the key of Belayer's sampling in SamplingParams.extra_args
@@ -165,7 +165,7 @@ class VllmEngine:
 
     def __init__(self, config: VllmEngineConfig) -> None:
         check_model_folder(config.model_path)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)  # the setting wins
         self.config = config
         args = EngineArgs(
             model=str(config.model_path),

@@ -7,8 +7,9 @@ of its own, so an engine's main and its idle shadow each hold a copy of the weig
 ready, so a promoted shadow's first request pays no warm-up.
 
 New weights arrive as `model_published` events (`belayer model publish DIR`): main and shadow both
-read the folder and hand it to their engine, which replaces its weights in place once no request of
-the old version runs. A shadow standing by loads each version at once, so a promotion serves the
+check the folder against the served model's tensors, read it and stage it in their engine, which
+replaces its weights in place once no request of the old version runs. A shadow standing by stages
+each version too: promoted, it finishes the requests of the version it took over, then loads the
 newest.
 """
 
@@ -29,6 +30,7 @@ from belayer_rl.shared.runtime import Runtime
 
 if TYPE_CHECKING:
     from belayer_rl.services.worker.vllm_engine import VllmEngine
+    from belayer_rl.services.worker.worker import Worker
 
 log = logging.getLogger("belayer.worker.vllm")
 
@@ -42,33 +44,47 @@ def check_vllm_installed() -> None:
 
 
 class Follower:
-    """Takes each published version to the engine: straight in while the engine stands by (a
-    shadow: nothing else touches it), through `offer` once a worker steps it."""
+    """Takes each published version to the engine. While the engine stands by (a shadow: nothing
+    else touches it) the version is staged at once; the loaded one stays, so that a request of it
+    resumed here after a promotion still runs on its own weights. Once a worker steps the engine,
+    through `offer`, and the worker is woken to stage it."""
 
-    def __init__(self, engine: VllmEngine) -> None:
+    def __init__(self, engine: VllmEngine, serving_folder: Path) -> None:
         self.engine = engine
-        self.standing_by = True
-        self.lock = asyncio.Lock()  # a stand-by load finishes before the worker starts stepping
+        self.serving_folder = serving_folder  # a folder of the loaded model: the shapes to match
+        self.worker: Worker | None = None
+        self.lock = asyncio.Lock()  # a stand-by stage finishes before the worker starts stepping
 
     async def on_published(self, published: ModelPublished) -> None:
-        from belayer_rl.services.worker.model_folder import load_folder_weights
+        from belayer_rl.shared.model_folder import (
+            ModelFolderError,
+            check_same_model,
+            load_folder_weights,
+        )
 
-        if published.version in self.engine.weights or published.version in self.engine.replaced:
+        if published.version in self.engine.replaced:
+            log.warning("weight version %s was replaced here already: not loaded again", published.version)
             return
+        if published.version in self.engine.weights:
+            return
+        folder = Path(published.path)
         try:
-            tensors = await asyncio.to_thread(load_folder_weights, Path(published.path))
-        except (OSError, ValueError) as exc:
-            log.error("weight version %s not loaded from %s: %s", published.version, published.path, exc)
+            await asyncio.to_thread(check_same_model, self.serving_folder, folder)
+            tensors = await asyncio.to_thread(load_folder_weights, folder)
+        except (OSError, ModelFolderError) as exc:
+            log.error("weight version %s not loaded from %s: %s", published.version, folder, exc)
             return
         async with self.lock:
-            self.engine.offer(published.version, tensors)
-            if self.standing_by:  # applied now: nothing runs, and nothing else steps the engine
-                await asyncio.to_thread(self.engine.step)
-        log.info("weight version %s offered to the engine (%s)", published.version, published.path)
+            if self.worker is None:
+                self.engine.stage(published.version, tensors)
+            else:
+                self.engine.offer(published.version, tensors)
+                await self.worker.wake_up()
+        log.info("weight version %s staged (%s)", published.version, folder)
 
-    async def serving(self) -> None:
+    async def serving(self, worker: Worker) -> None:
         async with self.lock:
-            self.standing_by = False
+            self.worker = worker
 
 
 async def setup(rt: Runtime, config: WorkerConfig) -> None:
@@ -84,6 +100,6 @@ async def setup(rt: Runtime, config: WorkerConfig) -> None:
     )
     engine = await asyncio.to_thread(VllmEngine, engine_config)
     await asyncio.to_thread(engine.warm_up)
-    follower = Follower(engine)
+    follower = Follower(engine, config.model_path)
     await rt.serve(*WORKER.endpoints(rt.subjects, config, model_published=follower.on_published))
-    await serve(rt, config, nc, engine, WorkerIdle(), pins=None, before_serving=follower.serving)
+    await serve(rt, config, nc, engine, WorkerIdle(), pins=None, on_worker=follower.serving)

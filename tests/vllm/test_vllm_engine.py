@@ -179,7 +179,7 @@ async def test_a_published_version_is_loaded_in_place_and_no_request_mixes_versi
     requests after get the new one once they are done, and each request's logprobs are those
     `transformers` computes under its own version's weights. The idle shadow loads the version too:
     after a SIGKILL of the main, the promoted shadow serves it."""
-    from belayer_rl.services.worker.model_folder import folder_version
+    from belayer_rl.shared.model_folder import folder_version
 
     new_folder = make_tiny(tmp_path / "tiny-step-1", seed=1)
     old, new = folder_version(model_folder), folder_version(new_folder)

@@ -46,3 +46,29 @@ def load_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     for path in sorted(folder.glob("*.safetensors")):
         tensors |= load_file(path)
     return tensors
+
+
+def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor in the folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():
+                shapes[name] = tuple(weights.get_slice(name).get_shape())
+    return shapes
+
+
+def check_same_model(serving: Path, new: Path) -> None:
+    """Refuse new weights that are not the served model's tensors: an in-place reload of other
+    names or shapes would fail half way, or leave some tensors of the old version."""
+    check_model_folder(new)
+    have, offered = tensor_shapes(serving), tensor_shapes(new)
+    if have != offered:
+        missing = sorted(set(have) - set(offered))[:3]
+        other = sorted(n for n in set(have) & set(offered) if have[n] != offered[n])[:3]
+        extra = sorted(set(offered) - set(have))[:3]
+        raise ModelFolderError(
+            f"{new} is not the served model's weights: missing {missing}, other shapes {other}, extra {extra}"
+        )
