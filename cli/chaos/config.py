@@ -41,6 +41,9 @@ class ChaosConfig:
     nats_restarts: int = setting(5, "most nats-server restarts in the campaign")
     dockerd_restarts: int = setting(5, "most restarts of the campaign's own dockerd")
     min_completion: float = setting(0.95, "share of generations and of trajectories that must complete")
+    engine: str = setting("builtin", "the engines' kind: builtin, or vllm (with --model-path)")
+    model_path: Path | None = setting(None, "vllm: the model folder the engines serve")
+    engine_python: Path | None = setting(None, "vllm: the Python of vLLM's virtualenv")
     debug_accept_stale: bool = setting(
         False, "DEBUG: the router accepts stale attempts; the oracle must then report violations"
     )
@@ -48,6 +51,7 @@ class ChaosConfig:
 
     def __post_init__(self) -> None:
         positive("--interval", self.interval_s)
+        flags.check_model_path(self.engine, self.model_path)
         unknown = sorted(set(self.kinds) - set(FAULT_KINDS))
         if unknown or not self.kinds:
             raise flags.ConfigError(f"--kinds: unknown {unknown}; choose from {', '.join(FAULT_KINDS)}")
