@@ -1200,7 +1200,7 @@ class ModelPublished(Message, tag="model_published", frozen=True, kw_only=True):
     folder's weights (the SHA-256 of its safetensors files, as the workers compute it)."""
 
     version: WeightVersion
-    path: Annotated[str, Meta(min_length=2, max_length=4096, pattern=r"^/")]
+    path: Annotated[str, Meta(min_length=2, max_length=4096, pattern=r"^/[^\x00]*\Z")]  # absolute
 
 
 EVENT_TYPES: dict[str, type[Message]] = {
